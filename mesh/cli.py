@@ -1,0 +1,175 @@
+"""The `infermesh` command: up, chat, model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+
+
+def _cmd_up(a: argparse.Namespace) -> int:
+    from mesh.launcher import MeshConfig, run
+
+    try:
+        config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
+                            discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region)
+    except ValueError as exc:
+        print(f"infermesh up: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(run(config))
+
+
+def _sse_lines(url: str, body: dict[str, object], headers: dict[str, str]) -> Iterator[dict[str, object]]:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=600) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def _chat_body(a: argparse.Namespace) -> dict[str, object]:
+    messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
+        {"role": "user", "content": a.prompt}]
+    body: dict[str, object] = {"model": a.model, "messages": messages, "stream": True,
+                               "max_tokens": a.max_tokens, "temperature": a.temperature}
+    if a.seed is not None:
+        body["seed"] = a.seed
+    return body
+
+
+def _print_chunk(chunk: dict[str, object]) -> dict[str, object] | None:
+    if "error" in chunk:
+        raise RuntimeError(str(chunk["error"]))
+    for choice in chunk.get("choices", []):  # type: ignore[attr-defined]
+        text = choice.get("delta", {}).get("content") or ""
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    meta = chunk.get("infermesh")
+    return meta if isinstance(meta, dict) else None
+
+
+def _cmd_chat(a: argparse.Namespace) -> int:
+    import os
+    import urllib.error
+
+    headers = {}
+    key = a.api_key or os.environ.get("INFERMESH_API_KEY") or ""
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    body = _chat_body(a)
+    meta: dict[str, object] | None = None
+    try:
+        if a.http3:
+            meta = asyncio.run(_chat_http3(a, body, headers))
+        else:
+            for chunk in _sse_lines(f"{a.url.rstrip('/')}/v1/chat/completions", body, headers):
+                meta = _print_chunk(chunk) or meta
+    except urllib.error.HTTPError as err:
+        print(f"\ninfermesh chat: HTTP {err.code}: {err.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError) as err:
+        print(f"\ninfermesh chat: {err}", file=sys.stderr)
+        return 1
+    print()
+    if meta and a.verbose:
+        print(f"[{json.dumps(meta)}]", file=sys.stderr)
+    return 0
+
+
+async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: dict[str, str]
+                      ) -> dict[str, object] | None:
+    from urllib.parse import urlsplit
+
+    from mesh.h3client import H3Client
+
+    url = urlsplit(a.http3_url)
+    meta = None
+    async with H3Client(url.hostname or "127.0.0.1", url.port or 8443, verify=False) as client:
+        async with client.stream("POST", "/v1/chat/completions", {"content-type": "application/json", **headers},
+                                 json.dumps(body).encode()) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.read()).decode(errors='replace')}")
+            buffer = b""
+            async for data in response.chunks():
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    line = event.decode().strip()
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        meta = _print_chunk(json.loads(line[6:])) or meta
+    return meta
+
+
+def _cmd_model(a: argparse.Namespace) -> int:
+    from mesh import model_store
+
+    try:
+        if a.action == "pull":
+            print(model_store.pull(a.name))
+        elif a.action == "path":
+            print(model_store.path(a.name))
+        elif a.action == "register":
+            print(model_store.register(a.name, a.folder))
+        else:
+            for entry in model_store.list_models():
+                print(f"{entry['name']:<20} {'present' if entry['present'] else 'absent':<8} {entry['path']}")
+    except model_store.ModelError as exc:
+        print(f"infermesh model: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infermesh", description="LLM serving as a mesh of gRPC services")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole mesh on this machine until SIGINT/SIGTERM")
+    up.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
+    up.add_argument("--model", action="append", help="model NAME (default: the default model)")
+    up.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    up.add_argument("--discovery", choices=("static", "consul"), default="static")
+    up.add_argument("--host", default="127.0.0.1", help="edge bind address (non-loopback needs API keys)")
+    up.add_argument("--port-offset", type=int, default=0, help="add this to every port")
+    up.add_argument("--region", default="local")
+    up.set_defaults(func=_cmd_up)
+
+    chat = sub.add_parser("chat", help="stream one answer from a running mesh")
+    chat.add_argument("prompt")
+    chat.add_argument("--model", default="default")
+    chat.add_argument("--system", default="")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--http3", action="store_true", help="use HTTP/3 (QUIC) instead of HTTP/1.1")
+    chat.add_argument("--http3-url", default="https://127.0.0.1:8443")
+    chat.add_argument("--api-key", default="", help="default: $INFERMESH_API_KEY")
+    chat.add_argument("-v", "--verbose", action="store_true", help="print which replica served the answer")
+    chat.set_defaults(func=_cmd_chat)
+
+    model = sub.add_parser("model", help="fetch, convert and locate models")
+    msub = model.add_subparsers(dest="action", required=True)
+    for action, text in (("pull", "fetch and convert a model once"), ("path", "print a model's folder")):
+        m = msub.add_parser(action, help=text)
+        m.add_argument("name")
+    reg = msub.add_parser("register", help="register a local Hugging Face Llama-family folder")
+    reg.add_argument("name")
+    reg.add_argument("folder")
+    msub.add_parser("list", help="known models")
+    model.set_defaults(func=_cmd_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Clients of the mesh for users and for the services themselves.
+
+`RouterClient` speaks gRPC to the router and yields plain dataclasses, so the edge and the
+CLI never touch protobuf.  The HTTP/3 client lives in mesh/h3client.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from mesh.chat import Message
+from mesh.grpcutil import channel, check_health
+from mesh.telemetry import outgoing_metadata
+from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc, tokenizer_pb2
+
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """What to generate, as the edge understood the client's request."""
+
+    model: str
+    sampling: Sampling
+    messages: tuple[Message, ...] = ()     # chat; or
+    prompt: str | None = None              # a raw completion prompt
+    session_id: str = ""
+    pinned_replica: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ServedBy:
+    replica: str
+    model: str
+    model_version: str
+    region: str
+    degraded: bool
+    confidence: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {"replica": self.replica, "model_version": self.model_version, "region": self.region,
+                "degraded": self.degraded, "confidence": round(self.confidence, 4)}
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    served_by: ServedBy | None = None
+    ids: tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    version: str
+    replicas: int
+    max_context: int
+
+
+def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
+    s = spec.sampling
+    sampling = common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+    if s.seed is not None:
+        sampling.seed = s.seed
+    req = router_pb2.RouterGenerateRequest(
+        request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
+        pinned_replica=spec.pinned_replica)
+    if spec.prompt is not None:
+        req.prompt = spec.prompt
+    else:
+        req.chat.messages.extend(
+            tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in spec.messages)
+    return req
+
+
+class RouterClient:
+    def __init__(self, address: str = "127.0.0.1:50051"):
+        self.address = address
+        self._channel = channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def healthy(self) -> bool:
+        return await check_health(self.address)
+
+    async def generate(self, spec: GenerateSpec, timeout: float | None = None,
+                       extra_metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Delta]:
+        """Stream text deltas; raises grpc.aio.AioRpcError with the router's status on failure."""
+        call = self._stub.Generate(_to_pb(spec), timeout=timeout,
+                                   metadata=outgoing_metadata(tuple(extra_metadata)))
+        try:
+            async for r in call:
+                served = None
+                if r.HasField("served_by"):
+                    b = r.served_by
+                    served = ServedBy(b.replica, b.model, b.model_version, b.region, b.degraded, b.confidence)
+                yield Delta(
+                    text=r.text,
+                    finish_reason=FINISH_NAMES.get(r.finish_reason),
+                    prompt_tokens=r.usage.prompt_tokens,
+                    completion_tokens=r.usage.completion_tokens,
+                    served_by=served,
+                    ids=tuple(r.ids),
+                )
+        finally:
+            call.cancel()
+
+    async def models(self, timeout: float = 5.0) -> list[ModelCard]:
+        reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)
+        return [ModelCard(m.name, m.version, m.replicas, m.max_context) for m in reply.models]
+
+
+__all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "RouterClient", "Sampling", "ServedBy", "grpc"]

@@ -1,0 +1,57 @@
+"""API keys: stored as SHA-256 digests, compared in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+from pathlib import Path
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def load_keys(env: dict[str, str] | None = None) -> tuple[bytes, ...]:
+    """Digests of the keys in INFERMESH_API_KEYS (comma-separated) and INFERMESH_API_KEYS_FILE
+    (one key per line, # comments).  The plain keys are not kept."""
+    env = dict(os.environ) if env is None else env
+    keys = [k.strip() for k in env.get("INFERMESH_API_KEYS", "").split(",")]
+    path = env.get("INFERMESH_API_KEYS_FILE")
+    if path:
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            keys.append(line)
+    return tuple(sorted({digest(k) for k in keys if k}))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ApiKeys:
+    def __init__(self, digests: tuple[bytes, ...]):
+        self.digests = digests
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.digests)
+
+    def check(self, authorization: str) -> bool:
+        """True for `Bearer <a configured key>`; every digest is compared, in constant time."""
+        if not self.enabled:
+            return True
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return False
+        probe = digest(key.strip())
+        ok = False
+        for d in self.digests:
+            ok |= hmac.compare_digest(probe, d)
+        return ok

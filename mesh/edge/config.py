@@ -1,0 +1,34 @@
+"""EdgeConfig: ports, limits and keys of the HTTP/1.1 + HTTP/3 edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.edge.auth import is_loopback
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    replica_id: str = "edge-0"
+    host: str = "127.0.0.1"
+    http_port: int = 8000                  # HTTP/1.1 on TCP
+    http3_port: int = 8443                 # HTTP/3 on UDP; 0 disables it
+    router: str = "127.0.0.1:50051"
+    cert_dir: str = ""                     # where the self-signed certificate lives
+    api_key_digests: tuple[bytes, ...] = ()
+    max_body_bytes: int = 1 << 20          # larger bodies get 413
+    request_timeout_s: float = 600.0       # deadline passed to the router
+
+    def __post_init__(self) -> None:
+        if not is_loopback(self.host) and not self.api_key_digests:
+            raise ValueError(
+                f"--host {self.host} is not a loopback address: configure API keys first "
+                "(INFERMESH_API_KEYS or INFERMESH_API_KEYS_FILE)")
+        for name in ("http_port", "http3_port"):
+            port = getattr(self, name)
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name} {port} is out of range")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")

@@ -1,0 +1,362 @@
+"""HTTP/3 front door: runs an ASGI 3 app (http scope only) on aioquic's QUIC server.
+
+Each request stream becomes one ASGI task. Response DATA is transmitted as soon as the
+app sends it, because the edge streams tokens over SSE and any buffering here shows up
+directly as inter-token latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import fcntl
+import functools
+import ipaddress
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import unquote
+
+from aioquic.asyncio import QuicConnectionProtocol, serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
+from aioquic.tls import SessionTicket
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Connection-specific headers are forbidden in HTTP/3 (RFC 9114 4.2); peers treat them
+# as a malformed message, so drop them rather than let an HTTP/1.1-minded app break H3.
+_HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
+
+
+def _error_body(status: int, message: str, kind: str) -> bytes:
+    # OpenAI-style error envelope, matching what the HTTP/1.1 edge returns.
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+_ERROR_500 = _error_body(500, "internal error", "server_error")
+_ERROR_400 = _error_body(400, "bad request", "invalid_request_error")
+
+
+class SessionTicketStore:
+    """In-memory TLS session tickets so returning clients can resume (and later use 0-RTT).
+
+    Tickets are popped on use: single use is what keeps 0-RTT replay windows small.
+    """
+
+    def __init__(self, max_tickets: int = 10_000) -> None:
+        self._tickets: dict[bytes, SessionTicket] = {}
+        self._max = max_tickets
+
+    def add(self, ticket: SessionTicket) -> None:
+        # Every handshake issues a ticket; cap the store so a busy edge can't grow without
+        # bound. dicts keep insertion order, so the first key is the oldest ticket.
+        while len(self._tickets) >= self._max:
+            self._tickets.pop(next(iter(self._tickets)))
+        self._tickets[ticket.ticket] = ticket
+
+    def pop(self, label: bytes) -> SessionTicket | None:
+        return self._tickets.pop(label, None)
+
+
+class _RequestStream:
+    """One HTTP/3 request stream bridged to one ASGI app invocation."""
+
+    def __init__(self, proto: _H3ServerProtocol, stream_id: int, scope: Scope) -> None:
+        self._proto = proto
+        self.stream_id = stream_id
+        self.scope = scope
+        # None is a wake-up sentinel pushed on disconnect.
+        self._body: asyncio.Queue[tuple[bytes, bool] | None] = asyncio.Queue()
+        self._body_done = False
+        self._disconnected = False
+        self._started = False
+        self._done = False
+        self._finished = asyncio.Event()  # response complete or peer gone
+
+    def feed_body(self, data: bytes, end: bool) -> None:
+        self._body.put_nowait((data, not end))
+
+    def disconnect(self) -> None:
+        if not self._disconnected:
+            self._disconnected = True
+            self._body.put_nowait(None)
+            self._finished.set()
+
+    async def receive(self) -> Message:
+        if not self._disconnected and not self._body_done:
+            item = await self._body.get()
+            if item is not None:
+                data, more = item
+                self._body_done = not more
+                return {"type": "http.request", "body": data, "more_body": more}
+        # Body fully read: apps (e.g. SSE) park here to learn that the client went away.
+        await self._finished.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if self._disconnected or self._done:
+            return  # client gone or response over: ASGI apps may keep sending; drop it
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self._started:
+                raise RuntimeError("http.response.start sent twice")
+            headers = [(b":status", str(message["status"]).encode())]
+            headers += [
+                (bytes(k).lower(), bytes(v))
+                for k, v in message.get("headers", [])
+                if bytes(k).lower() not in _HOP_BY_HOP
+            ]
+            self._started = True
+            self._write(lambda h3: h3.send_headers(self.stream_id, headers))
+        elif kind == "http.response.body":
+            if not self._started:
+                raise RuntimeError("http.response.body sent before http.response.start")
+            body = bytes(message.get("body", b""))
+            more = bool(message.get("more_body", False))
+            if body or not more:
+                self._write(lambda h3: h3.send_data(self.stream_id, body, end_stream=not more))
+            if not more:
+                self._done = True
+                self._finished.set()
+
+    def _write(self, op: Callable[[H3Connection], None]) -> None:
+        h3 = self._proto.h3
+        try:
+            assert h3 is not None
+            op(h3)
+        except Exception:
+            # STOP_SENDING/reset raced us: the stream is gone, which is a disconnect.
+            log.debug("h3 stream %d: write failed, treating as disconnect", self.stream_id, exc_info=True)
+            self.disconnect()
+            return
+        # Flush now rather than at the next received datagram: one SSE chunk per token.
+        self._proto.transmit()
+
+    async def run(self, app: ASGIApp) -> None:
+        try:
+            await app(self.scope, self.receive, self.send)
+            if not self._done and not self._disconnected:
+                log.error("ASGI app returned without completing the response (%s)", self.scope["path"])
+                self._abort()
+        except Exception:
+            log.exception("ASGI app failed on %s %s", self.scope["method"], self.scope["path"])
+            self._abort()
+        finally:
+            self._finished.set()
+            self._proto.request_done(self.stream_id)
+
+    def _abort(self) -> None:
+        if self._disconnected:
+            return
+        if not self._started:
+            self.respond(500, _ERROR_500)
+        else:
+            # Headers already went out; the only honest signal left is a stream reset.
+            self._proto.reset_stream(self.stream_id)
+        self._done = True
+
+    def respond(self, status: int, body: bytes) -> None:
+        headers = [(b":status", str(status).encode()), (b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        self._started = True
+        self._write(lambda h3: h3.send_headers(self.stream_id, headers))
+        self._write(lambda h3: h3.send_data(self.stream_id, body, end_stream=True))
+
+
+class _H3ServerProtocol(QuicConnectionProtocol):
+    """One QUIC connection: demultiplexes HTTP/3 request streams into ASGI tasks."""
+
+    def __init__(self, *args: Any, app: ASGIApp, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._app = app
+        self.h3: H3Connection | None = None
+        self._requests: dict[int, _RequestStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # strong refs: the loop only keeps weak ones
+        self._peer: tuple[str, int] | None = None
+        self._local: tuple[str, int] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        sockname = transport.get_extra_info("sockname")
+        self._local = (sockname[0], sockname[1]) if sockname else None
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        # The server hands us the sender address per datagram; keeping the latest one
+        # follows connection migration without reaching into QuicConnection internals.
+        self._peer = (addr[0], addr[1])
+        super().datagram_received(data, addr)
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
+            self.h3 = H3Connection(self._quic)
+        elif isinstance(event, ConnectionTerminated):
+            for req in list(self._requests.values()):
+                req.disconnect()
+        elif isinstance(event, StreamReset | StopSendingReceived):
+            reset = self._requests.get(event.stream_id)
+            if reset is not None:
+                reset.disconnect()
+        if self.h3 is not None:
+            for h3_event in self.h3.handle_event(event):
+                self._h3_event_received(h3_event)
+
+    def _h3_event_received(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            req = self._requests.get(event.stream_id)
+            if req is not None:  # trailers: not exposed to ASGI, but they may end the body
+                if event.stream_ended:
+                    req.feed_body(b"", end=True)
+                return
+            self._start_request(event)
+        elif isinstance(event, DataReceived):
+            req = self._requests.get(event.stream_id)
+            if req is not None:
+                req.feed_body(event.data, end=event.stream_ended)
+
+    def _start_request(self, event: HeadersReceived) -> None:
+        scope = self._build_scope(event.headers)
+        req = _RequestStream(self, event.stream_id, scope or {"method": "", "path": ""})
+        if scope is None:
+            req.respond(400, _ERROR_400)
+            return
+        if event.stream_ended:
+            req.feed_body(b"", end=True)
+        self._requests[event.stream_id] = req
+        task = asyncio.get_running_loop().create_task(req.run(self._app))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _build_scope(self, raw: list[tuple[bytes, bytes]]) -> Scope | None:
+        pseudo: dict[bytes, bytes] = {}
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in raw:
+            if name.startswith(b":"):
+                pseudo[name] = value
+            else:
+                headers.append((name.lower(), value))
+        method, target = pseudo.get(b":method"), pseudo.get(b":path")
+        if not method or not target:
+            return None
+        raw_path, _, query = target.partition(b"?")
+        try:
+            path = unquote(raw_path.decode("ascii"))
+            method_str = method.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        # ASGI apps (and OpenAI SDK clients) expect Host; HTTP/3 carries it as :authority.
+        authority = pseudo.get(b":authority")
+        if authority and not any(n == b"host" for n, _ in headers):
+            headers.insert(0, (b"host", authority))
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "3",
+            "method": method_str,
+            "scheme": "https",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self._peer,
+            "server": self._local,
+            "extensions": {},
+        }
+
+    def reset_stream(self, stream_id: int) -> None:
+        self._quic.reset_stream(stream_id, ErrorCode.H3_INTERNAL_ERROR)
+        self.transmit()
+
+    def request_done(self, stream_id: int) -> None:
+        self._requests.pop(stream_id, None)
+
+
+async def serve_http3(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    certfile: str,
+    keyfile: str,
+    *,
+    ticket_store: SessionTicketStore | None = None,
+) -> QuicServer:
+    """Listen for HTTP/3 on UDP host:port; the returned server's `.close()` stops it."""
+    config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+    config.load_cert_chain(certfile, keyfile)
+    store = ticket_store if ticket_store is not None else SessionTicketStore()
+    return await serve(
+        host,
+        port,
+        configuration=config,
+        create_protocol=functools.partial(_H3ServerProtocol, app=app),
+        session_ticket_fetcher=store.pop,
+        session_ticket_handler=store.add,
+    )
+
+
+def ensure_self_signed_cert(directory: str) -> tuple[str, str]:
+    """Create (once) a self-signed localhost cert/key in `directory`; return their paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    os.makedirs(directory, exist_ok=True)
+    certfile, keyfile = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    # Several services may start at once; the lock stops them writing mismatched pairs.
+    with open(os.path.join(directory, ".cert.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(certfile) and os.path.exists(keyfile):
+            return certfile, keyfile
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+        now = datetime.datetime.now(datetime.UTC)
+        san = x509.SubjectAlternativeName([
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.IPAddress(ipaddress.ip_address("::1")),
+        ])
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))  # tolerate clock skew
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(san, critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        _write_atomic(keyfile, key_pem, 0o600)
+        _write_atomic(certfile, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return certfile, keyfile
+
+
+def _write_atomic(path: str, data: bytes, mode: int) -> None:
+    # Create with the final mode (never briefly world-readable), then rename into place.
+    tmp = f"{path}.tmp{os.getpid()}"
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)  # umask may have stripped bits from os.open's mode
+    os.replace(tmp, path)

@@ -1,0 +1,153 @@
+"""gRPC plumbing every service shares: error mapping, health, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from mesh.errors import MeshError
+
+log = logging.getLogger(__name__)
+
+# A 1,500-token prefix of KV blocks must fit in one message; 64 MiB leaves room.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _abort_args(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, MeshError):
+        return exc.code, exc.message
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def rpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """Map exceptions raised by an RPC handler to precise status codes.
+
+    Works for unary handlers and for server-streaming async generators. A MeshError keeps
+    its code and message; anything else is logged with its traceback and becomes INTERNAL,
+    so one bad request never takes the process down.
+    """
+    if inspect.isasyncgenfunction(handler):
+
+        @functools.wraps(handler)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, MeshError):
+                    log.exception("%s failed", handler.__name__)
+                await context.abort(*_abort_args(exc))
+
+        return stream
+
+    @functools.wraps(handler)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, MeshError):
+                log.exception("%s failed", handler.__name__)
+            await context.abort(*_abort_args(exc))
+
+    return unary
+
+
+class Service:
+    """A grpc.aio server with the standard health service and a clean stop.
+
+    `ready()` flips health to SERVING; `stop()` flips it to NOT_SERVING first so
+    routers stop sending new work, then lets in-flight RPCs finish within `grace`.
+    """
+
+    def __init__(self, name: str, host: str, port: int):
+        self.name = name
+        self.address = f"{host}:{port}"
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        bound = self.server.add_insecure_port(self.address)
+        if bound == 0:
+            raise OSError(f"{name}: cannot listen on {self.address} (port in use?)")
+        self.port = bound
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def ready(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(self.name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def run_until_signalled(
+    service: Service, on_stop: Callable[[], Awaitable[None]] | None = None, grace: float = 5.0
+) -> None:
+    """Serve until SIGINT or SIGTERM, then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(service.server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("%s stopping", service.name)
+    await service.stop(grace)
+    if on_stop is not None:
+        await on_stop()
+    waiter.cancel()
+    stopper.cancel()
+
+
+async def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
+    """True when the server at `address` reports SERVING."""
+    try:
+        async with channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.aio.AioRpcError:
+        return False
+
+
+def setup_logging(service: str, replica_id: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s {replica_id} %(name)s: %(message)s",
+    )

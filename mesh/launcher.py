@@ -1,0 +1,206 @@
+"""`infermesh up`: start every service as its own process, wait until the mesh is ready,
+relay their logs with a service prefix, and stop them all, in order, on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from mesh.grpcutil import check_health
+
+log = logging.getLogger("launcher")
+
+ROUTER_PORT, TOKENIZER_PORT, CACHE_PORT, ENGINE_BASE_PORT = 50051, 50052, 50053, 50060
+HTTP_PORT, HTTP3_PORT = 8000, 8443
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    engines: int = 1
+    models: tuple[str, ...] = ("default",)
+    dtype: str = "auto"
+    discovery: str = "static"
+    host: str = "127.0.0.1"
+    port_offset: int = 0               # shifts every port, so two meshes can share a machine
+    region: str = "local"
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("--engines must be at least 1")
+        if self.discovery not in ("static", "consul"):
+            raise ValueError(f"--discovery {self.discovery!r} is not static or consul")
+        if self.discovery == "consul":
+            raise ValueError("--discovery consul is not available yet; use static (the default)")
+        if not self.models:
+            raise ValueError("at least one --model is needed")
+        if not 0 <= self.port_offset < 10_000:
+            raise ValueError("--port-offset must be between 0 and 9999")
+
+    def port(self, base: int) -> int:
+        return base + self.port_offset
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    health: str                        # gRPC address, or an http:// URL for the edge
+    proc: asyncio.subprocess.Process | None = None
+    relay: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+def _die_with_parent() -> None:
+    # If the launcher is killed outright, its children must not linger holding ports.
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def plan(config: MeshConfig) -> list[list[Child]]:
+    """Start order, as stages: each stage's children start together once the one before is ready."""
+    py = [sys.executable, "-m"]
+    models = [a for m in config.models for a in ("--model", m)]
+    tokenizer = f"127.0.0.1:{config.port(TOKENIZER_PORT)}"
+    cache = f"127.0.0.1:{config.port(CACHE_PORT)}"
+    threads = max(1, (os.cpu_count() or 1) // config.engines)
+    engines = []
+    for i in range(config.engines):
+        rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
+        engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
+                                   "--model", config.models[0], "--dtype", config.dtype, "--region",
+                                   config.region, "--threads", str(threads)], f"127.0.0.1:{port}"))
+    router_port = config.port(ROUTER_PORT)
+    router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),
+                                "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,
+                                *(a for e in engines for a in ("--engine", f"{e.name}={e.health}"))],
+                   f"127.0.0.1:{router_port}")
+    http_port = config.port(HTTP_PORT)
+    edge = Child("edge-0", [*py, "mesh.edge", "--replica-id", "edge-0", "--host", config.host,
+                            "--http-port", str(http_port), "--http3-port", str(config.port(HTTP3_PORT)),
+                            "--router", router.health],
+                 f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")
+                 else f"http://{config.host}:{http_port}/health")
+    return [
+        [Child("cache-0", [*py, "services.cache", "--replica-id", "cache-0", "--port",
+                           str(config.port(CACHE_PORT))], cache),
+         Child("tokenizer-0", [*py, "services.tokenizer", "--replica-id", "tokenizer-0", "--port",
+                               str(config.port(TOKENIZER_PORT)), *models], tokenizer),
+         *engines],
+        [router],
+        [edge],
+    ]
+
+
+async def _relay_logs(child: Child) -> None:
+    assert child.proc is not None and child.proc.stdout is not None
+    prefix = f"[{child.name}] ".encode()
+    async for line in child.proc.stdout:
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+
+
+async def _start(child: Child) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    child.proc = await asyncio.create_subprocess_exec(
+        *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        start_new_session=True, preexec_fn=_die_with_parent)
+    child.relay = asyncio.create_task(_relay_logs(child))
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+async def _wait_ready(child: Child, deadline: float) -> None:
+    assert child.proc is not None
+    while time.monotonic() < deadline:
+        if child.proc.returncode is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} before it was ready")
+        if child.health.startswith("http://"):
+            ok = await asyncio.to_thread(_http_ok, child.health)
+        else:
+            ok = await check_health(child.health)
+        if ok:
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{child.name} was not ready within the timeout")
+
+
+async def _stop(child: Child, grace: float = 10.0) -> None:
+    proc = child.proc
+    if proc is None or proc.returncode is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), grace)
+    except TimeoutError:
+        log.warning("%s did not stop within %.0fs; killing it", child.name, grace)
+        proc.kill()
+        await proc.wait()
+    if child.relay is not None:
+        await asyncio.gather(child.relay, return_exceptions=True)
+
+
+async def run(config: MeshConfig) -> int:
+    """Run the mesh until SIGINT/SIGTERM.  Returns the exit code."""
+    stages = plan(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started: list[Child] = []
+    code = 0
+    try:
+        deadline = time.monotonic() + config.ready_timeout_s
+        for stage in stages:
+            for child in stage:
+                await _start(child)
+                started.append(child)
+            waiting = asyncio.gather(*(_wait_ready(c, deadline) for c in stage))
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if stop.is_set():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                return 130
+            waiting.result()
+        edge = stages[-1][0]
+        print(f"infermesh ready: http://{config.host}:{config.port(HTTP_PORT)} (HTTP/1.1), "
+              f"https://{config.host}:{config.port(HTTP3_PORT)} (HTTP/3), "
+              f"router grpc 127.0.0.1:{config.port(ROUTER_PORT)}; health {edge.health}", flush=True)
+        await _supervise(started, stop)
+    except RuntimeError as exc:
+        print(f"infermesh: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        # Front to back: the edge stops taking requests before the services behind it go.
+        for child in reversed(started):
+            await _stop(child)
+        print("infermesh stopped", flush=True)
+    return code
+
+
+async def _supervise(children: list[Child], stop: asyncio.Event) -> None:
+    """Report children that die; keep the rest serving (the router routes around engines)."""
+    reported: set[str] = set()
+    while not stop.is_set():
+        for child in children:
+            if child.proc is not None and child.proc.returncode is not None and child.name not in reported:
+                reported.add(child.name)
+                print(f"infermesh: {child.name} exited with code {child.proc.returncode}", flush=True)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except TimeoutError:
+            pass

@@ -1,0 +1,62 @@
+"""Cache gRPC servicer.  Session context is served now; KV block RPCs answer UNIMPLEMENTED
+until the block store lands (their contract is already in cache.proto)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from mesh.chat import Message
+from mesh.grpcutil import Service, rpc_errors
+from mesh.telemetry import server_span
+from meshpb.v1 import cache_pb2, cache_pb2_grpc, tokenizer_pb2
+from services.cache.sessions import Session, SessionStore
+
+
+def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.SessionContext:
+    if session is None:
+        return cache_pb2.SessionContext(session_id=session_id, found=False)
+    # expires_at is on the monotonic clock; report it as wall-clock time.
+    expires_ms = int((time.time() + session.expires_at - time.monotonic()) * 1000)
+    return cache_pb2.SessionContext(
+        session_id=session_id,
+        found=True,
+        expires_unix_ms=expires_ms,
+        messages=[tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name)
+                  for m in session.messages],
+    )
+
+
+class CacheServicer(cache_pb2_grpc.CacheServicer):
+    def __init__(self, sessions: SessionStore):
+        self.sessions = sessions
+
+    @rpc_errors
+    async def GetSession(self, request: cache_pb2.SessionRequest, context: grpc.aio.ServicerContext
+                         ) -> cache_pb2.SessionContext:
+        with server_span("cache.get_session", context):
+            return session_to_pb(request.session_id, self.sessions.get(request.session_id, time.monotonic()))
+
+    @rpc_errors
+    async def AppendSession(self, request: cache_pb2.AppendSessionRequest, context: grpc.aio.ServicerContext
+                            ) -> cache_pb2.SessionContext:
+        with server_span("cache.append_session", context, messages=len(request.messages)):
+            messages = [Message(m.role, m.content, m.name) for m in request.messages]
+            session = self.sessions.append(request.session_id, messages, time.monotonic())
+            return session_to_pb(request.session_id, session)
+
+    @rpc_errors
+    async def DeleteSession(self, request: cache_pb2.SessionRequest, context: grpc.aio.ServicerContext
+                            ) -> cache_pb2.DeleteSessionResponse:
+        return cache_pb2.DeleteSessionResponse(found=self.sessions.delete(request.session_id, time.monotonic()))
+
+    @rpc_errors
+    async def GetStats(self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext
+                       ) -> cache_pb2.CacheStats:
+        self.sessions.expire(time.monotonic())
+        return cache_pb2.CacheStats(sessions=len(self.sessions))
+
+
+def add_to(service: Service, servicer: CacheServicer) -> None:
+    cache_pb2_grpc.add_CacheServicer_to_server(servicer, service.server)

@@ -1,0 +1,66 @@
+"""`python -m services.engine --replica-id ID --port P --model NAME[=FOLDER] [--dtype ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from mesh import model_store
+from mesh.grpcutil import Service, run_until_signalled, setup_logging
+from mesh.telemetry import setup_tracing, shutdown_tracing
+from services.engine.config import DEVICES, DTYPES, EngineConfig
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from services.engine.server import EngineServicer, add_to
+
+log = logging.getLogger("engine")
+
+
+def parse(argv: list[str] | None = None) -> EngineConfig:
+    p = argparse.ArgumentParser(prog="python -m services.engine")
+    p.add_argument("--replica-id", default="engine-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50060)
+    p.add_argument("--model", default="default", help="NAME or NAME=FOLDER")
+    p.add_argument("--model-version", default="1")
+    p.add_argument("--region", default="local")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
+    a = p.parse_args(argv)
+    name, folder = model_store.served_model(a.model)
+    return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
+                        replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
+                        dtype=a.dtype, device=a.device, threads=a.threads)
+
+
+async def serve(config: EngineConfig) -> None:
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    runner = ModelRunner(config.model_path, config.resolved_dtype(), config.resolved_device())
+    service = Service("meshpb.v1.Engine", config.host, config.port)
+    servicer = EngineServicer(Engine(runner, config.max_waiting), config)
+    add_to(service, servicer)
+    await service.start()
+    servicer.start()
+    await service.ready()
+    log.info("engine %s serving %s (%s on %s) at %s", config.replica_id, config.model,
+             runner.dtype, runner.device, service.address)
+    await run_until_signalled(service, on_stop=servicer.close)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse(argv)
+    setup_logging("engine", config.replica_id)
+    setup_tracing("engine")
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

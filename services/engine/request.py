@@ -1,0 +1,92 @@
+"""The engine's vocabulary: sampling parameters, requests and their states."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from mesh.errors import InvalidArgument
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 0            # 0: up to the context limit
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidArgument(f"temperature {self.temperature} must be between 0 and 100")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p {self.top_p} must be between 0 and 1")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k {self.top_k} must be >= 0")
+        if self.max_tokens < 0:
+            raise InvalidArgument(f"max_tokens {self.max_tokens} must be >= 0")
+        if not 0 <= self.top_logprobs <= 20:
+            raise InvalidArgument(f"top_logprobs {self.top_logprobs} must be between 0 and 20")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int                       # resolved: never 0
+    # Tokens streamed by another replica before a failover; they extend the prompt.
+    resume_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    aborted: bool = False
+    # Model-runner state (the KV cache of this request); opaque to the engine.
+    kv: Any = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.resume_ids + self.output_ids
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated for this request, counting those streamed before a failover."""
+        return len(self.resume_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    new_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0

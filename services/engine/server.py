@@ -1,0 +1,186 @@
+"""Engine gRPC servicer: pb <-> engine types, the Generate stream, Abort, load and info."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+import grpc
+
+from mesh.grpcutil import Service, rpc_errors
+from mesh.telemetry import server_span
+from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.request import FinishReason, SamplingParams, StepOutput
+
+log = logging.getLogger(__name__)
+
+FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_pb(s: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=s.max_tokens,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs or s.top_logprobs > 0,
+        top_logprobs=s.top_logprobs,
+    )
+
+
+def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
+    reply = engine_pb2.GenerateResponse(ids=out.new_ids)
+    for lp in out.logprobs:
+        reply.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    if out.finish_reason is not None:
+        reply.finish_reason = FINISH[out.finish_reason]
+        reply.usage.prompt_tokens = out.prompt_tokens
+        reply.usage.completion_tokens = out.completion_tokens
+    return reply
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: Engine, config: EngineConfig):
+        self.engine = engine
+        self.config = config
+        self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
+        self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run_loop())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+    async def _run_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self.engine.has_work():
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception:
+                    # A model failure must not kill the loop silently; fail the running request.
+                    log.exception("engine step failed")
+                    failed = self.engine.running
+                    if failed is not None:
+                        self.engine.running = None
+                        queue = self.queues.get(failed.request_id)
+                        if queue is not None:
+                            queue.put_nowait(StepOutput(failed.request_id, (), (), None))
+                    continue
+                now = time.monotonic()
+                for out in outputs:
+                    self._tokens.append((now, len(out.new_ids)))
+                    queue = self.queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+
+    @rpc_errors
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        with server_span("engine.generate", context, request_id=request_id,
+                         prompt_tokens=len(request.prompt_ids)) as span:
+            req = self.engine.make_request(request_id, list(request.prompt_ids),
+                                           sampling_from_pb(request.sampling), list(request.resume_ids))
+            queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+            self.queues[request_id] = queue
+            started = time.monotonic()
+            try:
+                self.engine.add(req)
+                self._wakeup.set()
+                while True:
+                    out = await queue.get()
+                    if not out.new_ids and out.finish_reason is None:
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"engine {self.config.replica_id} failed while running the model")
+                    yield output_to_pb(out)
+                    if out.finish_reason is not None:
+                        span.set_attribute("completion_tokens", out.completion_tokens)
+                        self._finished.append((time.monotonic(), time.monotonic() - started))
+                        return
+            finally:
+                # Reached on completion and on cancellation (the caller went away).
+                self.queues.pop(request_id, None)
+                if req.finish_reason is None:
+                    self.engine.abort(request_id)
+                    self._wakeup.set()
+
+    @rpc_errors
+    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> engine_pb2.AbortResponse:
+        found = self.engine.abort(request.request_id)
+        self._wakeup.set()
+        return engine_pb2.AbortResponse(found=found)
+
+    def load_report(self) -> common_pb2.LoadReport:
+        now = time.monotonic()
+        window = 10.0
+        recent = [lat for t, lat in self._finished if now - t < window]
+        tokens = sum(n for t, n in self._tokens if now - t < window)
+        latencies = sorted(recent)
+
+        def pct(p: float) -> float:
+            return 1000.0 * latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else 0.0
+
+        return common_pb2.LoadReport(
+            replica_id=self.config.replica_id,
+            running=self.engine.num_running,
+            waiting=self.engine.num_waiting,
+            qps=len(recent) / window,
+            p50_latency_ms=pct(0.5),
+            p99_latency_ms=pct(0.99),
+            tokens_per_second=tokens / window,
+            unix_ms=int(time.time() * 1000),
+        )
+
+    @rpc_errors
+    async def GetLoad(self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
+                      ) -> common_pb2.LoadReport:
+        return self.load_report()
+
+    @rpc_errors
+    async def WatchLoad(self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[common_pb2.LoadReport]:
+        interval = max(request.interval_ms, 50) / 1000.0
+        while True:
+            yield self.load_report()
+            await asyncio.sleep(interval)
+
+    @rpc_errors
+    async def GetInfo(self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> engine_pb2.EngineInfo:
+        runner = self.engine.runner
+        return engine_pb2.EngineInfo(
+            replica_id=self.config.replica_id,
+            model=self.config.model,
+            model_version=self.config.model_version,
+            region=self.config.region,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            max_context=runner.max_context,
+            max_batch=1,
+        )
+
+
+def add_to(service: Service, servicer: EngineServicer) -> None:
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, service.server)

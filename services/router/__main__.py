@@ -1,0 +1,74 @@
+"""`python -m services.router --replica-id ID --tokenizer ADDR --engine ID=ADDR ... [--cache ADDR]`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from mesh.discovery import parse_endpoint
+from mesh.grpcutil import Service, run_until_signalled, setup_logging
+from mesh.telemetry import setup_tracing, shutdown_tracing
+from meshpb.v1 import router_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.policies import POLICIES
+from services.router.server import RouterServicer
+
+log = logging.getLogger("router")
+
+
+def parse(argv: list[str] | None = None) -> RouterConfig:
+    p = argparse.ArgumentParser(prog="python -m services.router")
+    p.add_argument("--replica-id", default="router-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--tokenizer", default="127.0.0.1:50052")
+    p.add_argument("--cache", default="")
+    p.add_argument("--engine", action="append", default=[], help="ID=HOST:PORT; repeat for each engine")
+    p.add_argument("--region", default="local")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="round_robin")
+    p.add_argument("--default-model", default="smollm2-135m")
+    a = p.parse_args(argv)
+    engines = tuple(parse_endpoint("engine", spec) for spec in a.engine)
+    return RouterConfig(tokenizer=a.tokenizer, engines=engines, cache=a.cache, replica_id=a.replica_id,
+                        host=a.host, port=a.port, region=a.region, policy=a.policy,
+                        default_model=a.default_model)
+
+
+async def serve(config: RouterConfig) -> None:
+    service = Service("meshpb.v1.Router", config.host, config.port)
+    servicer = RouterServicer(config)
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
+    await service.start()
+    await servicer.probe_all()
+    watcher = asyncio.create_task(servicer.watch())
+
+    async def follow_readiness() -> None:
+        # Serving only while at least one engine is: the edge's /health reflects the mesh.
+        while True:
+            await service.ready(servicer.ready())
+            await asyncio.sleep(config.probe_interval_s)
+
+    readiness = asyncio.create_task(follow_readiness())
+    log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,
+             len(config.engines), config.policy)
+
+    async def stop_tasks() -> None:
+        watcher.cancel()
+        readiness.cancel()
+
+    await run_until_signalled(service, on_stop=stop_tasks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse(argv)
+    setup_logging("router", config.replica_id)
+    setup_tracing("router")
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

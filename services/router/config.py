@@ -1,0 +1,32 @@
+"""RouterConfig: where the tokenizer, cache and engines are, and how to choose among engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.discovery import Endpoint
+from services.router.policies import POLICIES
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    tokenizer: str                         # host:port
+    engines: tuple[Endpoint, ...]          # the static registry's engines
+    cache: str = ""                        # host:port; empty: no session store
+    replica_id: str = "router-0"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    region: str = "local"
+    policy: str = "round_robin"
+    default_model: str = "smollm2-135m"
+    probe_interval_s: float = 1.0          # health/info probes of every engine
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not self.engines:
+            raise ValueError("the router needs at least one engine (--engine ID=HOST:PORT)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} is out of range")
+        if self.probe_interval_s <= 0:
+            raise ValueError("probe_interval_s must be positive")

@@ -1,0 +1,51 @@
+"""`python -m services.tokenizer --replica-id ID --port P --model NAME[=PATH] ...`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from mesh import model_store
+from mesh.grpcutil import Service, run_until_signalled, setup_logging
+from mesh.telemetry import setup_tracing, shutdown_tracing
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.server import TokenizerServicer, add_to
+from services.tokenizer.tokenizer import ModelTokenizer
+
+log = logging.getLogger("tokenizer")
+
+
+def parse(argv: list[str] | None = None) -> TokenizerConfig:
+    p = argparse.ArgumentParser(prog="python -m services.tokenizer")
+    p.add_argument("--replica-id", default="tokenizer-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--model", action="append", default=[], help="NAME or NAME=FOLDER; repeat for more")
+    a = p.parse_args(argv)
+    models = tuple(model_store.served_model(spec) for spec in (a.model or ["default"]))
+    return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models)
+
+
+async def serve(config: TokenizerConfig) -> None:
+    tokenizers = {name: ModelTokenizer(name, folder) for name, folder in config.models}
+    service = Service("meshpb.v1.Tokenizer", config.host, config.port)
+    add_to(service, TokenizerServicer(tokenizers, default=config.models[0][0]))
+    await service.start()
+    await service.ready()
+    log.info("tokenizer %s serving %s on %s", config.replica_id, ", ".join(tokenizers), service.address)
+    await run_until_signalled(service)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse(argv)
+    setup_logging("tokenizer", config.replica_id)
+    setup_tracing("tokenizer")
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""TokenizerConfig: everything the tokenizer process needs, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    replica_id: str = "tokenizer-0"
+    host: str = "127.0.0.1"
+    port: int = 50052
+    # (served name, Hugging Face folder) for every model this replica tokenizes.
+    models: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("the tokenizer needs at least one model (--model NAME)")
+        names = [n for n, _ in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} is out of range")

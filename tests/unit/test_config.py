@@ -1,0 +1,66 @@
+"""Every process's config refuses what cannot work, with a message naming the setting."""
+
+import pytest
+
+from mesh.discovery import Endpoint, parse_endpoint
+from mesh.edge.auth import ApiKeys, digest, load_keys
+from mesh.edge.config import EdgeConfig
+from mesh.launcher import MeshConfig, plan
+from services.cache.config import CacheConfig
+from services.engine.config import EngineConfig
+from services.router.config import RouterConfig
+from services.tokenizer.config import TokenizerConfig
+
+ENGINE = (Endpoint("engine", "engine-0", "127.0.0.1:50060"),)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: EngineConfig(model_path="/m", dtype="float16"), "dtype"),
+    (lambda: EngineConfig(model_path="/m", port=0), "port"),
+    (lambda: EngineConfig(model_path="/m", threads=-1), "threads"),
+    (lambda: TokenizerConfig(models=()), "at least one model"),
+    (lambda: TokenizerConfig(models=(("a", "/x"), ("a", "/y"))), "unique"),
+    (lambda: RouterConfig(tokenizer="t:1", engines=()), "at least one engine"),
+    (lambda: RouterConfig(tokenizer="t:1", engines=ENGINE, policy="random"), "policy"),
+    (lambda: CacheConfig(session_ttl_s=0), "session_ttl_s"),
+    (lambda: EdgeConfig(host="0.0.0.0"), "API keys"),
+    (lambda: MeshConfig(engines=0), "engines"),
+    (lambda: MeshConfig(discovery="dns"), "discovery"),
+])
+def test_invalid_configs_are_refused(make, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_non_loopback_edge_with_keys_is_allowed() -> None:
+    assert EdgeConfig(host="0.0.0.0", api_key_digests=(digest("k"),)).host == "0.0.0.0"
+
+
+def test_engine_auto_dtype_is_fp32_on_cpu() -> None:
+    assert EngineConfig(model_path="/m", device="cpu").resolved_dtype() == "float32"
+
+
+def test_endpoint_parsing() -> None:
+    assert parse_endpoint("engine", "e1=127.0.0.1:5").replica_id == "e1"
+    with pytest.raises(ValueError):
+        parse_endpoint("engine", "nonsense")
+
+
+def test_api_keys_hashed_and_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# ops\nk2\n")
+    keys = ApiKeys(load_keys({"INFERMESH_API_KEYS": "k1, ", "INFERMESH_API_KEYS_FILE": str(keyfile)}))
+    assert keys.check("Bearer k1") and keys.check("Bearer k2")
+    assert not keys.check("Bearer k3") and not keys.check("k1") and not keys.check("")
+    assert ApiKeys(()).check("")
+
+
+def test_launch_plan_gives_every_process_a_replica_id() -> None:
+    stages = plan(MeshConfig(engines=2, port_offset=100))
+    names = [c.name for stage in stages for c in stage]
+    assert names == ["cache-0", "tokenizer-0", "engine-0", "engine-1", "router-0", "edge-0"]
+    for stage in stages:
+        for child in stage:
+            assert child.argv[child.argv.index("--replica-id") + 1] == child.name
+    router = stages[1][0]
+    assert "engine-1=127.0.0.1:50161" in router.argv
