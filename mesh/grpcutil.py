@@ -151,3 +151,5 @@ def setup_logging(service: str, replica_id: str) -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s {replica_id} %(name)s: %(message)s",
     )
+    # aioquic logs every handshake at INFO; keep the mesh's own lines readable.
+    logging.getLogger("quic").setLevel(logging.WARNING)

@@ -159,14 +159,14 @@ async def run(config: MeshConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    started: list[Child] = []
+    started: list[list[Child]] = []
     code = 0
     try:
         deadline = time.monotonic() + config.ready_timeout_s
         for stage in stages:
+            started.append(stage)
             for child in stage:
                 await _start(child)
-                started.append(child)
             waiting = asyncio.gather(*(_wait_ready(c, deadline) for c in stage))
             stopper = asyncio.ensure_future(stop.wait())
             await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -180,14 +180,14 @@ async def run(config: MeshConfig) -> int:
         print(f"infermesh ready: http://{config.host}:{config.port(HTTP_PORT)} (HTTP/1.1), "
               f"https://{config.host}:{config.port(HTTP3_PORT)} (HTTP/3), "
               f"router grpc 127.0.0.1:{config.port(ROUTER_PORT)}; health {edge.health}", flush=True)
-        await _supervise(started, stop)
+        await _supervise([c for stage in started for c in stage], stop)
     except RuntimeError as exc:
         print(f"infermesh: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
         # Front to back: the edge stops taking requests before the services behind it go.
-        for child in reversed(started):
-            await _stop(child)
+        for stage in reversed(started):
+            await asyncio.gather(*(_stop(c) for c in stage))
         print("infermesh stopped", flush=True)
     return code
 

@@ -168,10 +168,10 @@ class EdgeApp:
                                             attributes={"request_id": rid, "stream": stream}):
             deltas = self.router.generate(spec, timeout=self.config.request_timeout_s)
             if stream:
-                return await self._stream(chat, rid, spec.model, deltas, include_usage, receive, send)
-            return await self._whole(chat, rid, spec.model, deltas, send)
+                return await self._stream(chat, rid, deltas, include_usage, receive, send)
+            return await self._whole(chat, rid, deltas, send)
 
-    async def _whole(self, chat: bool, rid: str, model: str, deltas: AsyncIterator[Delta], send: Send) -> int:
+    async def _whole(self, chat: bool, rid: str, deltas: AsyncIterator[Delta], send: Send) -> int:
         started = time.monotonic()
         parts: list[str] = []
         final: Delta | None = None
@@ -186,10 +186,11 @@ class EdgeApp:
             raise BadRequest("the stream ended without a final message", status=502, kind="server_error", code=None)
         DURATION.observe(time.monotonic() - started)
         COMPLETION_TOKENS.inc(final.completion_tokens)
+        model = final.served_by.model if final.served_by else ""
         await send_json(send, 200, openai.completion_body(chat, rid, model, "".join(parts), final))
         return 200
 
-    async def _stream(self, chat: bool, rid: str, model: str, deltas: AsyncIterator[Delta],
+    async def _stream(self, chat: bool, rid: str, deltas: AsyncIterator[Delta],
                       include_usage: bool, receive: Receive, send: Send) -> int:
         started = time.monotonic()
         # Pull the first delta before answering, so an early error is still a proper 4xx/5xx.
@@ -201,6 +202,7 @@ class EdgeApp:
             raise BadRequest("the stream ended without a final message", status=502, kind="server_error",
                              code=None) from None
         TTFT.observe(time.monotonic() - started)
+        model = first.served_by.model if first.served_by else ""
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         relay = asyncio.ensure_future(self._relay(chat, rid, model, first, deltas, include_usage, send))
         gone = asyncio.ensure_future(_wait_disconnect(receive))

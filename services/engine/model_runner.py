@@ -6,6 +6,7 @@ request, which reproduces transformers' greedy output bit for bit in float32.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,9 @@ class ModelRunner:
         self.max_context = int(config.get("max_position_embeddings", 2048))
         self.vocab_size = int(config["vocab_size"])
         self.eos_token_ids = self._eos_ids(config)
+        # transformers 5 renamed `past_key_values` to `cache`; accept either generation.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def _eos_ids(self, config: dict[str, Any]) -> frozenset[int]:
         ids: set[int] = set()
@@ -46,12 +50,12 @@ class ModelRunner:
 
         cache = DynamicCache()
         input_ids = torch.tensor([list(ids)], device=self.device)  # (1, T)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        return out.logits[0, -1].float().cpu(), out.past_key_values
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        return out.logits[0, -1].float().cpu(), cache
 
     @torch.inference_mode()
     def decode(self, token_id: int, kv: Any) -> tuple[torch.Tensor, Any]:
         """Logits (V,) float32 after one more token, extending `kv` in place."""
         input_ids = torch.tensor([[token_id]], device=self.device)  # (1, 1)
-        out = self.model(input_ids=input_ids, past_key_values=kv, use_cache=True)
-        return out.logits[0, -1].float().cpu(), out.past_key_values
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: kv})
+        return out.logits[0, -1].float().cpu(), kv

@@ -147,6 +147,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decoder = _Detokenizer(self.tokenizer, model)
         stops = StopMatcher(list(request.sampling.stop))
         replica.in_flight += 1
+        first = True
         try:
             async for chunk in call:
                 final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -162,8 +163,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         text=emit, ids=chunk.ids if request.include_token_ids else [],
                         logprobs=chunk.logprobs, finish_reason=reason, usage=usage, served_by=served_by)
                     return
+                # The first message names the replica too, so callers can label the stream early.
                 yield router_pb2.RouterGenerateResponse(
-                    text=emit, ids=chunk.ids if request.include_token_ids else [], logprobs=chunk.logprobs)
+                    text=emit, ids=chunk.ids if request.include_token_ids else [], logprobs=chunk.logprobs,
+                    served_by=served_by if first else None)
+                first = False
         except grpc.aio.AioRpcError as err:
             raise _relay_error(f"engine {replica.replica_id}", err) from None
         finally:

@@ -1,0 +1,84 @@
+"""A real mesh: `infermesh up` as a separate process, torn down with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+OFFSET = int(os.environ.get("INFERMESH_TEST_PORT_OFFSET", "200"))
+
+
+@dataclass(frozen=True)
+class Mesh:
+    http: str          # http://127.0.0.1:PORT
+    http3_port: int
+    router: str        # host:port of the router's gRPC
+    log: Path
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
+    m = Mesh(f"http://127.0.0.1:{8000 + OFFSET}", 8443 + OFFSET, f"127.0.0.1:{50051 + OFFSET}", log)
+    if _healthy(f"{m.http}/health"):
+        pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--engines", "2",
+                                 "--port-offset", str(OFFSET)], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not _healthy(f"{m.http}/health"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"infermesh up did not become ready:\n{log.read_text()[-4000:]}")
+                time.sleep(0.5)
+            yield m
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = -9
+    text = log.read_text()
+    assert code == 0, f"infermesh up exited with {code}:\n{text[-4000:]}"
+    assert "infermesh stopped" in text
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path):  # type: ignore[no-untyped-def]
+    """Hugging Face transformers' own greedy generation, the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def generate(max_new_tokens: int, messages: list[dict[str, str]] | None = None, prompt: str | None = None
+                 ) -> str:
+        if messages is not None:
+            prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(prompt, add_special_tokens=True)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return str(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+
+    return generate

@@ -1,0 +1,114 @@
+"""End to end: the `openai` package against `infermesh up`, compared with transformers."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.e2e.conftest import Mesh
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three colors."]
+MAX = 32
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.http}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_chat_equals_transformers(client: openai.OpenAI, reference, prompt: str) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": prompt}]
+    expected = reference(MAX, messages=messages)
+    reply = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=MAX)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    meta = reply.model_extra["infermesh"]  # type: ignore[index]
+    assert meta["replica"] in ("engine-0", "engine-1") and meta["degraded"] is False
+    assert meta["confidence"] == 1.0 and meta["model_version"] and meta["region"] == "local"
+
+    stream = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0,
+                                            max_tokens=MAX, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert chunks[-1].model_extra["infermesh"]["replica"] in ("engine-0", "engine-1")  # type: ignore[index]
+
+
+def test_greedy_completion_equals_transformers(client: openai.OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    prompt = "The three primary colors are"
+    expected = reference(16, prompt=prompt)
+    reply = client.completions.create(model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=16)
+    assert reply.choices[0].text == expected
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=16, stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_round_robin_uses_both_engines(client: openai.OpenAI) -> None:
+    seen = set()
+    for _ in range(4):
+        reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=2)
+        seen.add(reply.model_extra["infermesh"]["replica"])  # type: ignore[index]
+    assert seen == {"engine-0", "engine-1"}
+
+
+def test_pinned_replica_and_seeded_sampling(client: openai.OpenAI) -> None:
+    texts = set()
+    for _ in range(2):
+        reply = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0,
+            seed=77, max_tokens=12, extra_headers={"x-infermesh-replica": "engine-1"})
+        assert reply.model_extra["infermesh"]["replica"] == "engine-1"  # type: ignore[index]
+        texts.add(reply.choices[0].message.content)
+    assert len(texts) == 1
+
+
+def test_stop_string_ends_the_answer(client: openai.OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = reference(MAX, messages=messages)
+    assert "Paris" in full
+    reply = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0,
+                                           max_tokens=MAX, stop=["Paris"])
+    assert reply.choices[0].message.content == full[: full.index("Paris")]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics(client: openai.OpenAI, mesh: Mesh) -> None:
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    with urllib.request.urlopen(f"{mesh.http}/health") as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(f"{mesh.http}/metrics") as reply:
+        assert b"infermesh_edge_requests_total" in reply.read()
+
+
+def test_precise_errors(client: openai.OpenAI, mesh: Mesh) -> None:
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context of 8192 tokens"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.NotFoundError, match="replica 'engine-7' does not exist"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "x"}],
+                                       extra_headers={"x-infermesh-replica": "engine-7"})
+    request = urllib.request.Request(f"{mesh.http}/v1/chat/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code == 400
+    body = json.loads(err.value.read())
+    assert body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+    # The mesh still serves after all of that.
+    ok = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=2)
+    assert ok.choices[0].message.content is not None
