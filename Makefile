@@ -32,6 +32,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check mesh services kernels tests bench proto
+	$(BIN)/mypy mesh services kernels
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint:

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 from mesh.grpcutil import check_health
 
@@ -167,9 +168,9 @@ async def run(config: MeshConfig) -> int:
             started.append(stage)
             for child in stage:
                 await _start(child)
-            waiting = asyncio.gather(*(_wait_ready(c, deadline) for c in stage))
-            stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: asyncio.Future[Any] = asyncio.gather(*(_wait_ready(c, deadline) for c in stage))
+            stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([waiting, stopper], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if stop.is_set():
                 waiting.cancel()

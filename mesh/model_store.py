@@ -285,11 +285,11 @@ def served_model(spec: str) -> tuple[str, str]:
         if not name:
             raise ModelError(f"--model {spec!r}: the name before '=' is empty")
         return canonical(name), str(validate_folder(folder))
-    folder = path(spec)
+    resolved = path(spec)
     key = canonical(spec)
     if key in CATALOG or key in _load_registry():
-        return key, str(folder)
-    return folder.name, str(folder)  # a bare folder path: serve it under its folder name
+        return key, str(resolved)
+    return resolved.name, str(resolved)  # a bare folder path: serve it under its folder name
 
 
 def list_models() -> list[dict[str, Any]]:

@@ -64,12 +64,11 @@ class EdgeApp:
         }.get((method, path))
         status = 500
         started = False
-        raw_send = send
 
-        async def send(message: MutableMapping[str, Any]) -> None:
+        async def tracked_send(message: MutableMapping[str, Any]) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
-            await raw_send(message)
+            await send(message)
 
         try:
             if route is None:
@@ -81,15 +80,15 @@ class EdgeApp:
             if path not in ("/health", "/metrics") and not self.keys.check(headers.get("authorization", "")):
                 raise BadRequest("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
                                  kind="authentication_error", code="invalid_api_key")
-            status = await route(scope, headers, receive, send)
+            status = await route(scope, headers, receive, tracked_send)
         except BadRequest as exc:
             status = exc.status
             if not started:
-                await send_json(send, exc.status, openai.error_body(exc.message, exc.kind, exc.code, exc.param))
+                await send_json(tracked_send, exc.status, openai.error_body(exc.message, exc.kind, exc.code, exc.param))
         except Exception:
             log.exception("%s %s failed", method, path)
             if not started:
-                await send_json(send, 500, openai.error_body("internal error", "server_error", None))
+                await send_json(tracked_send, 500, openai.error_body("internal error", "server_error", None))
         finally:
             REQUESTS.labels(path if route else "other", str(status)).inc()
 
