@@ -566,3 +566,14 @@ def _check_saved(out_dir: Path, tokenizer: Any) -> None:
         raise ModelError("the chat template did not survive saving the tokenizer")
     if reloaded.eos_token != tokenizer.eos_token:
         raise ModelError(f"eos changed from {tokenizer.eos_token!r} to {reloaded.eos_token!r} on saving")
+
+
+def eos_token_ids(folder: str | Path) -> frozenset[int]:
+    """Every end-of-sequence id a Hugging Face folder declares (config and generation config)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = Path(folder) / name
+        if file.exists():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)

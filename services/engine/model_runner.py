@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from mesh import model_store
+
 
 class ModelRunner:
     def __init__(self, folder: str | Path, dtype: str = "float32", device: str = "cpu"):
@@ -27,21 +29,10 @@ class ModelRunner:
         config = json.loads((self.folder / "config.json").read_text())
         self.max_context = int(config.get("max_position_embeddings", 2048))
         self.vocab_size = int(config["vocab_size"])
-        self.eos_token_ids = self._eos_ids(config)
+        self.eos_token_ids = model_store.eos_token_ids(self.folder)
         # transformers 5 renamed `past_key_values` to `cache`; accept either generation.
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    def _eos_ids(self, config: dict[str, Any]) -> frozenset[int]:
-        ids: set[int] = set()
-        sources = [config]
-        gen = self.folder / "generation_config.json"
-        if gen.exists():
-            sources.append(json.loads(gen.read_text()))
-        for source in sources:
-            eos = source.get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return frozenset(ids)
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, Any]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mesh import model_store
 from mesh.chat import Message, validate_messages
 from mesh.errors import InvalidArgument
 
@@ -19,24 +21,12 @@ class ModelTokenizer:
         self.hf: Any = AutoTokenizer.from_pretrained(str(self.folder))
         if not self.hf.chat_template:
             raise ValueError(f"{self.folder} has no chat template; a chat model's tokenizer is needed")
-        self.eos_token_ids = self._eos_ids()
-
-    def _eos_ids(self) -> list[int]:
-        ids = {self.hf.eos_token_id} if self.hf.eos_token_id is not None else set()
-        gen_config = self.folder / "generation_config.json"
-        if gen_config.exists():
-            import json
-
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return sorted(ids)
-
-    @property
-    def max_context(self) -> int:
-        cfg = self.folder / "config.json"
-        import json
-
-        return int(json.loads(cfg.read_text()).get("max_position_embeddings", 2048))
+        eos = set(model_store.eos_token_ids(self.folder))
+        if self.hf.eos_token_id is not None:
+            eos.add(self.hf.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        config = json.loads((self.folder / "config.json").read_text())
+        self.max_context = int(config.get("max_position_embeddings", 2048))
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         validate_messages(messages)
