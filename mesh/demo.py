@@ -7,23 +7,16 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
+
+from mesh.launcher import http_ok
 
 QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
 
 
 def main() -> int:
     offset = int(os.environ.get("INFERMESH_DEMO_PORT_OFFSET", "0"))
     base = f"http://127.0.0.1:{8000 + offset}"
-    if _healthy(f"{base}/health"):
+    if http_ok(f"{base}/health"):
         print(f"demo: something already answers on {base}; stop it or set INFERMESH_DEMO_PORT_OFFSET",
               file=sys.stderr)
         return 1
@@ -32,7 +25,7 @@ def main() -> int:
     mesh = subprocess.Popen([*infermesh, "up", "--port-offset", str(offset)])
     try:
         deadline = time.monotonic() + 300
-        while not _healthy(f"{base}/health"):
+        while not http_ok(f"{base}/health"):
             if mesh.poll() is not None:
                 print(f"demo: the mesh exited with code {mesh.returncode} before it was ready", file=sys.stderr)
                 return 1

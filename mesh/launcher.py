@@ -115,7 +115,8 @@ async def _start(child: Child) -> None:
     child.relay = asyncio.create_task(_relay_logs(child))
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
+    """True when `url` answers 200 (the edge's /health)."""
     try:
         with urllib.request.urlopen(url, timeout=1.0) as reply:
             return bool(reply.status == 200)
@@ -129,7 +130,7 @@ async def _wait_ready(child: Child, deadline: float) -> None:
         if child.proc.returncode is not None:
             raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} before it was ready")
         if child.health.startswith("http://"):
-            ok = await asyncio.to_thread(_http_ok, child.health)
+            ok = await asyncio.to_thread(http_ok, child.health)
         else:
             ok = await check_health(child.health)
         if ok:

@@ -7,12 +7,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from mesh.launcher import http_ok
 
 OFFSET = int(os.environ.get("INFERMESH_TEST_PORT_OFFSET", "200"))
 
@@ -25,26 +26,18 @@ class Mesh:
     log: Path
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return bool(reply.status == 200)
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
     m = Mesh(f"http://127.0.0.1:{8000 + OFFSET}", 8443 + OFFSET, f"127.0.0.1:{50051 + OFFSET}", log)
-    if _healthy(f"{m.http}/health"):
+    if http_ok(f"{m.http}/health"):
         pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--engines", "2",
                                  "--port-offset", str(OFFSET)], stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
-            while not _healthy(f"{m.http}/health"):
+            while not http_ok(f"{m.http}/health"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"infermesh up did not become ready:\n{log.read_text()[-4000:]}")
                 time.sleep(0.5)

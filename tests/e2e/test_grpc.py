@@ -1,0 +1,39 @@
+"""End to end with gRPC stubs straight to the router, skipping the edge."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc, tokenizer_pb2
+from tests.e2e.conftest import Mesh
+
+pytestmark = pytest.mark.e2e
+
+
+def test_router_generate_with_grpc_stubs(mesh: Mesh, reference) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "Name three colors."}]
+    expected = reference(20, messages=messages)
+
+    async def scenario() -> list[router_pb2.RouterGenerateResponse]:
+        async with grpc.aio.insecure_channel(mesh.router) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            request = router_pb2.RouterGenerateRequest(
+                model="smollm2-135m", include_token_ids=True,
+                chat=router_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(**m) for m in messages]),
+                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=20))
+            replies = [r async for r in stub.Generate(request, timeout=120)]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(router_pb2.RouterGenerateRequest(model="smollm2-135m"), timeout=30):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return replies
+
+    replies = asyncio.run(scenario())
+    assert "".join(r.text for r in replies) == expected
+    final = replies[-1]
+    assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert final.usage.completion_tokens == sum(len(r.ids) for r in replies)
+    assert final.served_by.replica in ("engine-0", "engine-1") and final.served_by.confidence == 1.0
