@@ -12,6 +12,7 @@ from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.engine.config import DEVICES, DTYPES, EngineConfig
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
+from services.engine.scheduler import SchedulerConfig
 from services.engine.server import EngineServicer, add_to
 
 log = logging.getLogger("engine")
@@ -28,11 +29,17 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
+    p.add_argument("--kv-cache-mb", type=int, default=EngineConfig.kv_cache_mb)
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
+    p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     a = p.parse_args(argv)
     name, folder = model_store.served_model(a.model)
     return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
                         replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
-                        dtype=a.dtype, device=a.device, threads=a.threads)
+                        dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
+                        block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
+                        max_running=a.max_running)
 
 
 async def serve(config: EngineConfig) -> None:
@@ -40,9 +47,11 @@ async def serve(config: EngineConfig) -> None:
         import torch
 
         torch.set_num_threads(config.threads)
-    runner = ModelRunner(config.model_path, config.resolved_dtype(), config.resolved_device())
+    runner = ModelRunner(config.model_path, config.resolved_dtype(), config.resolved_device(),
+                         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size)
     service = Service("meshpb.v1.Engine", config.host, config.port)
-    servicer = EngineServicer(Engine(runner, config.max_waiting), config)
+    limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
+    servicer = EngineServicer(Engine(runner, config.max_waiting, limits), config)
     add_to(service, servicer)
     await service.start()
     servicer.start()

@@ -21,6 +21,10 @@ class EngineConfig:
     device: str = "auto"
     max_waiting: int = 256             # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
     threads: int = 0                   # torch CPU threads; 0: torch's default
+    kv_cache_mb: int = 1024            # KV cache budget; decides how many blocks exist
+    block_size: int = 16               # tokens per KV block
+    max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
+    max_running: int = 64              # sequences per step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -29,6 +33,10 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not one of {DEVICES}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is out of range")
+        if self.kv_cache_mb < 1 or self.block_size < 1:
+            raise ValueError("kv_cache_mb and block_size must be at least 1")
+        if self.max_batched_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_batched_tokens and max_running must be at least 1")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.max_waiting < 1:

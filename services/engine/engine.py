@@ -1,42 +1,49 @@
-"""The engine: add / abort / step.  One step runs the model once and returns new tokens.
+"""The engine: add / abort / step.  One step is schedule -> run the model -> postprocess.
 
-This first engine serves one request at a time, first come first served: a request is
-prefilled, then decoded token by token until it finishes, then the next one starts.
-Continuous batching over a paged KV cache replaces `_schedule` and the runner later
-without changing this interface.
+add() and abort() are called from the event loop while step() runs in a worker thread:
+they only append to thread-safe inboxes, which step() drains, so the scheduler and the
+block manager are touched by one thread only.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+
+import torch
 
 from mesh.errors import InvalidArgument, ResourceExhausted
 from services.engine import sampler
+from services.engine.block_manager import BlockManager
 from services.engine.model_runner import ModelRunner
 from services.engine.request import (
     FinishReason,
     Request,
-    RequestStatus,
     SamplingParams,
     StepOutput,
     TokenLogprob,
 )
+from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_waiting: int = 256):
+    def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None):
         self.runner = runner
         self.max_waiting = max_waiting
-        self.waiting: deque[Request] = deque()
-        self.running: Request | None = None
-        # add/abort come from the event loop while step() runs in a worker thread.
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(self.blocks, scheduler)
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
+        self.last_step_s = 0.0
+        self.last_step_tokens = 0
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     resume_ids: list[int] | None = None) -> Request:
-        """Validate a request against the model's limits; raise a precise error if it cannot run."""
+                     resume_ids: list[int] | None = None, priority: int = 0) -> Request:
+        """Validate a request against the model's and the KV cache's limits; raise a precise error."""
         resume = list(resume_ids or [])
         limit = self.runner.max_context
         if not prompt_ids:
@@ -47,8 +54,7 @@ class Engine:
         context = len(prompt_ids) + len(resume)
         if context >= limit:
             raise InvalidArgument(
-                f"the prompt has {context} tokens but the model's context is {limit} tokens; "
-                "shorten the prompt")
+                f"the prompt has {context} tokens but the model's context is {limit} tokens; shorten the prompt")
         max_tokens = sampling.max_tokens or (limit - len(prompt_ids))
         if len(prompt_ids) + max_tokens > limit:
             raise InvalidArgument(
@@ -56,86 +62,103 @@ class Engine:
                 f"context of {limit} tokens; lower max_tokens to at most {limit - len(prompt_ids)}")
         if len(resume) >= max_tokens:
             raise InvalidArgument(f"resume_ids already hold {len(resume)} of max_tokens {max_tokens}")
-        return Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume)
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if len(prompt_ids) + max_tokens > capacity:
+            raise ResourceExhausted(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can never fit this engine's KV "
+                f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
+        if priority not in (0, 1):
+            raise InvalidArgument(f"priority {priority} is not 0 (interactive) or 1 (batch)")
+        req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume)
+        req.priority = priority
+        return req
 
     def add(self, request: Request) -> None:
         with self._lock:
-            if len(self.waiting) >= self.max_waiting:
-                raise ResourceExhausted(
-                    f"engine queue is full ({self.max_waiting} waiting requests); retry later")
-            self.waiting.append(request)
+            if len(self._inbox) + self.scheduler.num_waiting >= self.max_waiting:
+                raise ResourceExhausted(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
+            self._inbox.append(request)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            for req in [*self.waiting, self.running]:
-                if req is not None and req.request_id == request_id:
-                    req.aborted = True
-                    return True
-        return False
+            known = request_id in self._requests or any(r.request_id == request_id for r in self._inbox)
+            self._aborts.append(request_id)
+        return known
 
     def has_work(self) -> bool:
-        return self.running is not None or bool(self.waiting)
+        return bool(self._inbox) or bool(self._aborts) or self.scheduler.has_work()
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._inbox) + self.scheduler.num_waiting
 
     @property
     def num_running(self) -> int:
-        return 0 if self.running is None else 1
+        return len(self.scheduler.running)
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """schedule -> run the model -> postprocess."""
-        outputs: list[StepOutput] = []
-        req = self._schedule(outputs)
-        if req is None:
+        outputs = self._drain()
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
             return outputs
-        if req.kv is None:
-            logits, req.kv = self.runner.prefill(req.all_ids)
-        else:
-            logits, req.kv = self.runner.decode(req.all_ids[-1], req.kv)
-        outputs.append(self._postprocess(req, logits))
+        started = time.perf_counter()
+        logits = self.runner.run(batch.chunks)
+        self.scheduler.commit(batch)
+        outputs.extend(self._postprocess(batch, logits))
+        self.last_step_s = time.perf_counter() - started
+        self.last_step_tokens = batch.num_tokens
         return outputs
 
-    def _schedule(self, outputs: list[StepOutput]) -> Request | None:
+    def fail_all(self) -> list[str]:
+        """After a model failure: drop every request (their callers get an error), keep serving."""
+        failed = list(self._requests)
+        for req in list(self._requests.values()):
+            self.scheduler.finish(req)
+        self._requests.clear()
+        return failed
+
+    def _drain(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
         with self._lock:
-            while True:
-                if self.running is None:
-                    if not self.waiting:
-                        return None
-                    self.running = self.waiting.popleft()
-                    self.running.status = RequestStatus.RUNNING
-                req = self.running
-                if not req.aborted:
-                    return req
-                outputs.append(self._finish(req, FinishReason.ABORT, ()))
+            while self._inbox:
+                req = self._inbox.popleft()
+                self._requests[req.request_id] = req
+                self.scheduler.add(req)
+            aborts = list(self._aborts)
+            self._aborts.clear()
+        for request_id in aborts:
+            aborted = self._requests.get(request_id)
+            if aborted is not None:
+                outputs.append(self._finish(aborted, FinishReason.ABORT, None, ()))
+        return outputs
 
-    def _postprocess(self, req: Request, logits: object) -> StepOutput:
-        import torch
+    def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
+        sampled = [c.request for c in batch.chunks if c.sample]
+        tokens = sampler.sample_batch(logits, [r.sampling for r in sampled], [r.num_generated for r in sampled])
+        outputs = []
+        for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
+            params = req.sampling
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if params.logprobs:
+                logprobs = (sampler.token_logprob(logits[row], token, params.top_logprobs),)
+            req.append(token)
+            reason = None
+            if not params.ignore_eos and (token in self.runner.eos_token_ids or token in params.stop_token_ids):
+                reason = FinishReason.STOP
+            elif req.num_generated >= req.max_tokens or len(req.all_ids) >= self.runner.max_context:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                outputs.append(self._finish(req, reason, token, logprobs))
+            else:
+                outputs.append(StepOutput(req.request_id, (token,), logprobs))
+        return outputs
 
-        assert isinstance(logits, torch.Tensor)
-        params = req.sampling
-        token = sampler.sample(logits, params, req.num_generated)
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if params.logprobs:
-            logprobs = (sampler.token_logprob(logits, token, params.top_logprobs),)
-        req.output_ids.append(token)
-        reason = None
-        if not params.ignore_eos and (token in self.runner.eos_token_ids or token in params.stop_token_ids):
-            reason = FinishReason.STOP
-        elif req.num_generated >= req.max_tokens or len(req.all_ids) >= self.runner.max_context:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            return self._finish(req, reason, logprobs)
-        return StepOutput(req.request_id, (token,), logprobs)
-
-    def _finish(self, req: Request, reason: FinishReason, logprobs: tuple[TokenLogprob, ...]) -> StepOutput:
-        new = () if reason is FinishReason.ABORT else (req.output_ids[-1],)
-        req.status, req.finish_reason, req.kv = RequestStatus.FINISHED, reason, None
-        if self.running is req:
-            self.running = None
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        return StepOutput(req.request_id, new, logprobs, reason,
-                          prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated)
+    def _finish(self, req: Request, reason: FinishReason, token: int | None,
+                logprobs: tuple[TokenLogprob, ...]) -> StepOutput:
+        self.scheduler.finish(req)
+        self._requests.pop(req.request_id, None)
+        req.finish_reason = reason
+        return StepOutput(req.request_id, () if token is None else (token,), logprobs, reason,
+                          prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
+                          cached_tokens=req.num_cached_tokens)

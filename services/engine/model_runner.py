@@ -1,52 +1,84 @@
-"""Owns the weights and each request's KV state; turns token ids into next-token logits.
-
-This first runner drives the Hugging Face Llama-family forward with one KV cache per
-request, which reproduces transformers' greedy output bit for bit in float32.
-"""
+"""Owns the weights and the paged KV tensors; turns a scheduled batch into next-token logits."""
 
 from __future__ import annotations
 
-import inspect
-import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mesh import model_store
+from services.engine.models import ARCHITECTURES
+from services.engine.models.llama import AttentionPlan, load_weights
+from services.engine.scheduler import Chunk
 
 
 class ModelRunner:
-    def __init__(self, folder: str | Path, dtype: str = "float32", device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, folder: str | Path, dtype: str = "float32", device: str = "cpu",
+                 kv_cache_bytes: int = 1 << 30, block_size: int = 16):
+        import json
 
         self.folder = Path(folder)
         self.device = torch.device(device)
-        self.dtype = getattr(torch, dtype)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(self.folder), dtype=self.dtype)
-        self.model: Any = model.to(self.device).eval()
-        config = json.loads((self.folder / "config.json").read_text())
-        self.max_context = int(config.get("max_position_embeddings", 2048))
-        self.vocab_size = int(config["vocab_size"])
+        self.dtype: torch.dtype = getattr(torch, dtype)
+        model_type = json.loads((self.folder / "config.json").read_text()).get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"{self.folder}: model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}")
+        config_cls, model_cls = ARCHITECTURES[model_type]
+        self.config = config_cls.from_folder(self.folder)
+        self.model = model_cls(self.config, load_weights(self.folder), self.dtype, self.device)
+        self.max_context = self.config.max_position
+        self.vocab_size = self.config.vocab_size
         self.eos_token_ids = model_store.eos_token_ids(self.folder)
-        # transformers 5 renamed `past_key_values` to `cache`; accept either generation.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.block_size = block_size
+        c = self.config
+        # K and V, every layer, one block: the unit the KV budget is counted in.
+        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        self.num_blocks = max(1, kv_cache_bytes // self.block_bytes)
+        shape = (self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+
+    def _slots(self, blocks: Sequence[int], start: int, n: int) -> list[int]:
+        bs = self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
 
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        """Logits (V,) float32 after the whole prompt, and the new KV state."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        input_ids = torch.tensor([list(ids)], device=self.device)  # (1, T)
-        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-        return out.logits[0, -1].float().cpu(), cache
-
-    @torch.inference_mode()
-    def decode(self, token_id: int, kv: Any) -> tuple[torch.Tensor, Any]:
-        """Logits (V,) float32 after one more token, extending `kv` in place."""
-        input_ids = torch.tensor([[token_id]], device=self.device)  # (1, 1)
-        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: kv})
-        return out.logits[0, -1].float().cpu(), kv
+    def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Compute every chunk; return (S, V) float32 logits for the chunks with sample=True, in order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, torch.Tensor]] = []
+        logits_rows: list[int] = []
+        for chunk in chunks:
+            req, start, n = chunk.request, chunk.start, chunk.num_tokens
+            row = len(ids)
+            ids.extend(req.all_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slots(req.table.blocks, start, n))
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_tables.append(req.table.blocks[: -(-(start + 1) // self.block_size)])
+                decode_lens.append(start + 1)
+            else:
+                table = torch.tensor(req.table.blocks, dtype=torch.int64, device=self.device)
+                prefills.append((row, n, start, table))
+            if chunk.sample:
+                logits_rows.append(row + n - 1)
+        width = max((len(t) for t in decode_tables), default=0)
+        plan = AttentionPlan(
+            slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device) if decode_rows else None,
+            decode_tables=torch.tensor([t + [t[0]] * (width - len(t)) for t in decode_tables], dtype=torch.int64,
+                                       device=self.device) if decode_rows else None,
+            decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device) if decode_rows else None,
+            prefills=tuple(prefills),
+        )
+        return self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            plan, self.kv, torch.tensor(logits_rows, dtype=torch.int64, device=self.device)).cpu()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from mesh.errors import InvalidArgument
+from services.engine.block_manager import BlockTable
 
 
 class FinishReason(enum.Enum):
@@ -69,12 +69,20 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     aborted: bool = False
-    # Model-runner state (the KV cache of this request); opaque to the engine.
-    kv: Any = None
+    priority: int = 0                     # 0 interactive, 1 batch
+    arrival: int = 0                      # set by the scheduler
+    num_computed: int = 0                 # tokens whose KV is in the cache
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.resume_ids + self.output_ids
+    def __post_init__(self) -> None:
+        # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.
+        self.all_ids: list[int] = self.prompt_ids + self.resume_ids + self.output_ids
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_ids.append(token)
 
     @property
     def num_generated(self) -> int:
@@ -90,3 +98,4 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0

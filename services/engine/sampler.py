@@ -52,3 +52,12 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob
         values, ids = torch.topk(logprobs, top)
         alternatives = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
     return TokenLogprob(token_id, float(logprobs[token_id]), alternatives)
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """logits: (B, V) float32; one token per row, each row with its own parameters."""
+    if not params:
+        return []
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    return [g if p.greedy else sample(logits[i], p, pos)
+            for i, (g, p, pos) in enumerate(zip(greedy, params, positions, strict=True))]

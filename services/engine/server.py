@@ -50,6 +50,7 @@ def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
         reply.finish_reason = FINISH[out.finish_reason]
         reply.usage.prompt_tokens = out.prompt_tokens
         reply.usage.completion_tokens = out.completion_tokens
+        reply.usage.cached_tokens = out.cached_tokens
     return reply
 
 
@@ -78,14 +79,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
                 except Exception:
-                    # A model failure must not kill the loop silently; fail the running request.
+                    # A model failure must not kill the loop: fail the requests in flight, keep serving.
                     log.exception("engine step failed")
-                    failed = self.engine.running
-                    if failed is not None:
-                        self.engine.running = None
-                        queue = self.queues.get(failed.request_id)
+                    for request_id in self.engine.fail_all():
+                        queue = self.queues.get(request_id)
                         if queue is not None:
-                            queue.put_nowait(StepOutput(failed.request_id, (), (), None))
+                            queue.put_nowait(StepOutput(request_id, (), (), None))
                     continue
                 now = time.monotonic()
                 for out in outputs:
@@ -101,7 +100,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         with server_span("engine.generate", context, request_id=request_id,
                          prompt_tokens=len(request.prompt_ids)) as span:
             req = self.engine.make_request(request_id, list(request.prompt_ids),
-                                           sampling_from_pb(request.sampling), list(request.resume_ids))
+                                           sampling_from_pb(request.sampling), list(request.resume_ids),
+                                           priority=int(request.priority))
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()
@@ -150,6 +150,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             p50_latency_ms=pct(0.5),
             p99_latency_ms=pct(0.99),
             tokens_per_second=tokens / window,
+            kv_blocks_total=self.engine.blocks.num_blocks,
+            kv_blocks_free=self.engine.blocks.num_free_blocks,
             unix_ms=int(time.time() * 1000),
         )
 
@@ -178,7 +180,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device),
             max_context=runner.max_context,
-            max_batch=1,
+            block_size=runner.block_size,
+            kv_blocks_total=runner.num_blocks,
+            max_batch=self.engine.scheduler.config.max_running,
         )
 
 

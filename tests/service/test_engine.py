@@ -11,6 +11,7 @@ from mesh.errors import InvalidArgument, ResourceExhausted
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.request import FinishReason, SamplingParams, StepOutput
+from services.engine.scheduler import SchedulerConfig
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
@@ -35,6 +36,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def run(engine: Engine, *requests) -> dict[str, list[StepOutput]]:  # type: ignore[no-untyped-def]
+    """Add the requests and step until the engine is idle."""
     outputs: dict[str, list[StepOutput]] = {}
     for r in requests:
         engine.add(r)
@@ -60,6 +62,40 @@ def test_greedy_equals_transformers_generate(runner: ModelRunner, hf, prompt: st
     last = outs[-1]
     assert last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert last.prompt_tokens == len(ids) and last.completion_tokens == len(ref)
+
+
+def test_concurrent_mixed_lengths_equal_each_alone(runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
+    """Continuous batching: requests of different lengths, joining at different steps, each
+    produce exactly what transformers produces for that request alone."""
+    model, tokenizer = hf
+    prompts = PROMPTS + ["Explain photosynthesis to a child in detail, step by step, please. " * 3, "Hi"]
+    engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=48))   # forces chunked prefill
+    requests = [engine.make_request(f"r{i}", chat_ids(tokenizer, p), SamplingParams(max_tokens=20))
+                for i, p in enumerate(prompts)]
+    outputs: dict[str, list[StepOutput]] = {}
+    for i, req in enumerate(requests):
+        engine.add(req)
+        for out in engine.step() if i % 2 else []:     # later requests join a running batch
+            outputs.setdefault(out.request_id, []).append(out)
+    for rid, outs in run(engine).items():
+        outputs.setdefault(rid, []).extend(outs)
+    for req in requests:
+        ids = req.prompt_ids
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+        assert tokens(outputs[req.request_id]) == ref, req.request_id
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
+    _, tokenizer = hf
+    ids = chat_ids(tokenizer, "Summarize the plot of Hamlet. " * 20)
+    engine = Engine(runner)
+    cold = run(engine, engine.make_request("a", ids, SamplingParams(max_tokens=8)))["a"]
+    warm = run(engine, engine.make_request("b", ids, SamplingParams(max_tokens=8)))["b"]
+    assert tokens(warm) == tokens(cold)
+    bs = runner.block_size
+    assert cold[-1].cached_tokens == 0 and warm[-1].cached_tokens == (len(ids) - 1) // bs * bs
 
 
 def test_requests_queue_and_all_finish(runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,84 @@
+"""Attention over a paged KV cache for a ragged batch.
+
+The cache of one layer is `(num_blocks, block_size, kv_heads, head_dim)` for K and for V;
+a request's tokens live in the blocks its block table names, in order.  Decode rows (one
+query each) are attended together in one call; prefill chunks each attend their own
+prefix.  `_reference()` is the plain per-sequence definition the fast paths are tested
+against.  Grouped-query attention: `heads` is a multiple of `kv_heads`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store new keys/values.  slots: (T,) flat slot = block * block_size + offset; k, v: (T, KH, D)."""
+    kh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kh, d).index_copy_(0, slots, v)
+
+
+def gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(B, max_blocks) block ids -> (B, KH, max_blocks * block_size, D) contiguous per row."""
+    b, nb = block_tables.shape
+    bs, kh, d = cache.shape[1:]
+    return cache.index_select(0, block_tables.reshape(-1)).view(b, nb * bs, kh, d).transpose(1, 2)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row.  q: (B, H, D); block_tables: (B, max_blocks) padded with any valid id;
+    context_lens: (B,) keys per row, including the current token.  Returns (B, H, D)."""
+    k = gather(k_cache, block_tables)                                           # (B, KH, L, D)
+    v = gather(v_cache, block_tables)
+    length = k.shape[2]
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # (B, L)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=True)                       # (B, H, 1, D)
+    return out.squeeze(2)
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+            start: int, scale: float) -> torch.Tensor:
+    """A chunk of one sequence: queries at positions start .. start+T-1 attend keys 0 .. start+T-1.
+
+    q: (T, H, D); block_table: (num_blocks,).  Returns (T, H, D)."""
+    t = q.shape[0]
+    k = gather(k_cache, block_table[None])[:, :, : start + t]                    # (1, KH, S+T, D)
+    v = gather(v_cache, block_table[None])[:, :, : start + t]
+    keys = torch.arange(start + t, device=q.device)
+    mask = keys[None, :] <= (start + torch.arange(t, device=q.device))[:, None]  # (T, S+T) causal
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)                       # (1, H, T, D)
+    return out[0].transpose(0, 1)
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A whole prompt from position 0, keys straight from the projection.  (T, H|KH, D) -> (T, H, D)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int],
+               start: int, scale: float) -> torch.Tensor:
+    """The definition: softmax(q k^T * scale + causal mask) v, one sequence, float64 math.
+
+    q: (T, H, D) for positions start .. start+T-1.  Returns (T, H, D) in q's dtype."""
+    bs = k_cache.shape[1]
+    t, h, _ = q.shape
+    positions = start + t
+    slots = [block_table[p // bs] * bs + p % bs for p in range(positions)]
+    kh = k_cache.shape[2]
+    k = k_cache.reshape(-1, kh, k_cache.shape[-1])[slots].double()             # (S+T, KH, D)
+    v = v_cache.reshape(-1, kh, v_cache.shape[-1])[slots].double()
+    k = k.repeat_interleave(h // kh, dim=1)                                      # (S+T, H, D)
+    v = v.repeat_interleave(h // kh, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k) * scale                 # (H, T, S+T)
+    allowed = torch.arange(positions)[None, :] <= (start + torch.arange(t))[:, None]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype)

@@ -1,0 +1,188 @@
+"""The Llama-family forward (Llama, Mistral, Qwen2 shapes; SmolLM2 here) over a paged KV cache.
+
+One call runs a ragged batch: the tokens of every scheduled chunk, flattened, go through
+the projections together (where batching pays); attention then runs per group: all
+decode rows in one paged call, each prefill chunk on its own prefix.  The float32 math
+mirrors transformers' LlamaForCausalLM op for op, so greedy outputs agree with it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import paged_attention
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> LlamaConfig:
+        c = json.loads((folder / "config.json").read_text())
+        if c.get("model_type") not in SUPPORTED:
+            raise ValueError(f"model_type {c.get('model_type')!r} is not supported ({', '.join(SUPPORTED)})")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope scaling {rope!r} is not supported yet")
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate_size=c["intermediate_size"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            max_position=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            qkv_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
+        )
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor      # (H,)
+    wq: torch.Tensor              # (heads*D, H)
+    wk: torch.Tensor              # (kv_heads*D, H)
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    wo: torch.Tensor              # (H, heads*D)
+    post_norm: torch.Tensor
+    w_gate: torch.Tensor          # (I, H)
+    w_up: torch.Tensor
+    w_down: torch.Tensor          # (H, I)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How the flat batch's rows attend.  Built by the model runner from the scheduled chunks."""
+
+    slots: torch.Tensor                                   # (T,) cache slot of every row
+    decode_rows: torch.Tensor | None                      # (B,) rows that are single decode tokens
+    decode_tables: torch.Tensor | None                    # (B, max_blocks)
+    decode_lens: torch.Tensor | None                      # (B,) keys per decode row
+    prefills: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first row, rows, start position, block table)
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(str(folder / name)))
+    return weights
+
+
+class LlamaModel:
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device):
+        self.config = config
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")                               # (V, H)
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(Layer(
+                input_norm=w(p + "input_layernorm.weight"),
+                wq=w(p + "self_attn.q_proj.weight"), wk=w(p + "self_attn.k_proj.weight"),
+                wv=w(p + "self_attn.v_proj.weight"),
+                bq=opt(p + "self_attn.q_proj.bias"), bk=opt(p + "self_attn.k_proj.bias"),
+                bv=opt(p + "self_attn.v_proj.bias"),
+                wo=w(p + "self_attn.o_proj.weight"), post_norm=w(p + "post_attention_layernorm.weight"),
+                w_gate=w(p + "mlp.gate_proj.weight"), w_up=w(p + "mlp.up_proj.weight"),
+                w_down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else w(
+            "lm_head.weight")
+        # RoPE tables as transformers builds them: float32 inverse frequencies times positions.
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(config.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)                                   # (P, D)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.scale = d ** -0.5
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,); logits_rows: (S,) rows whose next-token logits are wanted.
+        Returns (S, V) float32."""
+        c = self.config
+        t = input_ids.shape[0]
+        x = self.embed[input_ids]                                                  # (T, H)
+        cos = self.cos[positions][:, None, :]                                      # (T, 1, D)
+        sin = self.sin[positions][:, None, :]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+            h = self._rms_norm(x, layer.input_norm)
+            q = F.linear(h, layer.wq, layer.bq).view(t, c.num_heads, c.head_dim)
+            k = F.linear(h, layer.wk, layer.bk).view(t, c.num_kv_heads, c.head_dim)
+            v = F.linear(h, layer.wv, layer.bv).view(t, c.num_kv_heads, c.head_dim)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            paged_attention.write_kv(k_cache, v_cache, plan.slots, k, v)
+            attn = self._attention(q, k, v, k_cache, v_cache, plan)                # (T, heads, D)
+            x = x + F.linear(attn.reshape(t, c.num_heads * c.head_dim), layer.wo)
+            h = self._rms_norm(x, layer.post_norm)
+            x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up), layer.w_down)
+        last = self._rms_norm(x[logits_rows], self.norm)                           # (S, H)
+        return F.linear(last, self.lm_head).float()                                # (S, V)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        if plan.decode_rows is not None and not plan.prefills:
+            # Pure decode step (the common case): every row is a decode row, in order.
+            assert plan.decode_tables is not None and plan.decode_lens is not None
+            return paged_attention.decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale)
+        out = torch.empty_like(q)
+        if plan.decode_rows is not None:
+            assert plan.decode_tables is not None and plan.decode_lens is not None
+            out[plan.decode_rows] = paged_attention.decode(q[plan.decode_rows], k_cache, v_cache,
+                                                           plan.decode_tables, plan.decode_lens, self.scale)
+        for first, rows, start, table in plan.prefills:
+            sl = slice(first, first + rows)
+            if start == 0:
+                out[sl] = paged_attention.causal(q[sl], k[sl], v[sl], self.scale)
+            else:
+                out[sl] = paged_attention.prefill(q[sl], k_cache, v_cache, table, start, self.scale)
+        return out
