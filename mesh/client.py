@@ -70,6 +70,7 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     served_by: ServedBy | None = None
     ids: tuple[int, ...] = field(default=())
 
@@ -128,6 +129,7 @@ class RouterClient:
                     finish_reason=FINISH_NAMES.get(r.finish_reason),
                     prompt_tokens=r.usage.prompt_tokens,
                     completion_tokens=r.usage.completion_tokens,
+                    cached_tokens=r.usage.cached_tokens,
                     served_by=served,
                     ids=tuple(r.ids),
                 )

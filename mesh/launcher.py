@@ -20,6 +20,7 @@ log = logging.getLogger("launcher")
 
 ROUTER_PORT, TOKENIZER_PORT, CACHE_PORT, ENGINE_BASE_PORT = 50051, 50052, 50053, 50060
 HTTP_PORT, HTTP3_PORT = 8000, 8443
+ENGINE_METRICS_BASE_PORT = 9100
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
         rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
         engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
                                    "--model", config.models[0], "--dtype", config.dtype, "--region",
-                                   config.region, "--threads", str(threads)], f"127.0.0.1:{port}"))
+                                   config.region, "--threads", str(threads), "--metrics-port",
+                                   str(config.port(ENGINE_METRICS_BASE_PORT + i))], f"127.0.0.1:{port}"))
     router_port = config.port(ROUTER_PORT)
     router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),
                                 "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,

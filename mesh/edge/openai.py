@@ -189,9 +189,10 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(final: Delta) -> dict[str, int]:
+def usage(final: Delta) -> dict[str, Any]:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
 def _meta(served: ServedBy | None) -> dict[str, object] | None:

@@ -33,13 +33,14 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     a = p.parse_args(argv)
     name, folder = model_store.served_model(a.model)
     return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
                         replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
                         dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
                         block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
-                        max_running=a.max_running)
+                        max_running=a.max_running, metrics_port=a.metrics_port)
 
 
 async def serve(config: EngineConfig) -> None:
@@ -48,16 +49,22 @@ async def serve(config: EngineConfig) -> None:
 
         torch.set_num_threads(config.threads)
     runner = ModelRunner(config.model_path, config.resolved_dtype(), config.resolved_device(),
-                         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size)
+                         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
+                         matmul=config.resolved_matmul())
     service = Service("meshpb.v1.Engine", config.host, config.port)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
     servicer = EngineServicer(Engine(runner, config.max_waiting, limits), config)
     add_to(service, servicer)
     await service.start()
     servicer.start()
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.metrics_port, addr=config.host)
     await service.ready()
-    log.info("engine %s serving %s (%s on %s) at %s", config.replica_id, config.model,
-             runner.dtype, runner.device, service.address)
+    log.info("engine %s serving %s (%s, %s matmuls, on %s; %d KV blocks of %d tokens) at %s", config.replica_id,
+             config.model, runner.dtype, runner.matmul, runner.device, runner.num_blocks, runner.block_size,
+             service.address)
     await run_until_signalled(service, on_stop=servicer.close)
 
 

@@ -39,6 +39,7 @@ class Engine:
         self._lock = threading.Lock()
         self.last_step_s = 0.0
         self.last_step_tokens = 0
+        self.preemptions = 0
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -100,6 +101,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs = self._drain()
         batch = self.scheduler.schedule()
+        self.preemptions += len(batch.preempted)
         if not batch.chunks:
             return outputs
         started = time.perf_counter()

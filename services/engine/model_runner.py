@@ -15,7 +15,7 @@ from services.engine.scheduler import Chunk
 
 class ModelRunner:
     def __init__(self, folder: str | Path, dtype: str = "float32", device: str = "cpu",
-                 kv_cache_bytes: int = 1 << 30, block_size: int = 16):
+                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, matmul: str = "exact"):
         import json
 
         self.folder = Path(folder)
@@ -26,7 +26,8 @@ class ModelRunner:
             raise ValueError(f"{self.folder}: model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}")
         config_cls, model_cls = ARCHITECTURES[model_type]
         self.config = config_cls.from_folder(self.folder)
-        self.model = model_cls(self.config, load_weights(self.folder), self.dtype, self.device)
+        self.matmul = matmul
+        self.model = model_cls(self.config, load_weights(self.folder), self.dtype, self.device, matmul)
         self.max_context = self.config.max_position
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = model_store.eos_token_ids(self.folder)

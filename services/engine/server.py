@@ -14,6 +14,7 @@ import grpc
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine import metrics
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.request import FinishReason, SamplingParams, StepOutput
@@ -63,6 +64,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._loop_task: asyncio.Task[None] | None = None
         self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
+        self.metrics = metrics.ReplicaMetrics(config.replica_id)
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_loop())
@@ -87,11 +89,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             queue.put_nowait(StepOutput(request_id, (), (), None))
                     continue
                 now = time.monotonic()
+                self._observe_step()
                 for out in outputs:
                     self._tokens.append((now, len(out.new_ids)))
                     queue = self.queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+
+    def _observe_step(self) -> None:
+        engine, blocks = self.engine, self.engine.blocks
+        self.metrics.observe_step(engine.num_running, engine.num_waiting, blocks.num_used_blocks,
+                                  blocks.num_free_blocks, blocks.queries, blocks.hits, engine.preemptions,
+                                  engine.last_step_s, engine.last_step_tokens)
 
     @rpc_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -105,17 +114,27 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()
+            first_token_at = 0.0
             try:
                 self.engine.add(req)
                 self._wakeup.set()
                 while True:
                     out = await queue.get()
+                    if out.new_ids:
+                        self.metrics.generated.inc(len(out.new_ids))
+                        if not first_token_at:
+                            first_token_at = time.monotonic()
+                            self.metrics.ttft.observe(first_token_at - started)
                     if not out.new_ids and out.finish_reason is None:
                         await context.abort(grpc.StatusCode.INTERNAL,
                                             f"engine {self.config.replica_id} failed while running the model")
                     yield output_to_pb(out)
                     if out.finish_reason is not None:
                         span.set_attribute("completion_tokens", out.completion_tokens)
+                        span.set_attribute("cached_tokens", out.cached_tokens)
+                        produced = len(req.output_ids)
+                        if produced > 1:
+                            self.metrics.tpot.observe((time.monotonic() - first_token_at) / (produced - 1))
                         self._finished.append((time.monotonic(), time.monotonic() - started))
                         return
             finally:

@@ -24,16 +24,18 @@ class Mesh:
     http3_port: int
     router: str        # host:port of the router's gRPC
     log: Path
+    engine_metrics_port: int
 
 
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
-    m = Mesh(f"http://127.0.0.1:{8000 + OFFSET}", 8443 + OFFSET, f"127.0.0.1:{50051 + OFFSET}", log)
+    m = Mesh(f"http://127.0.0.1:{8000 + OFFSET}", 8443 + OFFSET, f"127.0.0.1:{50051 + OFFSET}", log, 9100 + OFFSET)
     if http_ok(f"{m.http}/health"):
         pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--engines", "2",
+        # float32 is the parity dtype: greedy output must equal transformers' bit for bit.
+        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--engines", "2", "--dtype", "float32",
                                  "--port-offset", str(OFFSET)], stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300

@@ -89,6 +89,27 @@ def test_models_health_and_metrics(client: openai.OpenAI, mesh: Mesh) -> None:
         assert reply.status == 200
     with urllib.request.urlopen(f"{mesh.http}/metrics") as reply:
         assert b"infermesh_edge_requests_total" in reply.read()
+    with urllib.request.urlopen(f"http://127.0.0.1:{mesh.engine_metrics_port}/metrics") as reply:
+        text = reply.read().decode()
+    for name in ("infermesh_engine_requests_running", "infermesh_engine_kv_blocks_free",
+                 "infermesh_engine_prefix_hit_tokens_total", "infermesh_engine_step_seconds",
+                 "infermesh_engine_generated_tokens_total", "infermesh_engine_time_to_first_token_seconds",
+                 "infermesh_engine_time_per_output_token_seconds"):
+        assert f'{name}' in text and 'replica="engine-0"' in text
+
+
+def test_repeated_prefix_is_served_from_the_prefix_cache(client: openai.OpenAI) -> None:
+    document = "Infermesh serves language models as a mesh of small services. " * 40
+    messages = [{"role": "system", "content": document}, {"role": "user", "content": "Summarize."}]
+    pinned = {"x-infermesh-replica": "engine-0"}
+    first = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=4, temperature=0,
+                                           extra_headers=pinned)
+    second = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=4, temperature=0,
+                                            extra_headers=pinned)
+    assert first.usage is not None and second.usage is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached >= second.usage.prompt_tokens - 16 and cached > 400
+    assert second.choices[0].message.content == first.choices[0].message.content
 
 
 def test_precise_errors(client: openai.OpenAI, mesh: Mesh) -> None:
@@ -102,6 +123,10 @@ def test_precise_errors(client: openai.OpenAI, mesh: Mesh) -> None:
     with pytest.raises(openai.NotFoundError, match="replica 'engine-7' does not exist"):
         client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "x"}],
                                        extra_headers={"x-infermesh-replica": "engine-7"})
+    with pytest.raises(openai.BadRequestError, match="context is 8192 tokens"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hello " * 9000}])
+    with pytest.raises(openai.BadRequestError, match="'top_p' must be between 0 and 1"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "x"}], top_p=2)
     request = urllib.request.Request(f"{mesh.http}/v1/chat/completions", data=b"{not json", method="POST")
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request)

@@ -60,10 +60,11 @@ def test_completion_prompt() -> None:
 
 
 def test_response_shapes_carry_infermesh_metadata() -> None:
-    final = Delta("", "stop", 5, 2, ServedBy("engine-0", "m", "1", "local", False, 1.0))
+    final = Delta("", "stop", 5, 2, served_by=ServedBy("engine-0", "m", "1", "local", False, 1.0))
     body = openai.completion_body(True, "chatcmpl-1", "m", "hi", final)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["infermesh"] == {"replica": "engine-0", "model_version": "1", "region": "local",
                                  "degraded": False, "confidence": 1.0}
     chunk = openai.chunk_body(True, "chatcmpl-1", "m", "", "stop", final=final)

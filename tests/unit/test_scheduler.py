@@ -51,6 +51,7 @@ class FakeModel:
             if c.sample:
                 end = c.start + c.num_tokens
                 seen = [self.kv[b][o] for b, o in (self._slot(c.request, p) for p in range(end))]
+                assert None not in seen, f"{c.request.request_id} reads KV that was never written"
                 c.request.append(sum(t or 0 for t in seen) % 100)
                 if len(c.request.output_ids) == c.request.max_tokens:
                     self.s.finish(c.request)

@@ -1,0 +1,52 @@
+"""Prometheus metrics of one engine replica (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LABELS = ["replica"]
+RUNNING = Gauge("infermesh_engine_requests_running", "Requests in the running batch", LABELS)
+WAITING = Gauge("infermesh_engine_requests_waiting", "Requests waiting for admission", LABELS)
+KV_USED = Gauge("infermesh_engine_kv_blocks_used", "KV cache blocks in use or cached", LABELS)
+KV_FREE = Gauge("infermesh_engine_kv_blocks_free", "KV cache blocks free or evictable", LABELS)
+PREFIX_QUERIED = Counter("infermesh_engine_prefix_query_tokens_total", "Prompt tokens looked up in the prefix cache",
+                         LABELS)
+PREFIX_HIT = Counter("infermesh_engine_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", LABELS)
+PREEMPTIONS = Counter("infermesh_engine_preemptions_total", "Requests preempted for lack of KV blocks", LABELS)
+STEP = Histogram("infermesh_engine_step_seconds", "Duration of one engine step", LABELS,
+                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+STEP_TOKENS = Counter("infermesh_engine_step_tokens_total", "Tokens computed (prefill and decode)", LABELS)
+GENERATED = Counter("infermesh_engine_generated_tokens_total", "Tokens generated; rate() gives tokens/s", LABELS)
+TTFT = Histogram("infermesh_engine_time_to_first_token_seconds", "Arrival to first generated token", LABELS,
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
+                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
+
+
+class ReplicaMetrics:
+    """The metrics above, bound to one replica's label, plus the counters' last readings."""
+
+    def __init__(self, replica: str):
+        self.running, self.waiting = RUNNING.labels(replica), WAITING.labels(replica)
+        self.kv_used, self.kv_free = KV_USED.labels(replica), KV_FREE.labels(replica)
+        self.queried, self.hit = PREFIX_QUERIED.labels(replica), PREFIX_HIT.labels(replica)
+        self.preemptions = PREEMPTIONS.labels(replica)
+        self.step, self.step_tokens = STEP.labels(replica), STEP_TOKENS.labels(replica)
+        self.generated = GENERATED.labels(replica)
+        self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
+        self._seen = (0, 0, 0)  # prefix queries, prefix hits, preemptions already counted
+
+    def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
+                     preemptions: int, step_s: float, step_tokens: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_used.set(used)
+        self.kv_free.set(free)
+        seen_q, seen_h, seen_p = self._seen
+        self.queried.inc(queries - seen_q)
+        self.hit.inc(hits - seen_h)
+        self.preemptions.inc(preemptions - seen_p)
+        self._seen = (queries, hits, preemptions)
+        if step_tokens:
+            self.step.observe(step_s)
+            self.step_tokens.inc(step_tokens)
