@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -53,6 +54,7 @@ class Result:
     tokens_per_s: float
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
+    load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min load average when it finished
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -115,7 +117,12 @@ async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: i
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=10), limits=limits) as client:
         await stream_one(client, url, model, [{"role": "user", "content": "Warm up: say hello."}], 8, 0.0)
         t0 = time.perf_counter()
-        done = await asyncio.gather(*(stream_one(client, url, model, c, out, t0) for c in chats))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the rest
+                tasks = [group.create_task(stream_one(client, url, model, c, out, t0)) for c in chats]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+    done = [task.result() for task in tasks]
     wall = max(end for _, end, _ in done)
     short = [tokens for _, _, tokens in done if tokens != out]
     if short:
@@ -124,11 +131,11 @@ async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: i
     return Result(name, len(chats), sum(t for _, _, t in done) / wall, [f * 1e3 for f, _, _ in done], tpot)
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+def wait_http(name: str, url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BenchError(f"{proc.args[0]} exited with {proc.returncode} before {url} was ready; "
+            raise BenchError(f"{name} exited with {proc.returncode} before {url} was ready; "
                              f"log {log}:\n{log.read_text(errors='replace')[-3000:]}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
@@ -160,7 +167,7 @@ def serve_and_drive(command: list[str], base: str, model: str, chats: list[list[
     with open(log, "wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            wait_http(f"{base}/health", proc, 300, log)
+            wait_http(name, f"{base}/health", proc, 300, log)
             return asyncio.run(drive(base, model, chats, out, name))
         finally:
             stop(proc)
@@ -235,6 +242,9 @@ def report(results: list[Result]) -> list[str]:
         for other in ("transformers sequential", "transformers static batch", "llama.cpp server"):
             if other in by_name:
                 lines.append(f"infermesh / {other}: {mesh.tokens_per_s / by_name[other].tokens_per_s:.1f}x tokens/s")
+    if any(r.load > (os.cpu_count() or 1) for r in results):
+        lines.append(f"note: the machine was busy (1-min load {', '.join(f'{r.load:.1f}' for r in results)} on "
+                     f"{os.cpu_count()} cores after each system): these numbers are noisy")
     return lines
 
 

@@ -80,19 +80,36 @@ class PackedLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+class Concat:
+    """Several projections of the same input, outputs side by side.
+
+    Exact mode keeps transformers' separate GEMMs (so each output is bit-identical) and
+    concatenates; packed mode fuses the weights into one GEMM, which saves a call per part."""
+
+    def __init__(self, kind: type[Linear], weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+        if kind is PackedLinear:
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)])
+            self.parts: list[Linear] = [PackedLinear(torch.cat(weights), bias)]
+        else:
+            self.parts = [Linear(w, b) for w, b in zip(weights, biases, strict=True)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0](x)
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 MATMULS = {"exact": Linear, "packed": PackedLinear}
 
 
 @dataclass
 class Layer:
     input_norm: torch.Tensor      # (H,)
-    q: Linear                     # H -> heads*D
-    k: Linear                     # H -> kv_heads*D
-    v: Linear
+    qkv: Concat                   # H -> (heads + 2 kv_heads) * D
     o: Linear                     # heads*D -> H
     post_norm: torch.Tensor
-    gate: Linear                  # H -> I
-    up: Linear
+    gate_up: Concat               # H -> 2 I
     down: Linear                  # I -> H
 
 
@@ -139,12 +156,11 @@ class LlamaModel:
             a = p + "self_attn."
             self.layers.append(Layer(
                 input_norm=w(p + "input_layernorm.weight"),
-                q=linear(w(a + "q_proj.weight"), opt(a + "q_proj.bias")),
-                k=linear(w(a + "k_proj.weight"), opt(a + "k_proj.bias")),
-                v=linear(w(a + "v_proj.weight"), opt(a + "v_proj.bias")),
+                qkv=Concat(linear, [w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")],
+                           [opt(a + "q_proj.bias"), opt(a + "k_proj.bias"), opt(a + "v_proj.bias")]),
                 o=linear(w(a + "o_proj.weight"), None),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate=linear(w(p + "mlp.gate_proj.weight"), None), up=linear(w(p + "mlp.up_proj.weight"), None),
+                gate_up=Concat(linear, [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], [None, None]),
                 down=linear(w(p + "mlp.down_proj.weight"), None),
             ))
         self.norm = w("model.norm.weight")
@@ -176,21 +192,21 @@ class LlamaModel:
         Returns (S, V) float32."""
         c = self.config
         t = input_ids.shape[0]
+        qk_heads = c.num_heads + c.num_kv_heads
         x = self.embed[input_ids]                                                  # (T, H)
         cos = self.cos[positions][:, None, :]                                      # (T, 1, D)
         sin = self.sin[positions][:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             h = self._rms_norm(x, layer.input_norm)
-            q = layer.q(h).view(t, c.num_heads, c.head_dim)
-            k = layer.k(h).view(t, c.num_kv_heads, c.head_dim)
-            v = layer.v(h).view(t, c.num_kv_heads, c.head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+            qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
+            qk = self._rope(qkv[:, :qk_heads], cos, sin)                           # q and k rotate together
+            q, k, v = qk[:, : c.num_heads], qk[:, c.num_heads:], qkv[:, qk_heads:]
             paged_attention.write_kv(k_cache, v_cache, plan.slots, k, v)
             attn = self._attention(q, k, v, k_cache, v_cache, plan)                # (T, heads, D)
             x = x + layer.o(attn.reshape(t, c.num_heads * c.head_dim))
             h = self._rms_norm(x, layer.post_norm)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         last = self._rms_norm(x[logits_rows], self.norm)                           # (S, H)
         return self.lm_head(last).float()                                          # (S, V)
 
