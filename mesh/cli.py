@@ -132,7 +132,9 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole mesh on this machine until SIGINT/SIGTERM")
     up.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
     up.add_argument("--model", action="append", help="model NAME (default: the default model)")
-    up.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto",
+                    help="engines' compute: auto = fastest exact-enough for the device; float32 = transformers' "
+                         "bits; int8 = int8 weights (faster on CPU, a quantized model)")
     up.add_argument("--discovery", choices=("static", "consul"), default="static")
     up.add_argument("--host", default="127.0.0.1", help="edge bind address (non-loopback needs API keys)")
     up.add_argument("--port-offset", type=int, default=0, help="add this to every port")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -53,6 +53,8 @@ class EngineConfig:
     def resolved_dtype(self) -> str:
         # Measured on the 2-core AVX2 CPU here: bf16 GEMMs run at ~18 GFLOP/s against 50-120
         # for fp32 (no native bf16), so auto means fp32 on CPU and bf16 on CUDA.
+        if self.dtype == "int8":
+            return "float32"  # int8 weights, float32 activations and KV cache
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
@@ -62,6 +64,10 @@ class EngineConfig:
 
         auto on CPU takes packed: 1.3-2.7x faster GEMMs at 1-64 rows here, at the price of
         last-bit differences from transformers.  An explicit --dtype float32 keeps exact parity."""
+        if self.dtype == "int8":
+            if self.resolved_device() != "cpu":
+                raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
+            return "int8"
         if self.dtype == "auto" and self.resolved_device() == "cpu":
             import torch
 

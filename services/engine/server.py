@@ -8,6 +8,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -62,6 +63,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        # Always the same thread: OpenMP keeps its worker team per calling thread, and a
+        # step landing on a different pool thread each time pays for a new team.
+        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
         self.metrics = metrics.ReplicaMetrics(config.replica_id)
@@ -72,6 +76,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self._step_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _run_loop(self) -> None:
         while True:
@@ -79,7 +84,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self._wakeup.clear()
             while self.engine.has_work():
                 try:
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, self.engine.step)
                 except Exception:
                     # A model failure must not kill the loop: fail the requests in flight, keep serving.
                     log.exception("engine step failed")

@@ -10,10 +10,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from mesh.detokenize import IncrementalDecoder
 from mesh.errors import InvalidArgument, NotFound, Unavailable
 from mesh.grpcutil import channel, check_health, rpc_errors
 from mesh.telemetry import outgoing_metadata, server_span
@@ -44,6 +45,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel(config.tokenizer))
         self._engine_stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
         self.tokenizer_healthy = False
+        self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
 
     # -- replica state -----------------------------------------------------------------
     def engine_stub(self, replica: Replica) -> engine_pb2_grpc.EngineStub:
@@ -78,6 +80,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def ready(self) -> bool:
         return self.tokenizer_healthy and any(r.healthy for r in self.table.all())
+
+    async def decode_fn(self, model: str) -> Callable[[Sequence[int]], str]:
+        """ids -> text for `model`, from the tokenizer service's `tokenizers` JSON, fetched once.
+
+        Streams are detokenized here, in process: a round trip to the tokenizer per token
+        cost more CPU than the decode itself on a busy machine."""
+        decode = self._decoders.get(model)
+        if decode is None:
+            from tokenizers import Tokenizer
+
+            try:
+                spec = await self.tokenizer.GetTokenizerJson(tokenizer_pb2.ModelInfoRequest(model=model), timeout=30.0)
+            except grpc.aio.AioRpcError as err:
+                raise _relay_error("tokenizer", err) from None
+            tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+
+            def decode(ids: Sequence[int]) -> str:
+                return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+            self._decoders[model] = decode
+        return decode
 
     # -- request path ------------------------------------------------------------------
     def resolve_model(self, model: str) -> str:
@@ -144,14 +167,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             engine_pb2.GenerateRequest(request_id=request_id, model=model, prompt_ids=prompt_ids,
                                        sampling=request.sampling, priority=request.priority),
             metadata=outgoing_metadata())
-        decoder = _Detokenizer(self.tokenizer, model)
+        decoder = IncrementalDecoder(await self.decode_fn(model))
         stops = StopMatcher(list(request.sampling.stop))
         replica.in_flight += 1
         first = True
         try:
             async for chunk in call:
                 final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                text = await decoder.push(list(chunk.ids), final)
+                text = decoder.push(list(chunk.ids), final)
                 emit, stopped = stops.push(text)
                 if final or stopped:
                     if not stopped:
@@ -193,33 +216,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
                                model_version=r.model_version, region=r.region, healthy=r.healthy)
         return reply
-
-
-class _Detokenizer:
-    """Router-side state of incremental detokenization; the tokenizer service stays stateless."""
-
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, model: str):
-        self.stub = stub
-        self.model = model
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    async def push(self, new_ids: list[int], final: bool) -> str:
-        self.ids.extend(new_ids)
-        if not new_ids and not final:
-            return ""
-        try:
-            step = await self.stub.DecodeIncremental(
-                tokenizer_pb2.DecodeIncrementalRequest(
-                    model=self.model, ids=self.ids[self.prefix_offset:],
-                    read_offset=self.read_offset - self.prefix_offset, skip_special_tokens=True, final=final),
-                timeout=10.0)
-        except grpc.aio.AioRpcError as err:
-            raise _relay_error("tokenizer", err) from None
-        base = self.prefix_offset
-        self.prefix_offset, self.read_offset = base + step.prefix_offset, base + step.read_offset
-        return step.text
 
 
 def _relay_error(hop: str, err: grpc.aio.AioRpcError) -> Exception:

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import grpc
 
 from mesh.chat import Message
+from mesh.detokenize import decode_step
 from mesh.errors import InvalidArgument, NotFound
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import tokenizer_pb2 as pb
 from meshpb.v1 import tokenizer_pb2_grpc as pb_grpc
-from services.tokenizer.detokenize import decode_step
 from services.tokenizer.tokenizer import ModelTokenizer
 
 # An interactive request must not wait behind a large batch encode on the event loop;
@@ -94,6 +94,13 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             max_context=tok.max_context,
             has_chat_template=bool(tok.hf.chat_template),
         )
+
+
+    @rpc_errors
+    async def GetTokenizerJson(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+                               ) -> pb.TokenizerJson:
+        tok = self._get(request.model)
+        return pb.TokenizerJson(model=tok.name, tokenizer_json=tok.hf.backend_tokenizer.to_str())
 
 
 def add_to(service: Service, servicer: TokenizerServicer) -> None:

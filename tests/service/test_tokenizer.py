@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from mesh.chat import Message
+from mesh.detokenize import IncrementalDecoder
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import Service, channel
 from meshpb.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.tokenizer.detokenize import IncrementalDecoder
 from services.tokenizer.server import TokenizerServicer, add_to
 from services.tokenizer.tokenizer import ModelTokenizer
 

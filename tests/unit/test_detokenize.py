@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from services.tokenizer.detokenize import IncrementalDecoder, decode_step
+from mesh.detokenize import IncrementalDecoder, decode_step
 
 
 def byte_decode(ids: list[int]) -> str:

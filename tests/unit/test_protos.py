@@ -14,7 +14,8 @@ def test_generated_modules_import(name: str) -> None:
 
 
 @pytest.mark.parametrize("service,rpcs", [
-    ("tokenizer", {"ApplyChatTemplate", "Encode", "EncodeBatch", "Decode", "DecodeIncremental", "GetModelInfo"}),
+    ("tokenizer", {"ApplyChatTemplate", "Encode", "EncodeBatch", "Decode", "DecodeIncremental", "GetModelInfo",
+                   "GetTokenizerJson"}),
     ("engine", {"Generate", "Abort", "GetLoad", "WatchLoad", "GetInfo"}),
     ("router", {"Generate", "ListModels", "ListReplicas"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",

