@@ -255,7 +255,7 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--port-offset", type=int, default=500)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"])
     parser.add_argument("--skip-hf-sequential", action="store_true")
     parser.add_argument("--hf-sequential-requests", type=int, default=2)
     parser.add_argument("--llama-server", help="llama-server binary (default: found on PATH)")

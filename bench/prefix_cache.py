@@ -66,7 +66,7 @@ def main() -> int:
     with open(log, "wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            wait_http(f"{base}/health", proc, 300, log)
+            wait_http("infermesh", f"{base}/health", proc, 300, log)
             results = asyncio.run(measure(base, a.trials, a.prefix_tokens))
         except BenchError as exc:
             print(f"bench failed: {exc}", file=sys.stderr)

@@ -14,7 +14,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
 
     try:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
-                            discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region)
+                            discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
+                            kv_cache_mb=a.kv_cache_mb)
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -139,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="edge bind address (non-loopback needs API keys)")
     up.add_argument("--port-offset", type=int, default=0, help="add this to every port")
     up.add_argument("--region", default="local")
+    up.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache budget per engine (MiB)")
     up.set_defaults(func=_cmd_up)
 
     chat = sub.add_parser("chat", help="stream one answer from a running mesh")

@@ -32,6 +32,7 @@ class MeshConfig:
     host: str = "127.0.0.1"
     port_offset: int = 0               # shifts every port, so two meshes can share a machine
     region: str = "local"
+    kv_cache_mb: int = 1024            # per engine
     ready_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -43,6 +44,8 @@ class MeshConfig:
             raise ValueError("--discovery consul is not available yet; use static (the default)")
         if not self.models:
             raise ValueError("at least one --model is needed")
+        if self.kv_cache_mb < 16:
+            raise ValueError("--kv-cache-mb must be at least 16")
         if not 0 <= self.port_offset < 10_000:
             raise ValueError("--port-offset must be between 0 and 9999")
 
@@ -77,7 +80,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
         rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
         engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
                                    "--model", config.models[0], "--dtype", config.dtype, "--region",
-                                   config.region, "--threads", str(threads), "--metrics-port",
+                                   config.region, "--threads", str(threads), "--kv-cache-mb",
+                                   str(config.kv_cache_mb), "--metrics-port",
                                    str(config.port(ENGINE_METRICS_BASE_PORT + i))], f"127.0.0.1:{port}"))
     router_port = config.port(ROUTER_PORT)
     router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),

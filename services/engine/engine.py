@@ -65,7 +65,8 @@ class Engine:
             raise InvalidArgument(f"resume_ids already hold {len(resume)} of max_tokens {max_tokens}")
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if len(prompt_ids) + max_tokens > capacity:
-            raise ResourceExhausted(
+            # Permanent for this request (a 400, not a retry-later 429).
+            raise InvalidArgument(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can never fit this engine's KV "
                 f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
         if priority not in (0, 1):

@@ -163,3 +163,12 @@ def test_packed_matmuls_agree_with_transformers(model_dir: Path, hf) -> None:  #
         assert tokens(outs) == ref.sequences[0, len(ids):].tolist()
         ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
         assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < 1e-3
+
+
+def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:
+    tiny = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=2 << 20)   # 2 blocks of 16 tokens
+    engine = Engine(tiny)
+    assert tiny.num_blocks == 2
+    with pytest.raises(InvalidArgument, match="can never fit this engine's KV cache of 32 tokens"):
+        engine.make_request("a", [1] * 10, SamplingParams(max_tokens=30))
+    engine.make_request("b", [1] * 10, SamplingParams(max_tokens=22))   # exactly fits
