@@ -174,3 +174,20 @@ def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:
     with pytest.raises(InvalidArgument, match="can never fit this engine's KV cache of 32 tokens"):
         engine.make_request("a", [1] * 10, SamplingParams(max_tokens=30))
     engine.make_request("b", [1] * 10, SamplingParams(max_tokens=22))   # exactly fits
+
+
+def test_preemption_under_kv_pressure_loses_nothing(model_dir: Path, runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
+    """With too few KV blocks for everyone, requests are preempted and recomputed; every one
+    still finishes with exactly the tokens it produces when memory is plentiful."""
+    _, tokenizer = hf
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS + ["Describe a sunrise over the mountains."]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plenty = Engine(runner)
+    expected = run(plenty, *(plenty.make_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)))
+    blocks_each = -(-(max(map(len, prompts)) + 24) // runner.block_size)
+    scarce_runner = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=(blocks_each + 2) * runner.block_bytes)
+    scarce = Engine(scarce_runner)
+    got = run(scarce, *(scarce.make_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)))
+    assert scarce.preemptions > 0
+    assert {rid: tokens(o) for rid, o in got.items()} == {rid: tokens(o) for rid, o in expected.items()}
+    assert scarce.blocks.num_free_blocks == scarce.blocks.num_blocks
