@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from mesh.errors import InvalidArgument
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -111,6 +112,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.queues:
+            raise InvalidArgument(f"request_id {request_id!r} is already in flight on this engine")
         with server_span("engine.generate", context, request_id=request_id,
                          prompt_tokens=len(request.prompt_ids)) as span:
             req = self.engine.make_request(request_id, list(request.prompt_ids),

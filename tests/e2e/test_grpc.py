@@ -37,3 +37,27 @@ def test_router_generate_with_grpc_stubs(mesh: Mesh, reference) -> None:  # type
     assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     assert final.usage.completion_tokens == sum(len(r.ids) for r in replies)
     assert final.served_by.replica in ("engine-0", "engine-1") and final.served_by.confidence == 1.0
+
+
+def test_engine_refuses_a_duplicate_request_id(mesh: Mesh) -> None:
+    from meshpb.v1 import engine_pb2, engine_pb2_grpc
+
+    engine = f"127.0.0.1:{int(mesh.router.rsplit(':', 1)[1]) + 9}"   # engine-0: router port + 9
+    request = engine_pb2.GenerateRequest(request_id="dup-1", prompt_ids=[1, 2, 3, 4],
+                                         sampling=common_pb2.SamplingParams(max_tokens=40, ignore_eos=True))
+
+    async def scenario() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(engine) as ch:
+            stub = engine_pb2_grpc.EngineStub(ch)
+            first = stub.Generate(request, timeout=120)
+            await first.read()                      # the first request is running
+            try:
+                async for _ in stub.Generate(request, timeout=30):
+                    pass
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+            finally:
+                first.cancel()
+            return grpc.StatusCode.OK
+
+    assert asyncio.run(scenario()) == grpc.StatusCode.INVALID_ARGUMENT
