@@ -275,18 +275,26 @@ def main() -> int:
     results: list[Result] = []
     logdir = Path(tempfile.mkdtemp(prefix="infermesh-bench-"))
     try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        timed_generate(model, {"input_ids": torch.tensor([encode_chat(tokenizer, chats[0])])}, 4,
+                       tokenizer.eos_token_id)  # warm-up
+        sequential = chats[: args.hf_sequential_requests]
+        # The single-stream baseline is measured before and after the mesh and averaged: this
+        # machine's speed drifts over minutes, and bracketing keeps the ratio honest.
+        before = None if args.skip_hf_sequential else run_hf_sequential(model, tokenizer, sequential,
+                                                                         args.output_tokens)
         results.append(run_mesh(args, chats, logdir))
         binary = args.llama_server or shutil.which("llama-server")
         if binary:
             results.append(run_llama_server(args, binary, chats, lengths, logdir))
         else:
             print("llama.cpp server skipped: no llama-server on PATH (pass --llama-server PATH [--gguf FILE])")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        timed_generate(model, {"input_ids": torch.tensor([encode_chat(tokenizer, chats[0])])}, 4,
-                       tokenizer.eos_token_id)  # warm-up
-        if not args.skip_hf_sequential:
-            results.append(run_hf_sequential(model, tokenizer, chats[: args.hf_sequential_requests],
-                                             args.output_tokens))
+        if before is not None:
+            after = run_hf_sequential(model, tokenizer, sequential, args.output_tokens)
+            print(f"transformers sequential: {before.tokens_per_s:.1f} tokens/s before the mesh, "
+                  f"{after.tokens_per_s:.1f} after; the table uses the mean", flush=True)
+            results.append(Result(before.system, 1, (before.tokens_per_s + after.tokens_per_s) / 2,
+                                  before.ttft_ms + after.ttft_ms, before.tpot_ms + after.tpot_ms))
         results.append(run_hf_batch(model, tokenizer, chats, args.output_tokens))
     except (BenchError, httpx.HTTPError, subprocess.CalledProcessError, OSError, ValueError) as exc:
         print(f"bench failed: {type(exc).__name__}: {exc}\n(logs kept in {logdir})", file=sys.stderr)
