@@ -106,7 +106,9 @@ class Engine:
         if not batch.chunks:
             return outputs
         started = time.perf_counter()
-        logits = self.runner.run(batch.chunks)
+        sampled = [c.request.sampling for c in batch.chunks if c.sample]
+        greedy = all(p.greedy and not p.logprobs for p in sampled)
+        logits = self.runner.run(batch.chunks, greedy=greedy)
         self.scheduler.commit(batch)
         outputs.extend(self._postprocess(batch, logits))
         self.last_step_s = time.perf_counter() - started
@@ -137,8 +139,12 @@ class Engine:
         return outputs
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
+        """logits: (S, V), or (S,) token ids when every sampled row was greedy."""
         sampled = [c.request for c in batch.chunks if c.sample]
-        tokens = sampler.sample_batch(logits, [r.sampling for r in sampled], [r.num_generated for r in sampled])
+        if logits.dim() == 1:
+            tokens = logits.tolist()
+        else:
+            tokens = sampler.sample_batch(logits, [r.sampling for r in sampled], [r.num_generated for r in sampled])
         outputs = []
         for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             params = req.sampling

@@ -45,8 +45,9 @@ class ModelRunner:
         return [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Compute every chunk; return (S, V) float32 logits for the chunks with sample=True, in order."""
+    def run(self, chunks: Sequence[Chunk], greedy: bool = False) -> torch.Tensor:
+        """Compute every chunk.  For the chunks with sample=True, in order, return (S, V) float32
+        logits, or with greedy=True (S,) argmax token ids when the model has a faster way to them."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -79,7 +80,12 @@ class ModelRunner:
             decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device) if decode_rows else None,
             prefills=tuple(prefills),
         )
-        return self.model.forward(
+        hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
-            plan, self.kv, torch.tensor(logits_rows, dtype=torch.int64, device=self.device)).cpu()
+            plan, self.kv, torch.tensor(logits_rows, dtype=torch.int64, device=self.device))
+        if greedy and hidden.shape[0]:
+            tokens = self.model.greedy(hidden)
+            if tokens is not None:
+                return tokens.cpu()
+        return self.model.logits(hidden).cpu()

@@ -191,3 +191,21 @@ def test_preemption_under_kv_pressure_loses_nothing(model_dir: Path, runner: Mod
     assert scarce.preemptions > 0
     assert {rid: tokens(o) for rid, o in got.items()} == {rid: tokens(o) for rid, o in expected.items()}
     assert scarce.blocks.num_free_blocks == scarce.blocks.num_blocks
+
+
+def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """Fast modes pick greedy tokens from an int8 ranking rescored in fp32: the same tokens as
+    the full fp32 vocabulary argmax, on real hidden states and on transformers' output."""
+    model, tokenizer = hf
+    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="hybrid")
+    hidden = torch.randn(256, fast.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    shortcut = fast.model.greedy(hidden)
+    assert shortcut is not None
+    assert torch.equal(shortcut, fast.model.logits(hidden).argmax(dim=-1))
+    engine = Engine(fast)
+    for prompt in PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        outs = run(engine, engine.make_request("g", ids, SamplingParams(max_tokens=24)))["g"]
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        assert tokens(outs) == ref

@@ -9,6 +9,7 @@ mirrors transformers' LlamaForCausalLM op for op, so greedy outputs agree with i
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,11 @@ class Int8Linear(Linear):
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.int64)
-        qweight = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
+        with warnings.catch_warnings():
+            # torch marks its quantized tensor types deprecated; FBGEMM's int8 GEMM still needs one
+            # here (torch 2.13).  Revisit when torch drops them.
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
         super().__init__(torch.ops.quantized.linear_prepack(qweight, bias), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +152,10 @@ class Concat:
         if len(self.parts) == 1:
             return self.parts[0](x)
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 MATMULS: dict[str, type[Linear]] = {"exact": Linear, "packed": PackedLinear, "fp16w": Fp16WeightLinear,
@@ -215,7 +224,12 @@ class LlamaModel:
             ))
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = linear(self.embed if tied else w("lm_head.weight"), None)
+        head = self.embed if tied else w("lm_head.weight")                           # (V, H)
+        self.lm_head = linear(head, None)
+        # Greedy shortcut (fast modes only): an int8 copy of the head ranks the vocabulary,
+        # then the top candidates are rescored exactly in fp32.  See greedy().
+        self.head_weight = head if matmul != "exact" else None
+        self.approx_head = Int8Linear(head, None) if matmul != "exact" and _has_fbgemm() else None
         # RoPE tables as transformers builds them: float32 inverse frequencies times positions.
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -257,8 +271,26 @@ class LlamaModel:
             h = self._rms_norm(x, layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        last = self._rms_norm(x[logits_rows], self.norm)                           # (S, H)
-        return self.lm_head(last).float()                                          # (S, V)
+        return self._rms_norm(x[logits_rows], self.norm)                           # (S, H)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (S, H) -> (S, V) float32."""
+        return self.lm_head(hidden).float()
+
+    GREEDY_CANDIDATES = 64
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Argmax token of each row without the full fp32 vocabulary GEMM, or None if unavailable.
+
+        The int8 head is within a small error of the fp32 logits, so the true argmax is among
+        its top 64 unless 64 tokens tie within that error; the candidates are rescored in fp32
+        and, sorted by id, ties resolve to the lowest id exactly as a full argmax does."""
+        if self.approx_head is None or self.head_weight is None:
+            return None
+        approx = self.approx_head(hidden.float())                                   # (S, V)
+        candidates = approx.topk(self.GREEDY_CANDIDATES, dim=-1).indices.sort(dim=-1).values  # (S, K)
+        exact = torch.einsum("sh,skh->sk", hidden, self.head_weight[candidates])   # (S, K)
+        return candidates.gather(1, exact.argmax(dim=-1, keepdim=True)).squeeze(1)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
