@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mesh.prefix import block_hash
+from mesh.prefix import block_hash, block_hashes
 
 
 @dataclass
@@ -59,13 +59,8 @@ class BlockManager:
     # -- prefix lookup and allocation ------------------------------------------------
     def _prefix_hashes(self, tokens: Sequence[int]) -> list[bytes]:
         # The last token is never served from cache: its logits are needed to sample.
-        usable = (len(tokens) - 1) // self.block_size
-        hashes: list[bytes] = []
-        parent = self.namespace
-        for i in range(usable):
-            parent = block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(parent)
-        return hashes
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        return block_hashes(tokens[:usable], self.block_size, self.namespace)
 
     def match_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached prefix of `tokens` (without taking them)."""

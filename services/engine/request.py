@@ -68,7 +68,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    aborted: bool = False
     priority: int = 0                     # 0 interactive, 1 batch
     arrival: int = 0                      # set by the scheduler
     num_computed: int = 0                 # tokens whose KV is in the cache
