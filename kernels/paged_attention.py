@@ -28,15 +28,28 @@ def gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_tables.reshape(-1)).view(b, nb * bs, kh, d).transpose(1, 2)
 
 
+def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask decode() applies: 0 for a row's keys, -inf for the padding after them.
+
+    (B, 1, 1, max_blocks * block_size).  The same for every layer, so callers build it once
+    per step; SDPA takes a float mask as is, where a boolean one is converted on every call."""
+    length = block_tables.shape[1] * block_size
+    keys = torch.arange(length, device=block_tables.device)[None, :]
+    mask = torch.zeros(context_lens.shape[0], length, dtype=dtype, device=block_tables.device)
+    return mask.masked_fill_(keys >= context_lens[:, None], float("-inf"))[:, None, None, :]
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+           context_lens: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row.  q: (B, H, D); block_tables: (B, max_blocks) padded with any valid id;
-    context_lens: (B,) keys per row, including the current token.  Returns (B, H, D)."""
+    context_lens: (B,) keys per row, including the current token; mask: decode_mask() of the
+    same, when the caller has it.  Returns (B, H, D)."""
     k = gather(k_cache, block_tables)                                           # (B, KH, L, D)
     v = gather(v_cache, block_tables)
-    length = k.shape[2]
-    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # (B, L)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+    if mask is None:
+        mask = decode_mask(block_tables, context_lens, k_cache.shape[1], q.dtype)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=True)                       # (B, H, 1, D)
     return out.squeeze(2)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import paged_attention
 from mesh import model_store
 from services.engine.models import ARCHITECTURES
 from services.engine.models.llama import AttentionPlan, load_weights
@@ -72,13 +73,16 @@ class ModelRunner:
             if chunk.sample:
                 logits_rows.append(row + n - 1)
         width = max((len(t) for t in decode_tables), default=0)
+        tables = lens = mask = None
+        if decode_rows:
+            tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in decode_tables], dtype=torch.int64,
+                                  device=self.device)
+            lens = torch.tensor(decode_lens, dtype=torch.int64, device=self.device)
+            mask = paged_attention.decode_mask(tables, lens, self.block_size, self.dtype)
         plan = AttentionPlan(
             slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device) if decode_rows else None,
-            decode_tables=torch.tensor([t + [t[0]] * (width - len(t)) for t in decode_tables], dtype=torch.int64,
-                                       device=self.device) if decode_rows else None,
-            decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device) if decode_rows else None,
-            prefills=tuple(prefills),
+            decode_tables=tables, decode_lens=lens, decode_mask=mask, prefills=tuple(prefills),
         )
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.int64, device=self.device),

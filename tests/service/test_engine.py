@@ -148,7 +148,7 @@ def test_admission_names_the_limit(runner: ModelRunner) -> None:
         engine.add(engine.make_request("b", [1, 2], SamplingParams(max_tokens=1)))
 
 
-@pytest.mark.parametrize("matmul", ["packed", "hybrid"])
+@pytest.mark.parametrize("matmul", ["packed", "fp16w"])
 def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) -> None:  # type: ignore[no-untyped-def]
     """The fast paths (auto on CPU) differ from transformers only slightly: greedy tokens
     agree on these prompts and the logprobs are close."""
@@ -197,7 +197,7 @@ def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # typ
     """Fast modes pick greedy tokens from an int8 ranking rescored in fp32: the same tokens as
     the full fp32 vocabulary argmax, on real hidden states and on transformers' output."""
     model, tokenizer = hf
-    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="hybrid")
+    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w")
     hidden = torch.randn(256, fast.config.hidden_size, generator=torch.Generator().manual_seed(0))
     shortcut = fast.model.greedy(hidden)
     assert shortcut is not None

@@ -38,7 +38,7 @@ def test_non_loopback_edge_with_keys_is_allowed() -> None:
 
 def test_engine_auto_dtype_is_fp32_on_cpu() -> None:
     auto = EngineConfig(model_path="/m", device="cpu")
-    assert auto.resolved_dtype() == "float32" and auto.resolved_matmul() == "hybrid"
+    assert auto.resolved_dtype() == "float32" and auto.resolved_matmul() == "fp16w"
     exact = EngineConfig(model_path="/m", device="cpu", dtype="float32")
     assert exact.resolved_dtype() == "float32" and exact.resolved_matmul() == "exact"
 
