@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/pip install -q grpcio-tools
 	$(BIN)/python proto/generate.py
-	$(BIN)/pip install -q --config-settings editable_mode=compat -e '.[test]'
+	$(BIN)/pip install -q --config-settings editable_mode=compat -e '.[test,bench]'
 	touch $(STAMP)
 
 protos: $(STAMP) meshpb/v1/.stamp

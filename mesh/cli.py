@@ -15,7 +15,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
     try:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
                             discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
-                            kv_cache_mb=a.kv_cache_mb)
+                            kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]))
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -141,6 +141,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port-offset", type=int, default=0, help="add this to every port")
     up.add_argument("--region", default="local")
     up.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache budget per engine (MiB)")
+    up.add_argument("--version", action="append", metavar="VERSION[=FOLDER]",
+                    help="model version(s) to serve side by side (default 1); engines are dealt out in turn; "
+                         "FOLDER: that version's weights (default: the model's own); the first is the default")
     up.set_defaults(func=_cmd_up)
 
     chat = sub.add_parser("chat", help="stream one answer from a running mesh")

@@ -48,6 +48,7 @@ class GenerateSpec:
     session_id: str = ""
     pinned_replica: str = ""
     request_id: str = ""
+    model_version: str = ""                # pin a version (also `model@version`)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,19 @@ class ModelCard:
     version: str
     replicas: int
     max_context: int
+    versions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelRouting:
+    model: str
+    default_version: str
+    canary: dict[str, float]
+    versions: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "default_version": self.default_version,
+                "canary": {v: round(s, 6) for v, s in sorted(self.canary.items())}, "versions": list(self.versions)}
 
 
 def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
@@ -92,7 +106,7 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
         sampling.seed = s.seed
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
-        pinned_replica=spec.pinned_replica)
+        pinned_replica=spec.pinned_replica, model_version=spec.model_version)
     if spec.prompt is not None:
         req.prompt = spec.prompt
     else:
@@ -138,7 +152,22 @@ class RouterClient:
 
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)
-        return [ModelCard(m.name, m.version, m.replicas, m.max_context) for m in reply.models]
+        return [ModelCard(m.name, m.version, m.replicas, m.max_context, tuple(m.versions)) for m in reply.models]
+
+    async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:
+        return _routing(await self._stub.GetModelRouting(router_pb2.ModelRoutingRequest(model=model), timeout=timeout))
+
+    async def set_model_routing(self, model: str, default_version: str = "", canary: dict[str, float] | None = None,
+                                timeout: float = 5.0) -> ModelRouting:
+        """Switch the default version and/or replace the canary shares (None keeps them)."""
+        request = router_pb2.SetModelRoutingRequest(model=model, default_version=default_version,
+                                                    canary=canary or {}, replace_canary=canary is not None)
+        return _routing(await self._stub.SetModelRouting(request, timeout=timeout))
 
 
-__all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "RouterClient", "Sampling", "ServedBy", "grpc"]
+def _routing(r: router_pb2.ModelRouting) -> ModelRouting:
+    return ModelRouting(r.model, r.default_version, dict(r.canary), tuple(r.versions))
+
+
+__all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "ModelRouting", "RouterClient", "Sampling", "ServedBy",
+           "grpc"]

@@ -7,6 +7,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ class MeshConfig:
     port_offset: int = 0               # shifts every port, so two meshes can share a machine
     region: str = "local"
     kv_cache_mb: int = 1024            # per engine
+    versions: tuple[str, ...] = ("1",)  # VERSION or VERSION=FOLDER; engine i serves versions[i % n]
     ready_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -40,14 +42,22 @@ class MeshConfig:
             raise ValueError("--engines must be at least 1")
         if self.discovery not in ("static", "consul"):
             raise ValueError(f"--discovery {self.discovery!r} is not static or consul")
-        if self.discovery == "consul":
-            raise ValueError("--discovery consul is not available yet; use static (the default)")
         if not self.models:
             raise ValueError("at least one --model is needed")
         if self.kv_cache_mb < 16:
             raise ValueError("--kv-cache-mb must be at least 16")
         if not 0 <= self.port_offset < 10_000:
             raise ValueError("--port-offset must be between 0 and 9999")
+        if not self.versions:
+            raise ValueError("at least one --version is needed")
+        names = [v.partition("=")[0] for v in self.versions]
+        for spec, name in zip(self.versions, names, strict=True):
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+                raise ValueError(f"--version {spec!r}: a version is letters, digits, '.', '_' or '-'")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--version names a version twice: {', '.join(self.versions)}")
+        if self.engines < len(self.versions):
+            raise ValueError(f"{len(self.versions)} versions need at least as many --engines (got {self.engines})")
 
     def port(self, base: int) -> int:
         return base + self.port_offset
@@ -75,34 +85,50 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     tokenizer = f"127.0.0.1:{config.port(TOKENIZER_PORT)}"
     cache = f"127.0.0.1:{config.port(CACHE_PORT)}"
     threads = max(1, (os.cpu_count() or 1) // config.engines)
+    discovery = ["--discovery", config.discovery]
     engines = []
     for i in range(config.engines):
         rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
+        version, _, folder = config.versions[i % len(config.versions)].partition("=")
+        model = f"{served_name(config.models[0])}={folder}" if folder else config.models[0]
         engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
-                                   "--model", config.models[0], "--dtype", config.dtype, "--region",
+                                   "--model", model, "--model-version", version, "--dtype", config.dtype, "--region",
                                    config.region, "--threads", str(threads), "--kv-cache-mb",
                                    str(config.kv_cache_mb), "--metrics-port",
-                                   str(config.port(ENGINE_METRICS_BASE_PORT + i))], f"127.0.0.1:{port}"))
+                                   str(config.port(ENGINE_METRICS_BASE_PORT + i)), *discovery], f"127.0.0.1:{port}"))
     router_port = config.port(ROUTER_PORT)
     router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),
                                 "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,
-                                *(a for e in engines for a in ("--engine", f"{e.name}={e.health}"))],
+                                "--default-version",
+                                f"{served_name(config.models[0])}={config.versions[0].partition('=')[0]}",
+                                *discovery,
+                                # With Consul the router finds the engines there, as they register.
+                                *(a for e in engines if config.discovery == "static"
+                                  for a in ("--engine", f"{e.name}={e.health}"))],
                    f"127.0.0.1:{router_port}")
     http_port = config.port(HTTP_PORT)
     edge = Child("edge-0", [*py, "mesh.edge", "--replica-id", "edge-0", "--host", config.host,
                             "--http-port", str(http_port), "--http3-port", str(config.port(HTTP3_PORT)),
-                            "--router", router.health],
+                            "--router", router.health, *discovery],
                  f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")
                  else f"http://{config.host}:{http_port}/health")
     return [
         [Child("cache-0", [*py, "services.cache", "--replica-id", "cache-0", "--port",
-                           str(config.port(CACHE_PORT))], cache),
+                           str(config.port(CACHE_PORT)), *discovery], cache),
          Child("tokenizer-0", [*py, "services.tokenizer", "--replica-id", "tokenizer-0", "--port",
-                               str(config.port(TOKENIZER_PORT)), *models], tokenizer),
+                               str(config.port(TOKENIZER_PORT)), *models, *discovery], tokenizer),
          *engines],
         [router],
         [edge],
     ]
+
+
+def served_name(model: str) -> str:
+    """The name clients use for `--model` (NAME, `default`, or NAME=FOLDER)."""
+    from mesh import model_store
+
+    name = model.partition("=")[0]
+    return model_store.canonical(name)
 
 
 async def _relay_logs(child: Child) -> None:
@@ -169,6 +195,15 @@ async def run(config: MeshConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     started: list[list[Child]] = []
     code = 0
+    if config.discovery == "consul":
+        from mesh.discovery import DiscoveryError
+        from mesh.discovery.consul import ConsulDiscovery
+
+        try:
+            await ConsulDiscovery.from_env().leader()
+        except DiscoveryError as exc:
+            print(f"infermesh: {exc}", file=sys.stderr, flush=True)
+            return 1
     try:
         deadline = time.monotonic() + config.ready_timeout_s
         for stage in stages:

@@ -14,6 +14,7 @@ import uvicorn
 
 from mesh import model_store
 from mesh.client import RouterClient
+from mesh.discovery import BACKENDS, Endpoint, HealthCheck, announce, join_address
 from mesh.edge.app import EdgeApp
 from mesh.edge.auth import load_keys
 from mesh.edge.config import EdgeConfig
@@ -41,10 +42,13 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     p.add_argument("--router", default="127.0.0.1:50051")
     p.add_argument("--cert-dir", default="", help="default: <infermesh home>/tls")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--discovery", choices=BACKENDS, default="static")
     a = p.parse_args(argv)
     return EdgeConfig(replica_id=a.replica_id, host=a.host, http_port=a.http_port, http3_port=a.http3_port,
                       router=a.router, cert_dir=a.cert_dir or str(model_store.home() / "tls"),
-                      api_key_digests=load_keys(), max_body_bytes=a.max_body_bytes)
+                      api_key_digests=load_keys(),
+                      admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), max_body_bytes=a.max_body_bytes,
+                      discovery=a.discovery)
 
 
 async def serve(config: EdgeConfig) -> None:
@@ -67,7 +71,18 @@ async def serve(config: EdgeConfig) -> None:
     http_task = asyncio.create_task(http.serve())
     log.info("HTTP/1.1 on tcp %s:%d", config.host, config.http_port)
     stopper = asyncio.create_task(stop.wait())
+    withdraw = None
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.05)
+    if http.started:
+        # Announced only once it answers: the registry's HTTP check probes /health.
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+        address = join_address(host, config.http_port)
+        withdraw = await announce(config.discovery, Endpoint("edge", config.replica_id, address),
+                                  HealthCheck.http(f"http://{address}/health"))
     await asyncio.wait({http_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if withdraw is not None:
+        await withdraw()
     http.should_exit = True
     if http3 is not None:
         http3.close()

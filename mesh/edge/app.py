@@ -1,6 +1,7 @@
 """The edge's ASGI application: one app behind both HTTP/1.1 and HTTP/3.
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+GET|PUT /admin/models/{model}/routing (admin keys only),
 GET /metrics.  Bad requests are answered here, in OpenAI's error shape, and never reach
 the router.
 """
@@ -8,6 +9,7 @@ the router.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +41,7 @@ DURATION = Histogram("infermesh_edge_request_duration_seconds", "Completion requ
                      buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
 COMPLETION_TOKENS = Counter("infermesh_edge_completion_tokens_total", "Completion tokens returned")
 
+ADMIN_PREFIX = "/admin/models/"
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -48,6 +51,7 @@ class EdgeApp:
         self.config = config
         self.router = router
         self.keys = ApiKeys(config.api_key_digests)
+        self.admin_keys = ApiKeys(config.admin_key_digests)
         self._health_cache: tuple[float, bool] = (0.0, False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -62,6 +66,9 @@ class EdgeApp:
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
         }.get((method, path))
+        admin = path.startswith(ADMIN_PREFIX)
+        if admin and method in ("GET", "PUT"):
+            route = self.admin
         status = 500
         started = False
 
@@ -73,11 +80,13 @@ class EdgeApp:
         try:
             if route is None:
                 known = path in ("/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions")
-                if known:
+                if known or admin:
                     raise BadRequest(f"method {method} is not allowed on {path}", status=405,
                                      code="method_not_allowed")
                 raise BadRequest(f"no route {method} {path}", status=404, kind="not_found_error", code=None)
-            if path not in ("/health", "/metrics") and not self.keys.check(headers.get("authorization", "")):
+            if admin:
+                self.check_admin(headers)
+            elif path not in ("/health", "/metrics") and not self.keys.check(headers.get("authorization", "")):
                 raise BadRequest("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
                                  kind="authentication_error", code="invalid_api_key")
             status = await route(scope, headers, receive, tracked_send)
@@ -90,7 +99,7 @@ class EdgeApp:
             if not started:
                 await send_json(tracked_send, 500, openai.error_body("internal error", "server_error", None))
         finally:
-            REQUESTS.labels(path if route else "other", str(status)).inc()
+            REQUESTS.labels("/admin" if admin else path if route else "other", str(status)).inc()
 
     # -- simple routes -----------------------------------------------------------------
     async def health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
@@ -108,7 +117,8 @@ class EdgeApp:
         except grpc.aio.AioRpcError as err:
             raise _grpc_bad_request(err) from None
         data = [{"id": c.name, "object": "model", "created": 0, "owned_by": "infermesh",
-                 "version": c.version, "replicas": c.replicas, "max_context": c.max_context} for c in cards]
+                 "version": c.version, "versions": list(c.versions), "replicas": c.replicas,
+                 "max_context": c.max_context} for c in cards]
         await send_json(send, 200, {"object": "list", "data": data})
         return 200
 
@@ -116,6 +126,36 @@ class EdgeApp:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
         await send({"type": "http.response.body", "body": generate_latest()})
+        return 200
+
+    # -- admin: model versions ---------------------------------------------------------
+    def check_admin(self, headers: dict[str, str]) -> None:
+        if not self.admin_keys.enabled:
+            raise BadRequest("the admin API is off: configure admin keys (INFERMESH_ADMIN_KEYS or "
+                             "INFERMESH_ADMIN_KEYS_FILE); API keys do not open it", status=403,
+                             kind="permission_error", code="admin_disabled")
+        if not self.admin_keys.check(headers.get("authorization", "")):
+            raise BadRequest("invalid or missing admin key (send 'Authorization: Bearer ADMIN_KEY')", status=401,
+                             kind="authentication_error", code="invalid_admin_key")
+
+    async def admin(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        """GET|PUT /admin/models/{model}/routing: the default version and canary shares.
+
+        PUT body: {"default_version": "2"} and/or {"canary": {"3": 0.1}} (replaces the shares;
+        {} ends a canary).  Requests already streaming finish on the version they started on."""
+        model, _, tail = scope["path"][len(ADMIN_PREFIX):].partition("/")
+        if not model or tail != "routing":
+            raise BadRequest(f"no admin route {scope['path']}; use {ADMIN_PREFIX}MODEL/routing", status=404,
+                             kind="not_found_error", code=None)
+        try:
+            if scope["method"] == "GET":
+                routing = await self.router.model_routing(model)
+            else:
+                default, canary = openai.parse_model_routing(await self.read_json(receive, headers))
+                routing = await self.router.set_model_routing(model, default, canary)
+        except grpc.aio.AioRpcError as err:
+            raise _grpc_bad_request(err) from None
+        await send_json(send, 200, routing.as_dict())
         return 200
 
     # -- completions -------------------------------------------------------------------
@@ -161,7 +201,8 @@ class EdgeApp:
                        receive: Receive, send: Send) -> int:
         stream, include_usage = openai.stream_options(body)
         rid = openai.new_id(chat)
-        spec = GenerateSpec(**{**spec.__dict__, "request_id": rid})
+        spec = dataclasses.replace(spec, request_id=rid,
+                                   model_version=headers.get("x-infermesh-model-version", "").strip())
         parent = headers_context(headers)
         with tracer().start_as_current_span("edge.request", context=parent, kind=trace.SpanKind.SERVER,
                                             attributes={"request_id": rid, "stream": stream}):

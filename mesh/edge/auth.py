@@ -13,12 +13,13 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def load_keys(env: dict[str, str] | None = None) -> tuple[bytes, ...]:
+def load_keys(env: dict[str, str] | None = None, variable: str = "INFERMESH_API_KEYS") -> tuple[bytes, ...]:
     """Digests of the keys in INFERMESH_API_KEYS (comma-separated) and INFERMESH_API_KEYS_FILE
-    (one key per line, # comments).  The plain keys are not kept."""
+    (one key per line, # comments).  The plain keys are not kept.  variable="INFERMESH_ADMIN_KEYS"
+    reads the admin API's keys the same way."""
     env = dict(os.environ) if env is None else env
-    keys = [k.strip() for k in env.get("INFERMESH_API_KEYS", "").split(",")]
-    path = env.get("INFERMESH_API_KEYS_FILE")
+    keys = [k.strip() for k in env.get(variable, "").split(",")]
+    path = env.get(f"{variable}_FILE")
     if path:
         for line in Path(path).read_text().splitlines():
             line = line.split("#", 1)[0].strip()

@@ -16,8 +16,10 @@ class EdgeConfig:
     router: str = "127.0.0.1:50051"
     cert_dir: str = ""                     # where the self-signed certificate lives
     api_key_digests: tuple[bytes, ...] = ()
+    admin_key_digests: tuple[bytes, ...] = ()   # the admin API's own keys; none: admin API off
     max_body_bytes: int = 1 << 20          # larger bodies get 413
     request_timeout_s: float = 600.0       # deadline passed to the router
+    discovery: str = "static"              # static | consul: where the edge announces itself
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.api_key_digests:

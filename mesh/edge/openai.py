@@ -233,3 +233,28 @@ def usage_chunk(chat: bool, rid: str, model: str, final: Delta) -> dict[str, Any
 def error_body(message: str, kind: str, code: str | int | None = None, param: str | None = None
                ) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | None]:
+    """The admin API's PUT body -> (default version or "", canary shares or None to keep them)."""
+    unknown = sorted(set(body) - {"default_version", "canary"})
+    if unknown:
+        raise BadRequest(f"unrecognized field(s): {', '.join(unknown)}; use default_version and/or canary",
+                         unknown[0], code="unknown_parameter")
+    default = _string(body, "default_version", max_len=64)
+    canary = body.get("canary")
+    if canary is None:
+        if not default:
+            raise BadRequest("give default_version and/or canary", "default_version",
+                             code="missing_required_parameter")
+        return default, None
+    if not isinstance(canary, dict):
+        raise BadRequest("'canary' must be an object of version -> share, e.g. {\"2\": 0.1}", "canary",
+                         code="invalid_type")
+    shares = {}
+    for version, share in canary.items():
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise BadRequest(f"canary share for version {version!r} must be a number in [0, 1], got {share!r}",
+                             "canary")
+        shares[str(version)] = float(share)
+    return default, shares

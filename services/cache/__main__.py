@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from mesh.discovery import BACKENDS, Endpoint, announce
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.cache.config import CacheConfig
@@ -21,8 +22,10 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50053)
     p.add_argument("--session-ttl", type=float, default=CacheConfig.session_ttl_s, help="seconds")
+    p.add_argument("--discovery", choices=BACKENDS, default="static")
     a = p.parse_args(argv)
-    return CacheConfig(replica_id=a.replica_id, host=a.host, port=a.port, session_ttl_s=a.session_ttl)
+    return CacheConfig(replica_id=a.replica_id, host=a.host, port=a.port, session_ttl_s=a.session_ttl,
+                       discovery=a.discovery)
 
 
 async def serve(config: CacheConfig) -> None:
@@ -31,8 +34,9 @@ async def serve(config: CacheConfig) -> None:
     add_to(service, CacheServicer(store))
     await service.start()
     await service.ready()
+    withdraw = await announce(config.discovery, Endpoint("cache", config.replica_id, service.address))
     log.info("cache %s serving on %s", config.replica_id, service.address)
-    await run_until_signalled(service)
+    await run_until_signalled(service, on_stop=withdraw)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ class CacheConfig:
     session_ttl_s: float = DEFAULT_TTL_S   # sliding: every read or write extends it
     max_sessions: int = 100_000
     max_messages_per_session: int = 1_000
+    discovery: str = "static"           # static | consul: where this process announces itself
 
     def __post_init__(self) -> None:
         if self.session_ttl_s <= 0:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from mesh import model_store
+from mesh.discovery import BACKENDS, Endpoint, announce
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.engine.config import DEVICES, DTYPES, EngineConfig
@@ -34,13 +35,15 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
+    p.add_argument("--discovery", choices=BACKENDS, default="static")
     a = p.parse_args(argv)
     name, folder = model_store.served_model(a.model)
     return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
                         replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
                         dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
                         block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
-                        max_running=a.max_running, metrics_port=a.metrics_port)
+                        max_running=a.max_running, metrics_port=a.metrics_port,
+                        discovery=a.discovery)
 
 
 async def serve(config: EngineConfig) -> None:
@@ -65,7 +68,15 @@ async def serve(config: EngineConfig) -> None:
     log.info("engine %s serving %s (%s, %s matmuls, on %s; %d KV blocks of %d tokens) at %s", config.replica_id,
              config.model, runner.dtype, runner.matmul, runner.device, runner.num_blocks, runner.block_size,
              service.address)
-    await run_until_signalled(service, on_stop=servicer.close)
+    withdraw = await announce(config.discovery, Endpoint(
+        "engine", config.replica_id, service.address, model=config.model, model_version=config.model_version,
+        region=config.region))
+
+    async def stop() -> None:
+        await withdraw()
+        await servicer.close()
+
+    await run_until_signalled(service, on_stop=stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,7 @@ class EngineConfig:
     max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
     max_running: int = 64              # sequences per step
     metrics_port: int = 0              # Prometheus /metrics; 0: off
+    discovery: str = "static"          # static | consul: where this engine announces itself
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from mesh.discovery import parse_endpoint
+from mesh.discovery import BACKENDS, Endpoint, announce, parse_endpoint
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from meshpb.v1 import router_pb2_grpc
@@ -26,13 +26,24 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--cache", default="")
     p.add_argument("--engine", action="append", default=[], help="ID=HOST:PORT; repeat for each engine")
     p.add_argument("--region", default="local")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="round_robin")
+    p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig.policy, metavar="POLICY",
+                   help="round_robin|least_load|balancing[+region][+prefix][+session] (default %(default)s)")
+    p.add_argument("--discovery", choices=BACKENDS, default="static")
     p.add_argument("--default-model", default="smollm2-135m")
+    p.add_argument("--default-version", action="append", default=[], metavar="MODEL=VERSION",
+                   help="the version unpinned requests go to (default: the lowest served)")
     a = p.parse_args(argv)
+    defaults = []
+    for spec in a.default_version:
+        model, sep, version = spec.partition("=")
+        if not sep or not model or not version:
+            p.error(f"--default-version {spec!r} must look like MODEL=VERSION")
+        defaults.append((model, version))
     engines = tuple(parse_endpoint("engine", spec) for spec in a.engine)
     return RouterConfig(tokenizer=a.tokenizer, engines=engines, cache=a.cache, replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
-                        default_model=a.default_model)
+                        default_model=a.default_model, default_versions=tuple(defaults),
+                        discovery=a.discovery)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -42,6 +53,7 @@ async def serve(config: RouterConfig) -> None:
     await service.start()
     await servicer.probe_all()
     watcher = asyncio.create_task(servicer.watch())
+    follower = asyncio.create_task(servicer.follow_discovery())
 
     async def follow_readiness() -> None:
         # Serving only while at least one engine is: the edge's /health reflects the mesh.
@@ -53,9 +65,15 @@ async def serve(config: RouterConfig) -> None:
     log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,
              len(config.engines), config.policy)
 
+    withdraw = await announce(config.discovery, Endpoint("router", config.replica_id, service.address,
+                                                         region=config.region))
+
     async def stop_tasks() -> None:
+        await withdraw()
         watcher.cancel()
         readiness.cancel()
+        follower.cancel()
+        await servicer.close()
 
     await run_until_signalled(service, on_stop=stop_tasks)
 

@@ -17,15 +17,18 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     region: str = "local"
-    policy: str = "round_robin"
+    policy: str = "balancing+prefix+session"
     default_model: str = "smollm2-135m"
+    default_versions: tuple[tuple[str, str], ...] = ()   # (model, version) routed to unless pinned/canary
     probe_interval_s: float = 1.0          # health/info probes of every engine
+    load_interval_ms: int = 250            # engines' load reports (WatchLoad)
+    discovery: str = "static"              # static: `engines`; consul: the agent at CONSUL_HTTP_ADDR
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
-        if not self.engines:
-            raise ValueError("the router needs at least one engine (--engine ID=HOST:PORT)")
+        if self.discovery == "static" and not self.engines:
+            raise ValueError("the router needs at least one engine (--engine ID=HOST:PORT) or --discovery consul")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is out of range")
         if self.probe_interval_s <= 0:

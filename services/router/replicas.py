@@ -1,8 +1,31 @@
-"""The router's table of engine replicas, fed by discovery and health/info probes."""
+"""The router's table of engine replicas, fed by discovery, health/info probes and load reports.
+
+A Replica carries two kinds of load state: what its engine last reported (a LoadReport,
+stale by up to one report interval) and the router's own `in_flight` count, which is exact
+and changes the moment a request is routed.  Policies read both; see `queued`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from mesh.discovery import Endpoint
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """An engine's view of its own load: meshpb.v1.LoadReport as plain values (server.py converts)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0          # free or evictable (cached, unreferenced) blocks
+    qps: float = 0.0                 # requests finished per second over the engine's recent window
+    p50_latency_ms: float = 0.0      # 0: no request finished in the window
+    p99_latency_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    unix_ms: int = 0                 # the engine's wall clock when it wrote the report
 
 
 @dataclass
@@ -14,7 +37,54 @@ class Replica:
     region: str = "local"
     max_context: int = 0
     healthy: bool = False
-    in_flight: int = 0
+    in_flight: int = 0               # routed by this router and not finished: exact, never stale
+    # The last LoadReport; kv_blocks_total == 0 means none has arrived yet.
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    qps: float = 0.0
+    p50_latency_ms: float = 0.0
+    p99_latency_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    unix_ms: int = 0
+    load_at: float | None = None     # router's monotonic time when the last report was applied
+
+    def apply_load(self, report: LoadReport, now: float) -> None:
+        self.running, self.waiting = report.running, report.waiting
+        self.kv_blocks_total, self.kv_blocks_free = report.kv_blocks_total, report.kv_blocks_free
+        self.qps, self.tokens_per_second = report.qps, report.tokens_per_second
+        self.p50_latency_ms, self.p99_latency_ms = report.p50_latency_ms, report.p99_latency_ms
+        self.unix_ms = report.unix_ms
+        self.load_at = now
+
+    def load_age(self, now: float) -> float:
+        """Seconds since the last load report; infinite before the first."""
+        return float("inf") if self.load_at is None else now - self.load_at
+
+    @property
+    def mem_ratio(self) -> float:
+        """Fraction of KV blocks held by running requests (cached-but-evictable blocks count as free)."""
+        if self.kv_blocks_total <= 0:
+            return 0.0
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total
+
+    @property
+    def outstanding(self) -> int:
+        """in_flight + waiting: the load measure of least_load and balancing.
+
+        With one router, in_flight already includes the engine's queue, so queued requests
+        weigh twice: deliberately, because those are the ones that wait.  With several routers
+        `waiting` is the only sign of the others' requests."""
+        return self.in_flight + self.waiting
+
+    @property
+    def queued(self) -> int:
+        """Estimated requests waiting at the engine now.
+
+        The report's `waiting` is up to one interval old; in_flight - running counts what
+        this router sent since, so a burst of picks is seen before the next report."""
+        return max(self.waiting, self.in_flight - self.running)
 
 
 class ReplicaTable:
@@ -29,6 +99,9 @@ class ReplicaTable:
         existing.address = replica.address
         return existing
 
+    def remove(self, replica_id: str) -> Replica | None:
+        return self._replicas.pop(replica_id, None)
+
     def get(self, replica_id: str) -> Replica | None:
         return self._replicas.get(replica_id)
 
@@ -40,3 +113,34 @@ class ReplicaTable:
 
     def models(self) -> list[str]:
         return sorted({r.model for r in self._replicas.values() if r.model})
+
+    def sync(self, endpoints: Sequence[Endpoint]) -> tuple[list[Replica], list[Replica]]:
+        """Make the table match discovery's list of engines; returns (added, removed).
+
+        A replica that left is dropped from routing at once; its in-flight streams hold their
+        own reference and finish (or fail over) on their own."""
+        wanted = {e.replica_id: e for e in endpoints}
+        removed = [r for rid, r in list(self._replicas.items()) if rid not in wanted]
+        for replica in removed:
+            del self._replicas[replica.replica_id]
+        added = []
+        for e in endpoints:
+            known = self._replicas.get(e.replica_id)
+            if known is None or known.address != e.address:
+                if known is not None:
+                    removed.append(known)
+                added.append(self.upsert_new(Replica(e.replica_id, e.address, region=e.region)))
+        return added, removed
+
+    def upsert_new(self, replica: Replica) -> Replica:
+        """Insert `replica`, replacing any entry with its id (a replica that moved address)."""
+        self._replicas[replica.replica_id] = replica
+        return replica
+
+    def apply_load(self, replica_id: str, report: LoadReport, now: float) -> bool:
+        """False when the replica is unknown (a report that raced its removal)."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return False
+        replica.apply_load(report, now)
+        return True

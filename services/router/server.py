@@ -14,11 +14,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from mesh.chat import Message
 from mesh.detokenize import IncrementalDecoder
+from mesh.discovery import make_discovery
 from mesh.errors import InvalidArgument, NotFound, Unavailable
 from mesh.grpcutil import channel, check_health, rpc_errors
+from mesh.prefix import block_hashes
 from mesh.telemetry import outgoing_metadata, server_span
 from meshpb.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,
@@ -28,9 +33,11 @@ from meshpb.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.router.config import RouterConfig
-from services.router.policies import POLICIES
-from services.router.replicas import Replica, ReplicaTable
+from services.router.policies import Decision, PolicyConfig, RouteRequest, make_policy
+from services.router.replicas import LoadReport, Replica, ReplicaTable
+from services.router.sessions import merge
 from services.router.stops import StopMatcher
+from services.router.versions import ModelVersions, version_key
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +46,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig):
         self.config = config
         self.table = ReplicaTable()
-        for e in config.engines:
-            self.table.upsert(Replica(e.replica_id, e.address, region=e.region))
-        self.policy = POLICIES[config.policy]()
+        self.policy = make_policy(config.policy, PolicyConfig(region=config.region))
+        self.discovery = make_discovery(config.discovery, config.engines)
+        self.block_size = 16                    # the engines' KV block size, from GetInfo: prefix hashes use it
+        self._load_watchers: dict[str, asyncio.Task[None]] = {}
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel(config.tokenizer))
+        self.cache = cache_pb2_grpc.CacheStub(channel(config.cache)) if config.cache else None
+        self.versions = ModelVersions(dict(config.default_versions))
         self._engine_stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
         self.tokenizer_healthy = False
         self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
@@ -54,6 +64,43 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             stub = self._engine_stubs[replica.address] = engine_pb2_grpc.EngineStub(channel(replica.address))
         return stub
 
+    # Replicas come from discovery (static: the launcher's list; Consul: whatever passes its
+    # checks); each gets a health/info probe every interval and a stream of load reports.
+    async def follow_discovery(self) -> None:
+        async for endpoints in self.discovery.watch("engine"):
+            added, removed = self.table.sync(endpoints)
+            for replica in removed:
+                log.info("replica %s (%s) left", replica.replica_id, replica.address)
+                watcher = self._load_watchers.pop(replica.replica_id, None)
+                if watcher is not None:
+                    watcher.cancel()
+            for replica in added:
+                log.info("replica %s (%s) joined", replica.replica_id, replica.address)
+                await self.probe(replica)
+                self._load_watchers[replica.replica_id] = asyncio.create_task(self.follow_load(replica))
+
+    async def follow_load(self, replica: Replica) -> None:
+        """Apply the engine's load reports (WatchLoad) as they come; reconnect after failures."""
+        while True:
+            call = self.engine_stub(replica).WatchLoad(engine_pb2.LoadRequest(interval_ms=self.config.load_interval_ms))
+            try:
+                async for r in call:
+                    replica.apply_load(LoadReport(
+                        running=r.running, waiting=r.waiting, kv_blocks_total=r.kv_blocks_total,
+                        kv_blocks_free=r.kv_blocks_free, qps=r.qps, p50_latency_ms=r.p50_latency_ms,
+                        p99_latency_ms=r.p99_latency_ms, tokens_per_second=r.tokens_per_second,
+                        unix_ms=r.unix_ms), time.monotonic())
+            except grpc.aio.AioRpcError:
+                pass                            # the health probe marks the replica; retry below
+            finally:
+                call.cancel()
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    async def close(self) -> None:
+        for watcher in self._load_watchers.values():
+            watcher.cancel()
+        await self.discovery.close()
+
     async def probe(self, replica: Replica) -> None:
         healthy = await check_health(replica.address)
         if healthy and not replica.model:
@@ -64,6 +111,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             else:
                 replica.model, replica.model_version = info.model, info.model_version
                 replica.region, replica.max_context = info.region, info.max_context
+                self.block_size = info.block_size or self.block_size
         if healthy != replica.healthy:
             log.info("replica %s (%s) is now %s", replica.replica_id, replica.address,
                      "healthy" if healthy else "unhealthy")
@@ -103,14 +151,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return decode
 
     # -- request path ------------------------------------------------------------------
-    def resolve_model(self, model: str) -> str:
-        name = model if model and model != "default" else self.config.default_model
+    def resolve_model(self, model: str, version: str = "") -> tuple[str, str]:
+        """`name`, `name@version` or "" (the default model) -> (name, pinned version or "")."""
+        name, _, at_version = model.partition("@")
+        if at_version and version and at_version != version:
+            raise InvalidArgument(f"model {model!r} names version {at_version!r} but the request pins {version!r}")
+        name = name if name and name != "default" else self.config.default_model
         if name not in self.table.models():
             known = ", ".join(self.table.models()) or "none yet"
             raise NotFound(f"model {name!r} is not served; available: {known}")
-        return name
+        return name, at_version or version
 
-    def pick(self, model: str, pinned: str) -> Replica:
+    def served_versions(self, model: str) -> set[str]:
+        return {r.model_version for r in self.table.serving(model)}
+
+    def pick(self, model: str, pinned: str, route: RouteRequest, version: str = "") -> Decision:
         if pinned:
             replica = self.table.get(pinned)
             if replica is None:
@@ -120,19 +175,47 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise InvalidArgument(f"replica {pinned!r} serves {replica.model!r}, not {model!r}")
             if not replica.healthy:
                 raise Unavailable(f"replica {pinned!r} is not healthy")
-            return replica
-        candidates = self.table.serving(model)
+            return Decision(replica, "pinned")
+        candidates = [r for r in self.table.serving(model) if not version or r.model_version == version]
         if not candidates:
             raise Unavailable(f"no healthy engine replica serves {model!r}; retry shortly")
-        return self.policy.pick(candidates, time.monotonic())
+        return self.policy.pick(candidates, route, time.monotonic())
 
-    async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str) -> list[int]:
+    # -- sessions ----------------------------------------------------------------------
+    async def session_history(self, session_id: str) -> list[Message]:
+        """The stored conversation, or [] (no session store, no such session, or the store is
+        down: the request then goes on with the messages it carries, and a warning is logged)."""
+        if self.cache is None or not session_id:
+            return []
+        try:
+            found = await self.cache.GetSession(cache_pb2.SessionRequest(session_id=session_id),
+                                                metadata=outgoing_metadata(), timeout=5.0)
+        except grpc.aio.AioRpcError as err:
+            log.warning("session store unavailable (%s); session %s goes on without its history",
+                        err.code().name, session_id)
+            return []
+        return [Message(m.role, m.content, m.name) for m in found.messages]
+
+    async def remember(self, session_id: str, messages: list[Message]) -> None:
+        if self.cache is None or not session_id or not messages:
+            return
+        try:
+            await self.cache.AppendSession(
+                cache_pb2.AppendSessionRequest(session_id=session_id, messages=[
+                    tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in messages]),
+                metadata=outgoing_metadata(), timeout=5.0)
+        except grpc.aio.AioRpcError as err:
+            log.warning("session %s: could not store the turn (%s)", session_id, err.code().name)
+
+    async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str,
+                       conversation: list[Message]) -> list[int]:
         kind = request.WhichOneof("input")
         try:
             if kind == "chat":
+                messages = [tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name)
+                            for m in conversation]
                 enc = await self.tokenizer.ApplyChatTemplate(
-                    tokenizer_pb2.ChatTemplateRequest(model=model, messages=request.chat.messages,
-                                                      add_generation_prompt=True),
+                    tokenizer_pb2.ChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True),
                     metadata=outgoing_metadata(), timeout=30.0)
             elif kind == "prompt":
                 enc = await self.tokenizer.Encode(
@@ -149,19 +232,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         with server_span("router.generate", context, request_id=request_id) as span:
-            model = self.resolve_model(request.model)
-            prompt_ids = await self.tokenize(request, model)
-            replica = self.pick(model, request.pinned_replica)
-            span.set_attributes({"replica": replica.replica_id, "policy": self.config.policy,
-                                 "prompt_tokens": len(prompt_ids)})
+            model, pinned_version = self.resolve_model(request.model, request.model_version)
+            session = request.session_id if request.WhichOneof("input") == "chat" else ""
+            incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
+            conversation, new = merge(await self.session_history(session), incoming)
+            prompt_ids = await self.tokenize(request, model, conversation)
+            version = "" if request.pinned_replica else self.versions.choose(
+                model, self.served_versions(model), pinned_version, request.session_id or request_id)
+            route = RouteRequest(model, session_key=request.session_id, region=request.region,
+                                 prefix_hashes=tuple(block_hashes(prompt_ids, self.block_size)))
+            decision = self.pick(model, request.pinned_replica, route, version)
+            replica = decision.replica
+            span.set_attributes({"replica": replica.replica_id, "policy": self.config.policy, "reason": decision.reason,
+                                 "model_version": replica.model_version, "prompt_tokens": len(prompt_ids),
+                                 "session_messages": len(conversation) - len(new)})
             served_by = common_pb2.ServedBy(replica=replica.replica_id, model=model,
                                             model_version=replica.model_version, region=replica.region,
                                             degraded=False, confidence=1.0)
-            async for reply in self._relay(request, request_id, model, prompt_ids, replica, served_by):
+            answer: list[str] = []
+            async for reply in self._relay(request, request_id, model, prompt_ids, replica, served_by, route):
+                answer.append(reply.text)
+                if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    await self.remember(session, [*new, Message("assistant", "".join(answer))])
                 yield reply
 
     async def _relay(self, request: router_pb2.RouterGenerateRequest, request_id: str, model: str,
-                     prompt_ids: list[int], replica: Replica, served_by: common_pb2.ServedBy
+                     prompt_ids: list[int], replica: Replica, served_by: common_pb2.ServedBy, route: RouteRequest
                      ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         call = self.engine_stub(replica).Generate(
             engine_pb2.GenerateRequest(request_id=request_id, model=model, prompt_ids=prompt_ids,
@@ -170,6 +266,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decoder = IncrementalDecoder(await self.decode_fn(model))
         stops = StopMatcher(list(request.sampling.stop))
         replica.in_flight += 1
+        started, failed = time.monotonic(), False
+        self.policy.on_start(replica, route, started)
         first = True
         try:
             async for chunk in call:
@@ -192,9 +290,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     served_by=served_by if first else None)
                 first = False
         except grpc.aio.AioRpcError as err:
+            failed = True
             raise _relay_error(f"engine {replica.replica_id}", err) from None
         finally:
             replica.in_flight -= 1
+            now = time.monotonic()
+            self.policy.on_finish(replica, route, now, now - started, not failed)
             call.cancel()
 
     @rpc_errors
@@ -203,10 +304,35 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         reply = router_pb2.ListModelsResponse()
         for name in self.table.models():
             replicas = [r for r in self.table.all() if r.model == name]
-            reply.models.add(name=name, version=replicas[0].model_version,
-                             replicas=sum(r.healthy for r in replicas),
-                             max_context=max(r.max_context for r in replicas))
+            versions = sorted({r.model_version for r in replicas}, key=version_key)
+            default = self.versions.routing(name, self.served_versions(name) or versions).default
+            reply.models.add(name=name, version=default, replicas=sum(r.healthy for r in replicas),
+                             max_context=max(r.max_context for r in replicas), versions=versions)
         return reply
+
+    def model_routing(self, model: str) -> router_pb2.ModelRouting:
+        served = {r.model_version for r in self.table.all() if r.model == model}
+        routing = self.versions.routing(model, served)
+        return router_pb2.ModelRouting(model=model, default_version=routing.default, canary=routing.canary,
+                                       versions=sorted(served, key=version_key))
+
+    @rpc_errors
+    async def GetModelRouting(self, request: router_pb2.ModelRoutingRequest, context: grpc.aio.ServicerContext
+                              ) -> router_pb2.ModelRouting:
+        model, _ = self.resolve_model(request.model)
+        return self.model_routing(model)
+
+    @rpc_errors
+    async def SetModelRouting(self, request: router_pb2.SetModelRoutingRequest, context: grpc.aio.ServicerContext
+                              ) -> router_pb2.ModelRouting:
+        """Switch the default version / canary shares.  Requests already streaming keep their replica."""
+        model, _ = self.resolve_model(request.model)
+        served = {r.model_version for r in self.table.all() if r.model == model}
+        self.versions.set(model, served, request.default_version,
+                          dict(request.canary) if request.replace_canary else None)
+        routing = self.model_routing(model)
+        log.info("model %s: default version %s, canary %s", model, routing.default_version, dict(routing.canary))
+        return routing
 
     @rpc_errors
     async def ListReplicas(self, request: router_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from mesh import model_store
+from mesh.discovery import BACKENDS, Endpoint, announce
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.tokenizer.config import TokenizerConfig
@@ -22,9 +23,10 @@ def parse(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--model", action="append", default=[], help="NAME or NAME=FOLDER; repeat for more")
+    p.add_argument("--discovery", choices=BACKENDS, default="static")
     a = p.parse_args(argv)
     models = tuple(model_store.served_model(spec) for spec in (a.model or ["default"]))
-    return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models)
+    return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models, discovery=a.discovery)
 
 
 async def serve(config: TokenizerConfig) -> None:
@@ -33,8 +35,9 @@ async def serve(config: TokenizerConfig) -> None:
     add_to(service, TokenizerServicer(tokenizers, default=config.models[0][0]))
     await service.start()
     await service.ready()
+    withdraw = await announce(config.discovery, Endpoint("tokenizer", config.replica_id, service.address))
     log.info("tokenizer %s serving %s on %s", config.replica_id, ", ".join(tokenizers), service.address)
-    await run_until_signalled(service)
+    await run_until_signalled(service, on_stop=withdraw)
 
 
 def main(argv: list[str] | None = None) -> None:

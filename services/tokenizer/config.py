@@ -12,6 +12,7 @@ class TokenizerConfig:
     port: int = 50052
     # (served name, Hugging Face folder) for every model this replica tokenizes.
     models: tuple[tuple[str, str], ...] = ()
+    discovery: str = "static"           # static | consul: where this process announces itself
 
     def __post_init__(self) -> None:
         if not self.models:

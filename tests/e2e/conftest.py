@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,16 +28,15 @@ class Mesh:
     engine_metrics_port: int
 
 
-@pytest.fixture(scope="session")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
-    m = Mesh(f"http://127.0.0.1:{8000 + OFFSET}", 8443 + OFFSET, f"127.0.0.1:{50051 + OFFSET}", log, 9100 + OFFSET)
+@contextlib.contextmanager
+def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | None = None) -> Iterator[Mesh]:
+    """`infermesh up ARGS --port-offset OFFSET` until the block ends; it must then stop cleanly."""
+    m = Mesh(f"http://127.0.0.1:{8000 + offset}", 8443 + offset, f"127.0.0.1:{50051 + offset}", log, 9100 + offset)
     if http_ok(f"{m.http}/health"):
         pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
     with log.open("wb") as out:
-        # float32 is the parity dtype: greedy output must equal transformers' bit for bit.
-        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", "--engines", "2", "--dtype", "float32",
-                                 "--port-offset", str(OFFSET)], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", *args, "--port-offset", str(offset)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         try:
             deadline = time.monotonic() + 300
             while not http_ok(f"{m.http}/health"):
@@ -54,6 +54,14 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     text = log.read_text()
     assert code == 0, f"infermesh up exited with {code}:\n{text[-4000:]}"
     assert "infermesh stopped" in text
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    # float32 is the parity dtype: greedy output must equal transformers' bit for bit.
+    log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
+    with running_mesh(["--engines", "2", "--dtype", "float32"], OFFSET, log) as m:
+        yield m
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,9 @@ ENGINE = (Endpoint("engine", "engine-0", "127.0.0.1:50060"),)
     (lambda: EdgeConfig(host="0.0.0.0"), "API keys"),
     (lambda: MeshConfig(engines=0), "engines"),
     (lambda: MeshConfig(discovery="dns"), "discovery"),
+    (lambda: MeshConfig(engines=1, versions=("1", "2")), "2 versions need at least as many --engines"),
+    (lambda: MeshConfig(engines=2, versions=("1", "1")), "names a version twice"),
+    (lambda: MeshConfig(versions=("a b",)), "letters, digits"),
 ])
 def test_invalid_configs_are_refused(make, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
@@ -67,3 +70,18 @@ def test_launch_plan_gives_every_process_a_replica_id() -> None:
             assert child.argv[child.argv.index("--replica-id") + 1] == child.name
     router = stages[1][0]
     assert "engine-1=127.0.0.1:50161" in router.argv
+
+
+def test_versions_are_dealt_out_to_engines_and_the_first_is_the_default() -> None:
+    stages = plan(MeshConfig(engines=3, versions=("1", "2=/models/v2")))
+    engines = stages[0][2:]
+    assert [e.argv[e.argv.index("--model-version") + 1] for e in engines] == ["1", "2", "1"]
+    assert [e.argv[e.argv.index("--model") + 1] for e in engines] == ["default", "smollm2-135m=/models/v2", "default"]
+    router = stages[1][0]
+    assert router.argv[router.argv.index("--default-version") + 1] == "smollm2-135m=1"
+
+
+def test_admin_keys_are_read_from_their_own_variables() -> None:
+    admin = ApiKeys(load_keys({"INFERMESH_API_KEYS": "user", "INFERMESH_ADMIN_KEYS": "boss"},
+                              variable="INFERMESH_ADMIN_KEYS"))
+    assert admin.check("Bearer boss") and not admin.check("Bearer user")

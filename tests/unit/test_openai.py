@@ -69,3 +69,16 @@ def test_response_shapes_carry_infermesh_metadata() -> None:
                                  "degraded": False, "confidence": 1.0}
     chunk = openai.chunk_body(True, "chatcmpl-1", "m", "", "stop", final=final)
     assert chunk["choices"][0]["delta"] == {} and chunk["infermesh"]["replica"] == "engine-0"
+
+
+def test_model_routing_body_is_checked() -> None:
+    from mesh.edge.openai import parse_model_routing
+
+    assert parse_model_routing({"default_version": "2"}) == ("2", None)
+    assert parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25})
+    assert parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {})
+    for body, match in [({}, "default_version and/or canary"), ({"canary": [1]}, "object of version"),
+                        ({"canary": {"2": 2}}, r"in \[0, 1\]"), ({"canary": {"2": True}}, r"in \[0, 1\]"),
+                        ({"weights": {}}, "unrecognized field")]:
+        with pytest.raises(BadRequest, match=match):
+            parse_model_routing(body)

@@ -17,7 +17,7 @@ def test_generated_modules_import(name: str) -> None:
     ("tokenizer", {"ApplyChatTemplate", "Encode", "EncodeBatch", "Decode", "DecodeIncremental", "GetModelInfo",
                    "GetTokenizerJson"}),
     ("engine", {"Generate", "Abort", "GetLoad", "WatchLoad", "GetInfo"}),
-    ("router", {"Generate", "ListModels", "ListReplicas"}),
+    ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
                "DeleteSession"}),
 ])

@@ -1,0 +1,140 @@
+"""Affinity layers over a balancing policy: pinned, region, prefix, session, then balance.
+
+    pinned   the request names a replica: that one, or PinnedReplicaUnavailable.
+    region   a filter: keep the candidates in the request's region (the router's own when the
+             request names none) unless every one of them is overloaded; then spill to all.
+    prefix   the longest prompt prefix this router has sent somewhere: that replica, which
+             still holds its KV blocks, unless overloaded (then the next shorter known prefix
+             on another replica, down to min_prefix_blocks).
+    session  consistent hashing of the session key over the candidate ids: the ring owner,
+             or the next replica clockwise while the owner is overloaded.  Only when prefix
+             affinity knew nothing of the prompt: if it knew a holder that is overloaded, the
+             ring owner has no better claim than any other replica, and balance decides.
+    base     the balancing policy decides among the (region-filtered) candidates.
+
+Layers are tried in that order; each either decides or passes.  Prefix comes before session
+because a session's earlier turns are themselves prefixes of its next prompt: following the
+prefix map lands where the history is cached even when an earlier turn had to spill off the
+ring owner, and session hashing still places what prefix affinity cannot (a prompt this
+router has not seen: after a restart, behind another router, without token ids).  With one
+router and token ids the session layer is redundant, and its load-blind placement of new
+prefixes costs P99 (bench/router_sim.py): prefer "balancing+prefix" there.
+
+Overloaded (PolicyConfig): Replica.queued > max_queued, or Replica.mem_ratio > max_mem_ratio,
+or Replica.outstanding more than max_imbalance above the least loaded candidate's.  The last
+is the one that matters for an engine that admits everything it has KV for: its queue stays
+empty while its batch grows, and every request in a batch of 30 decodes nearly four times
+slower than in a batch of 5.  In bench/router_sim.py with 16 hot prefixes, queue and memory
+limits alone let them pile up: P99 20 s against 13 s with max_imbalance=4, and 67 s against
+13 s with session affinity on top.  When every candidate is overloaded, affinity gives
+way and the base policy still picks the best of them: shedding is failover's decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.router.policies.config import PolicyConfig
+from services.router.policies.hash_ring import HashRing
+from services.router.policies.policy import Decision, PinnedReplicaUnavailable, Policy, RouteRequest
+from services.router.policies.prefix_map import PrefixMap
+from services.router.replicas import Replica
+
+LAYERS = ("region", "prefix", "session")   # the canonical order of layer names in a policy name
+
+
+class AffinityRouter(Policy):
+    def __init__(self, base: Policy, layers: Sequence[str] = (), config: PolicyConfig | None = None):
+        unknown = set(layers) - set(LAYERS)
+        if unknown:
+            raise ValueError(f"unknown affinity layers {sorted(unknown)}; known: {', '.join(LAYERS)}")
+        self.config = config or PolicyConfig()
+        super().__init__(self.config.entropy_window_s)
+        self.base = base
+        self.layers = frozenset(layers)
+        self.prefixes = PrefixMap(self.config.prefix_capacity)
+        self._ring: HashRing | None = None
+
+    def overloaded(self, replica: Replica, least: int) -> bool:
+        """least: the smallest Replica.outstanding among the candidates it is compared with."""
+        c = self.config
+        return (replica.queued > c.max_queued or replica.mem_ratio > c.max_mem_ratio
+                or replica.outstanding - least > c.max_imbalance)
+
+    def choose(self, candidates: Sequence[Replica], request: RouteRequest, now: float) -> Decision:
+        if request.pinned:
+            for r in candidates:
+                if r.replica_id == request.pinned:
+                    return Decision(r, "pinned")
+            raise PinnedReplicaUnavailable(request.pinned)
+        pool, narrowed = candidates, ""
+        if "region" in self.layers:
+            pool, narrowed = self._region_pool(candidates, request)
+        matched = False
+        if "prefix" in self.layers and request.prefix_hashes:
+            replica, matched = self._by_prefix(pool, request.prefix_hashes)
+            if replica is not None:
+                return Decision(replica, "prefix")
+        if "session" in self.layers and request.session_key and not matched:
+            replica = self._by_session(pool, request.session_key)
+            if replica is not None:
+                return Decision(replica, "session")
+        decision = self.base.choose(pool, request, now)
+        return Decision(decision.replica, narrowed or decision.reason)
+
+    def _region_pool(self, candidates: Sequence[Replica], request: RouteRequest) -> tuple[Sequence[Replica], str]:
+        """(pool, reason): the same-region candidates ("region") unless none can take the
+        request; then everyone ("spill", or "" when there was no one in the region at all)."""
+        region = request.region or self.config.region
+        local = [r for r in candidates if r.region == region]
+        if len(local) == len(candidates):
+            return candidates, ""
+        least = min(r.outstanding for r in candidates)
+        if any(not self.overloaded(r, least) for r in local):
+            return local, "region"
+        return candidates, "spill" if local else ""
+
+    def _by_prefix(self, pool: Sequence[Replica], hashes: Sequence[bytes]) -> tuple[Replica | None, bool]:
+        """(replica, matched): the holder of the longest known prefix that can take the request;
+        matched tells whether any holder in the pool was known, overloaded or not."""
+        by_id = {r.replica_id: r for r in pool}
+        least = min(r.outstanding for r in pool)
+        refused: set[str] = set()
+        for rid, blocks in self.prefixes.matches(hashes):
+            if blocks < self.config.min_prefix_blocks:
+                break
+            if rid in refused:
+                continue
+            replica = by_id.get(rid)
+            if replica is None:
+                continue
+            if not self.overloaded(replica, least):
+                return replica, True
+            refused.add(rid)
+        return None, bool(refused)
+
+    def _by_session(self, pool: Sequence[Replica], key: str) -> Replica | None:
+        ids = frozenset(r.replica_id for r in pool)
+        if self._ring is None or self._ring.replica_ids != ids:
+            # The pool changes rarely (health, discovery, region spill); one cached ring
+            # keeps the common case free of rebuilding.
+            self._ring = HashRing(ids, self.config.vnodes)
+        by_id = {r.replica_id: r for r in pool}
+        least = min(r.outstanding for r in pool)
+        for rid in self._ring.walk(key):
+            if not self.overloaded(by_id[rid], least):
+                return by_id[rid]
+        return None
+
+    def on_start(self, replica: Replica, request: RouteRequest, now: float) -> None:
+        super().on_start(replica, request, now)
+        self.base.on_start(replica, request, now)
+        if "prefix" in self.layers and request.prefix_hashes:
+            self.prefixes.record(request.prefix_hashes, replica.replica_id)
+
+    def on_finish(self, replica: Replica, request: RouteRequest, now: float, latency_s: float, ok: bool) -> None:
+        self.base.on_finish(replica, request, now, latency_s, ok)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica left for good: stop sending prefixes its way (lookups skip it anyway)."""
+        self.prefixes.forget(replica_id)

@@ -1,0 +1,41 @@
+"""Server-side chat sessions: how a request's messages combine with the stored history.
+
+A client that names a session (`x-session-id` or the OpenAI `user` field) may send either the
+whole conversation, OpenAI style, or only what is new; the router keeps the history in the
+cache service's session store.  Pure code: the server fetches and appends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from mesh.chat import Message
+
+
+class Merged(NamedTuple):
+    conversation: list[Message]     # what the model sees
+    new: list[Message]              # what the session store should append (before the reply)
+
+
+def merge(history: Sequence[Message], incoming: Sequence[Message]) -> Merged:
+    """Combine the stored history with a request's messages.
+
+    - No history: the request is the whole conversation.
+    - The request starts with the whole history (an OpenAI-style client resending everything):
+      it is used as is; only its tail is new.
+    - Otherwise the request holds only new messages and follows the history.  Leading system
+      messages that repeat the history's own system messages are dropped, so a client that
+      always sends its system prompt does not stack copies of it.
+    """
+    history, incoming = list(history), list(incoming)
+    if not history:
+        return Merged(incoming, incoming)
+    if incoming[: len(history)] == history:
+        return Merged(incoming, incoming[len(history):])
+    stored_system = [m for m in history if m.role == "system"]
+    start = 0
+    while start < len(incoming) and incoming[start].role == "system" and incoming[start] in stored_system:
+        start += 1
+    new = incoming[start:]
+    return Merged(history + new, new)
