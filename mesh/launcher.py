@@ -22,6 +22,7 @@ log = logging.getLogger("launcher")
 ROUTER_PORT, TOKENIZER_PORT, CACHE_PORT, ENGINE_BASE_PORT = 50051, 50052, 50053, 50060
 HTTP_PORT, HTTP3_PORT = 8000, 8443
 ENGINE_METRICS_BASE_PORT = 9100
+ROUTER_METRICS_PORT = 9180
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                 "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,
                                 "--default-version",
                                 f"{served_name(config.models[0])}={config.versions[0].partition('=')[0]}",
-                                *discovery,
+                                *discovery, "--metrics-port", str(config.port(ROUTER_METRICS_PORT)),
                                 # With Consul the router finds the engines there, as they register.
                                 *(a for e in engines if config.discovery == "static"
                                   for a in ("--engine", f"{e.name}={e.health}"))],

@@ -29,6 +29,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig.policy, metavar="POLICY",
                    help="round_robin|least_load|balancing[+region][+prefix][+session] (default %(default)s)")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--default-model", default="smollm2-135m")
     p.add_argument("--default-version", action="append", default=[], metavar="MODEL=VERSION",
                    help="the version unpinned requests go to (default: the lowest served)")
@@ -43,7 +44,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(tokenizer=a.tokenizer, engines=engines, cache=a.cache, replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
                         default_model=a.default_model, default_versions=tuple(defaults),
-                        discovery=a.discovery)
+                        discovery=a.discovery, metrics_port=a.metrics_port)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -51,6 +52,10 @@ async def serve(config: RouterConfig) -> None:
     servicer = RouterServicer(config)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
     await service.start()
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.metrics_port, addr=config.host)
     await servicer.probe_all()
     watcher = asyncio.create_task(servicer.watch())
     follower = asyncio.create_task(servicer.follow_discovery())

@@ -23,6 +23,7 @@ class RouterConfig:
     probe_interval_s: float = 1.0          # health/info probes of every engine
     load_interval_ms: int = 250            # engines' load reports (WatchLoad)
     discovery: str = "static"              # static: `engines`; consul: the agent at CONSUL_HTTP_ADDR
+    metrics_port: int = 0                  # Prometheus /metrics; 0: off
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -32,6 +32,7 @@ from meshpb.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.policies import Decision, PolicyConfig, RouteRequest, make_policy
 from services.router.replicas import LoadReport, Replica, ReplicaTable
@@ -50,6 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.discovery = make_discovery(config.discovery, config.engines)
         self.block_size = 16                    # the engines' KV block size, from GetInfo: prefix hashes use it
         self._load_watchers: dict[str, asyncio.Task[None]] = {}
+        metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()))
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel(config.tokenizer))
         self.cache = cache_pb2_grpc.CacheStub(channel(config.cache)) if config.cache else None
         self.versions = ModelVersions(dict(config.default_versions))
@@ -243,6 +245,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                  prefix_hashes=tuple(block_hashes(prompt_ids, self.block_size)))
             decision = self.pick(model, request.pinned_replica, route, version)
             replica = decision.replica
+            metrics.ROUTED.labels(model, replica.model_version, replica.replica_id, decision.reason).inc()
             span.set_attributes({"replica": replica.replica_id, "policy": self.config.policy, "reason": decision.reason,
                                  "model_version": replica.model_version, "prompt_tokens": len(prompt_ids),
                                  "session_messages": len(conversation) - len(new)})
@@ -266,6 +269,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         decoder = IncrementalDecoder(await self.decode_fn(model))
         stops = StopMatcher(list(request.sampling.stop))
         replica.in_flight += 1
+        metrics.IN_FLIGHT.labels(replica.replica_id).inc()
         started, failed = time.monotonic(), False
         self.policy.on_start(replica, route, started)
         first = True
@@ -291,9 +295,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 first = False
         except grpc.aio.AioRpcError as err:
             failed = True
+            metrics.FAILED.labels(replica.replica_id).inc()
             raise _relay_error(f"engine {replica.replica_id}", err) from None
         finally:
             replica.in_flight -= 1
+            metrics.IN_FLIGHT.labels(replica.replica_id).dec()
             now = time.monotonic()
             self.policy.on_finish(replica, route, now, now - started, not failed)
             call.cancel()

@@ -59,3 +59,20 @@ def test_a_pinned_request_goes_where_it_is_pinned(client: openai.OpenAI) -> None
         assert ask(client, "Pinned.", extra_headers={"x-infermesh-replica": replica})[0] == replica
     with pytest.raises(openai.NotFoundError, match="engine-9"):
         ask(client, "Pinned nowhere.", extra_headers={"x-infermesh-replica": "engine-9"})
+
+
+def test_router_metrics_export_decisions_and_load_entropy(client: openai.OpenAI) -> None:
+    import re
+    import urllib.request
+
+    from tests.e2e.conftest import OFFSET
+
+    ask(client, "Metrics, please.")
+    ask(client, "Pinned metrics.", extra_headers={"x-infermesh-replica": "engine-0"})
+    with urllib.request.urlopen(f"http://127.0.0.1:{9180 + OFFSET}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    entropy = float(re.search(r"^infermesh_router_load_entropy (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert 0.0 <= entropy <= 1.0
+    assert re.search(r'^infermesh_router_requests_total\{.*reason="(balance|session|prefix)".*\} [1-9]', text, re.M)
+    assert re.search(r'^infermesh_router_requests_total\{.*reason="pinned".*\} [1-9]', text, re.M)
+    assert "infermesh_router_replicas_healthy 2.0" in text
