@@ -345,8 +345,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                            ) -> router_pb2.ListReplicasResponse:
         reply = router_pb2.ListReplicasResponse()
         for r in self.table.all():
+            load = common_pb2.LoadReport(
+                replica_id=r.replica_id, running=r.running, waiting=r.waiting, kv_blocks_total=r.kv_blocks_total,
+                kv_blocks_free=r.kv_blocks_free, qps=r.qps, p50_latency_ms=r.p50_latency_ms,
+                p99_latency_ms=r.p99_latency_ms, tokens_per_second=r.tokens_per_second, unix_ms=r.unix_ms)
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
-                               model_version=r.model_version, region=r.region, healthy=r.healthy)
+                               model_version=r.model_version, region=r.region, healthy=r.healthy, load=load)
         return reply
 
 

@@ -61,3 +61,16 @@ def test_engine_refuses_a_duplicate_request_id(mesh: Mesh) -> None:
             return grpc.StatusCode.OK
 
     assert asyncio.run(scenario()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_list_replicas_carries_each_engines_load_report(mesh: Mesh) -> None:
+    async def scenario() -> router_pb2.ListReplicasResponse:
+        async with grpc.aio.insecure_channel(mesh.router) as ch:
+            return await router_pb2_grpc.RouterStub(ch).ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
+
+    reply = asyncio.run(scenario())
+    assert [r.replica_id for r in reply.replicas] == ["engine-0", "engine-1"]
+    for r in reply.replicas:
+        assert r.healthy and r.model == "smollm2-135m"
+        assert r.load.kv_blocks_total > 0 and 0 < r.load.kv_blocks_free <= r.load.kv_blocks_total
+        assert r.load.unix_ms > 0
