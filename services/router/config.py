@@ -24,6 +24,10 @@ class RouterConfig:
     load_interval_ms: int = 250            # engines' load reports (WatchLoad)
     discovery: str = "static"              # static: `engines`; consul: the agent at CONSUL_HTTP_ADDR
     metrics_port: int = 0                  # Prometheus /metrics; 0: off
+    first_token_timeout_s: float = 120.0   # an engine silent this long before its first token has failed
+    stall_timeout_s: float = 10.0          # ...or this long between tokens: the stream moves elsewhere
+    max_attempts: int = 3                  # replicas tried per request, mid-stream failovers included
+    unhealthy_after: int = 2               # health probes missed in a row before a replica is isolated
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -7,6 +7,7 @@ logic is StopMatcher's; this file converts protobuf and moves bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -15,7 +16,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from mesh.chat import Message
-from mesh.detokenize import IncrementalDecoder
 from mesh.discovery import make_discovery
 from mesh.errors import InvalidArgument, NotFound, Unavailable
 from mesh.grpcutil import channel, check_health, rpc_errors
@@ -35,9 +35,9 @@ from meshpb.v1 import (
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.policies import Decision, PolicyConfig, RouteRequest, make_policy
+from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import LoadReport, Replica, ReplicaTable
 from services.router.sessions import merge
-from services.router.stops import StopMatcher
 from services.router.versions import ModelVersions, version_key
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.discovery = make_discovery(config.discovery, config.engines)
         self.block_size = 16                    # the engines' KV block size, from GetInfo: prefix hashes use it
         self._load_watchers: dict[str, asyncio.Task[None]] = {}
+        self._probe_misses: dict[str, int] = {}
         metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()))
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel(config.tokenizer))
         self.cache = cache_pb2_grpc.CacheStub(channel(config.cache)) if config.cache else None
@@ -114,6 +115,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 replica.model, replica.model_version = info.model, info.model_version
                 replica.region, replica.max_context = info.region, info.max_context
                 self.block_size = info.block_size or self.block_size
+        # One missed probe on a CPU-saturated machine is not a dead replica: isolate after
+        # `unhealthy_after` misses in a row (~2 s), re-admit on the first success.
+        misses = 0 if healthy else self._probe_misses.get(replica.replica_id, 0) + 1
+        self._probe_misses[replica.replica_id] = misses
+        if not healthy and replica.healthy and misses < self.config.unhealthy_after:
+            return
         if healthy != replica.healthy:
             log.info("replica %s (%s) is now %s", replica.replica_id, replica.address,
                      "healthy" if healthy else "unhealthy")
@@ -167,7 +174,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def served_versions(self, model: str) -> set[str]:
         return {r.model_version for r in self.table.serving(model)}
 
-    def pick(self, model: str, pinned: str, route: RouteRequest, version: str = "") -> Decision:
+    def pick(self, model: str, pinned: str, route: RouteRequest, version: str = "",
+             exclude: set[str] | None = None) -> Decision:
         if pinned:
             replica = self.table.get(pinned)
             if replica is None:
@@ -178,9 +186,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not replica.healthy:
                 raise Unavailable(f"replica {pinned!r} is not healthy")
             return Decision(replica, "pinned")
-        candidates = [r for r in self.table.serving(model) if not version or r.model_version == version]
+        candidates = [r for r in self.table.serving(model) if (not version or r.model_version == version)
+                      and r.replica_id not in (exclude or ())]
         if not candidates:
-            raise Unavailable(f"no healthy engine replica serves {model!r}; retry shortly")
+            left = f" besides {', '.join(sorted(exclude))}" if exclude else ""
+            raise Unavailable(f"no healthy engine replica serves {model!r}{left}; retry shortly")
         return self.policy.pick(candidates, route, time.monotonic())
 
     # -- sessions ----------------------------------------------------------------------
@@ -243,66 +253,66 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 model, self.served_versions(model), pinned_version, request.session_id or request_id)
             route = RouteRequest(model, session_key=request.session_id, region=request.region,
                                  prefix_hashes=tuple(block_hashes(prompt_ids, self.block_size)))
-            decision = self.pick(model, request.pinned_replica, route, version)
-            replica = decision.replica
-            metrics.ROUTED.labels(model, replica.model_version, replica.replica_id, decision.reason).inc()
-            span.set_attributes({"replica": replica.replica_id, "policy": self.config.policy, "reason": decision.reason,
-                                 "model_version": replica.model_version, "prompt_tokens": len(prompt_ids),
+            span.set_attributes({"policy": self.config.policy, "prompt_tokens": len(prompt_ids),
                                  "session_messages": len(conversation) - len(new)})
-            served_by = common_pb2.ServedBy(replica=replica.replica_id, model=model,
-                                            model_version=replica.model_version, region=replica.region,
-                                            degraded=False, confidence=1.0)
+            stream = Stream(await self.decode_fn(model), request.sampling.stop, len(prompt_ids),
+                            request.include_token_ids)
             answer: list[str] = []
-            async for reply in self._relay(request, request_id, model, prompt_ids, replica, served_by, route):
+            async for reply in self._generate(request, request_id, model, version, prompt_ids, route, stream,
+                                              context):
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     await self.remember(session, [*new, Message("assistant", "".join(answer))])
                 yield reply
 
-    async def _relay(self, request: router_pb2.RouterGenerateRequest, request_id: str, model: str,
-                     prompt_ids: list[int], replica: Replica, served_by: common_pb2.ServedBy, route: RouteRequest
-                     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
-        call = self.engine_stub(replica).Generate(
-            engine_pb2.GenerateRequest(request_id=request_id, model=model, prompt_ids=prompt_ids,
-                                       sampling=request.sampling, priority=request.priority),
-            metadata=outgoing_metadata())
-        decoder = IncrementalDecoder(await self.decode_fn(model))
-        stops = StopMatcher(list(request.sampling.stop))
-        replica.in_flight += 1
-        metrics.IN_FLIGHT.labels(replica.replica_id).inc()
-        started, failed = time.monotonic(), False
-        self.policy.on_start(replica, route, started)
-        first = True
-        try:
-            async for chunk in call:
-                final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                text = decoder.push(list(chunk.ids), final)
-                emit, stopped = stops.push(text)
-                if final or stopped:
-                    if not stopped:
-                        emit += stops.flush()
-                    reason = common_pb2.FINISH_REASON_STOP if stopped else chunk.finish_reason
-                    usage = chunk.usage if final else common_pb2.Usage(
-                        prompt_tokens=len(prompt_ids), completion_tokens=len(decoder.ids))
-                    yield router_pb2.RouterGenerateResponse(
-                        text=emit, ids=chunk.ids if request.include_token_ids else [],
-                        logprobs=chunk.logprobs, finish_reason=reason, usage=usage, served_by=served_by)
+    async def _generate(self, request: router_pb2.RouterGenerateRequest, request_id: str, model: str, version: str,
+                        prompt_ids: list[int], route: RouteRequest, stream: Stream,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """Attempts until the stream finishes: a replica that fails mid-stream is left behind and
+        another continues from the tokens already sent (a pinned request is not moved)."""
+        failed: list[str] = []
+        while True:
+            decision = self.pick(model, request.pinned_replica, route, version, exclude=set(failed))
+            replica = decision.replica
+            version = version or replica.model_version          # a resumed stream stays on its version
+            metrics.ROUTED.labels(model, replica.model_version, replica.replica_id,
+                                  "failover" if failed else decision.reason).inc()
+            served_by = common_pb2.ServedBy(replica=replica.replica_id, model=model,
+                                            model_version=replica.model_version, region=replica.region,
+                                            degraded=False, confidence=1.0)
+            engine_request = engine_pb2.GenerateRequest(
+                request_id=request_id, model=model, prompt_ids=prompt_ids, sampling=request.sampling,
+                priority=request.priority, resume_ids=stream.ids)
+            replica.in_flight += 1
+            metrics.IN_FLIGHT.labels(replica.replica_id).inc()
+            started, ok = time.monotonic(), True
+            self.policy.on_start(replica, route, started)
+            try:
+                async for reply in attempt(self.engine_stub(replica), replica.replica_id, engine_request, stream,
+                                           served_by, outgoing_metadata(), context.time_remaining(),
+                                           self.config.first_token_timeout_s, self.config.stall_timeout_s,
+                                           _relay_error, functools.partial(getattr, replica, "healthy")):
+                    yield reply
+                return
+            except EngineFailed as exc:
+                ok = False
+                failed.append(replica.replica_id)
+                metrics.FAILED.labels(replica.replica_id).inc()
+                limit = request.sampling.max_tokens
+                if limit and len(stream.ids) >= limit:
+                    yield stream.finish_at_length(served_by)
                     return
-                # The first message names the replica too, so callers can label the stream early.
-                yield router_pb2.RouterGenerateResponse(
-                    text=emit, ids=chunk.ids if request.include_token_ids else [], logprobs=chunk.logprobs,
-                    served_by=served_by if first else None)
-                first = False
-        except grpc.aio.AioRpcError as err:
-            failed = True
-            metrics.FAILED.labels(replica.replica_id).inc()
-            raise _relay_error(f"engine {replica.replica_id}", err) from None
-        finally:
-            replica.in_flight -= 1
-            metrics.IN_FLIGHT.labels(replica.replica_id).dec()
-            now = time.monotonic()
-            self.policy.on_finish(replica, route, now, now - started, not failed)
-            call.cancel()
+                if request.pinned_replica or len(failed) >= self.config.max_attempts:
+                    raise Unavailable(f"{exc}; {len(failed)} attempt(s) made"
+                                      + ("" if not request.pinned_replica else " (the request is pinned to it)")
+                                      ) from None
+                log.warning("request %s: %s after %d token(s); continuing on another replica",
+                            request_id, exc, len(stream.ids))
+            finally:
+                replica.in_flight -= 1
+                metrics.IN_FLIGHT.labels(replica.replica_id).dec()
+                now = time.monotonic()
+                self.policy.on_finish(replica, route, now, now - started, ok)
 
     @rpc_errors
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,36 @@
+"""Failover (ARCHITECTURE.md, "Policies"): circuit breakers and the three levels, pure code
+that takes `now`, does no I/O and is tested with a fake clock.
+
+    breaker.py  Breaker: closed / open / half-open, on failures in a row, error rate, P99
+    window.py   OutcomeWindow: the sliding window those rates are judged over
+    budget.py   RetryBudget: retries shared by all requests, at most ~20% on top of them
+    chain.py    FallbackChain: model -> next model, confidence multiplying along the chain
+    levels.py   Failover: L1 isolation, L2 admission, L3 plan over the chain; Saturated
+    call.py     Call: one request's attempts, retries and model outcome: what server.py uses
+    config.py   BreakerConfig, FailoverConfig
+"""
+
+from services.router.failover.breaker import CAUSES, Breaker, BreakerState, Pass
+from services.router.failover.budget import RetryBudget
+from services.router.failover.call import Call
+from services.router.failover.chain import FallbackChain, Step
+from services.router.failover.config import BreakerConfig, FailoverConfig
+from services.router.failover.levels import (
+    EXCLUDED,
+    ISOLATED,
+    OPEN,
+    PROBING,
+    SATURATED,
+    UNHEALTHY,
+    Attempt,
+    Failover,
+    Plan,
+    Saturated,
+)
+from services.router.failover.window import OutcomeWindow, p99
+
+__all__ = [
+    "CAUSES", "EXCLUDED", "ISOLATED", "OPEN", "PROBING", "SATURATED", "UNHEALTHY",
+    "Attempt", "Breaker", "BreakerConfig", "BreakerState", "Call", "Failover", "FailoverConfig", "FallbackChain",
+    "OutcomeWindow", "Pass", "Plan", "RetryBudget", "Saturated", "Step", "p99",
+]

@@ -1,0 +1,140 @@
+"""One client stream, relayed from one or more engine attempts.
+
+A `Stream` holds what the client has been sent: token ids, the incremental detokenizer and
+the stop-string matcher.  It outlives an attempt: when an engine dies or stalls mid-stream,
+the router opens a new attempt elsewhere with `resume_ids = stream.ids` (same sampling seed;
+the engine continues the seeded random stream by position), and the client sees one stream,
+with no token lost or repeated.
+
+`attempt()` turns an engine's failure into `EngineFailed` (retryable: the process is gone, it
+stalled past its timeout, it refused transiently) and relays anything else, such as a bad
+request, as the error it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from mesh.detokenize import IncrementalDecoder
+from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
+from services.router.stops import StopMatcher
+
+# Codes an engine answers when it, not the request, is the problem.  DEADLINE_EXCEEDED is not
+# here: the engine call carries the client's own deadline, so when it expires nothing is left to retry.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class EngineFailed(Exception):
+    """An attempt ended by the engine, not by the client; another replica may take over."""
+
+    def __init__(self, replica_id: str, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(f"engine {replica_id} {reason}")
+        self.replica_id, self.reason, self.code = replica_id, reason, code
+
+
+class Stream:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str], prompt_tokens: int,
+                 include_ids: bool):
+        self.decoder = IncrementalDecoder(decode)
+        self.stops = StopMatcher(list(stop))
+        self.prompt_tokens = prompt_tokens
+        self.include_ids = include_ids
+        self.sent_first = False
+        self.finished = False
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self.decoder.ids)
+
+    def push(self, chunk: engine_pb2.GenerateResponse, served_by: common_pb2.ServedBy
+             ) -> router_pb2.RouterGenerateResponse:
+        """The client's message for one engine message; sets `finished` on the last one."""
+        final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        text = self.decoder.push(list(chunk.ids), final)
+        emit, stopped = self.stops.push(text)
+        ids = list(chunk.ids) if self.include_ids else []
+        if final or stopped:
+            if not stopped:
+                emit += self.stops.flush()
+            self.finished = True
+            reason = common_pb2.FINISH_REASON_STOP if stopped else chunk.finish_reason
+            usage = chunk.usage if final else self.usage()
+            return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
+                                                     finish_reason=reason, usage=usage, served_by=served_by)
+        # The first message names the replica too, so callers can label the stream early.
+        first, self.sent_first = not self.sent_first, True
+        return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
+                                                 served_by=served_by if first else None)
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.decoder.ids))
+
+    def finish_at_length(self, served_by: common_pb2.ServedBy) -> router_pb2.RouterGenerateResponse:
+        """The engine died after the last token but before its final message: end the stream here."""
+        emit = self.decoder.push([], True)
+        text, _ = self.stops.push(emit)
+        self.finished = True
+        return router_pb2.RouterGenerateResponse(text=text + self.stops.flush(),
+                                                 finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                                 usage=self.usage(), served_by=served_by)
+
+
+async def attempt(stub: engine_pb2_grpc.EngineStub, replica_id: str, request: engine_pb2.GenerateRequest,
+                  stream: Stream, served_by: common_pb2.ServedBy, metadata: Sequence[tuple[str, str]],
+                  deadline_s: float | None, first_token_timeout_s: float, stall_timeout_s: float,
+                  relay_error: Callable[[str, grpc.aio.AioRpcError], Exception], healthy: Callable[[], bool]
+                  ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+    """Relay one engine call into `stream` until it finishes; raise EngineFailed if the engine fails:
+    an error it answers, silence past the timeout, or its health check failing while we wait
+    (a hung process is caught by the prober within seconds, well before a stall timeout)."""
+    call = stub.Generate(request, metadata=tuple(metadata), timeout=deadline_s)
+    messages = call.__aiter__()
+    waited_for_first = True
+    try:
+        while not stream.finished:
+            limit = first_token_timeout_s if waited_for_first else stall_timeout_s
+            try:
+                chunk = await _next(messages, limit, healthy)
+            except StopAsyncIteration:
+                raise EngineFailed(replica_id, "ended the stream without finishing it") from None
+            except TimeoutError:
+                raise EngineFailed(replica_id, f"stalled: nothing for {limit:g} s") from None
+            except _Unhealthy:
+                raise EngineFailed(replica_id, "failed its health checks mid-stream") from None
+            except grpc.aio.AioRpcError as err:
+                if err.code() in RETRYABLE:
+                    raise EngineFailed(replica_id, f"failed: {err.code().name}: {err.details()}", err.code()) from None
+                raise relay_error(f"engine {replica_id}", err) from None
+            waited_for_first = False
+            yield stream.push(chunk, served_by)
+    finally:
+        call.cancel()
+
+
+class _Unhealthy(Exception):
+    pass
+
+
+async def _next(messages: AsyncIterator[engine_pb2.GenerateResponse], limit: float, healthy: Callable[[], bool]
+                ) -> engine_pb2.GenerateResponse:
+    """The next message within `limit` seconds, checking the replica's health every half second."""
+    pending = asyncio.ensure_future(messages.__anext__())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    try:
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait({pending}, timeout=min(0.5, left))
+            if done:
+                return pending.result()
+            if not healthy():
+                raise _Unhealthy
+    finally:
+        if not pending.done():
+            pending.cancel()
