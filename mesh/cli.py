@@ -15,7 +15,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
     try:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
                             discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
-                            kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]))
+                            kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]),
+                            fallback_engines=a.fallback_engines)
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -141,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port-offset", type=int, default=0, help="add this to every port")
     up.add_argument("--region", default="local")
     up.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache budget per engine (MiB)")
+    up.add_argument("--fallback-engines", type=int, default=0,
+                    help="engines of the fallback model (the first model in int8, served as NAME-int8): the router "
+                         "turns to them, marking answers degraded, when the primary has no usable replica")
     up.add_argument("--version", action="append", metavar="VERSION[=FOLDER]",
                     help="model version(s) to serve side by side (default 1); engines are dealt out in turn; "
                          "FOLDER: that version's weights (default: the model's own); the first is the default")

@@ -23,6 +23,7 @@ ROUTER_PORT, TOKENIZER_PORT, CACHE_PORT, ENGINE_BASE_PORT = 50051, 50052, 50053,
 HTTP_PORT, HTTP3_PORT = 8000, 8443
 ENGINE_METRICS_BASE_PORT = 9100
 ROUTER_METRICS_PORT = 9180
+FALLBACK_CONFIDENCE = 0.8
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class MeshConfig:
     region: str = "local"
     kv_cache_mb: int = 1024            # per engine
     versions: tuple[str, ...] = ("1",)  # VERSION or VERSION=FOLDER; engine i serves versions[i % n]
+    fallback_engines: int = 0          # engines of the level-3 fallback model (int8 of the first model)
     ready_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -57,6 +59,8 @@ class MeshConfig:
                 raise ValueError(f"--version {spec!r}: a version is letters, digits, '.', '_' or '-'")
         if len(set(names)) != len(names):
             raise ValueError(f"--version names a version twice: {', '.join(self.versions)}")
+        if self.fallback_engines < 0:
+            raise ValueError("--fallback-engines must be 0 or more")
         if self.engines < len(self.versions):
             raise ValueError(f"{len(self.versions)} versions need at least as many --engines (got {self.engines})")
 
@@ -85,9 +89,18 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     models = [a for m in config.models for a in ("--model", m)]
     tokenizer = f"127.0.0.1:{config.port(TOKENIZER_PORT)}"
     cache = f"127.0.0.1:{config.port(CACHE_PORT)}"
-    threads = max(1, (os.cpu_count() or 1) // config.engines)
+    threads = max(1, (os.cpu_count() or 1) // (config.engines + config.fallback_engines))
     discovery = ["--discovery", config.discovery]
     engines = []
+    fallback = []
+    if config.fallback_engines:
+        # Level 3: the same weights quantized to int8 under a name of their own, a cheaper model
+        # the router turns to (degraded, confidence 0.8) when the primary has no usable replica.
+        from mesh import model_store
+
+        name, folder = model_store.served_model(config.models[0])
+        fallback = [f"{name}-int8={folder}", f"{name}={name}-int8:{FALLBACK_CONFIDENCE}"]
+        models += ["--model", fallback[0]]
     for i in range(config.engines):
         rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
         version, _, folder = config.versions[i % len(config.versions)].partition("=")
@@ -97,12 +110,21 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                    config.region, "--threads", str(threads), "--kv-cache-mb",
                                    str(config.kv_cache_mb), "--metrics-port",
                                    str(config.port(ENGINE_METRICS_BASE_PORT + i)), *discovery], f"127.0.0.1:{port}"))
+    for j in range(config.fallback_engines):
+        i = config.engines + j
+        rid, port = f"fallback-{j}", config.port(ENGINE_BASE_PORT + i)
+        engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
+                                   "--model", fallback[0], "--dtype", "int8", "--region", config.region,
+                                   "--threads", str(threads), "--kv-cache-mb", str(config.kv_cache_mb),
+                                   "--metrics-port", str(config.port(ENGINE_METRICS_BASE_PORT + i)), *discovery],
+                             f"127.0.0.1:{port}"))
     router_port = config.port(ROUTER_PORT)
     router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),
                                 "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,
                                 "--default-version",
                                 f"{served_name(config.models[0])}={config.versions[0].partition('=')[0]}",
                                 *discovery, "--metrics-port", str(config.port(ROUTER_METRICS_PORT)),
+                                *(["--fallback", fallback[1]] if fallback else []),
                                 # With Consul the router finds the engines there, as they register.
                                 *(a for e in engines if config.discovery == "static"
                                   for a in ("--engine", f"{e.name}={e.health}"))],

@@ -93,7 +93,8 @@ class EdgeApp:
         except BadRequest as exc:
             status = exc.status
             if not started:
-                await send_json(tracked_send, exc.status, openai.error_body(exc.message, exc.kind, exc.code, exc.param))
+                await send_json(tracked_send, exc.status, openai.error_body(exc.message, exc.kind, exc.code, exc.param),
+                                exc.retry_after_s)
         except Exception:
             log.exception("%s %s failed", method, path)
             if not started:
@@ -291,11 +292,20 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 def _grpc_bad_request(err: grpc.aio.AioRpcError) -> BadRequest:
     status, kind = http_status(err.code())
-    return BadRequest(err.details() or err.code().name, status=status, kind=kind, code=err.code().name.lower())
+    retry_after = 0
+    for key, value in err.trailing_metadata() or ():
+        if key == "retry-after" and str(value).isdigit():
+            retry_after = int(value)
+    if status in (429, 503) and not retry_after:
+        retry_after = 1
+    return BadRequest(err.details() or err.code().name, status=status, kind=kind, code=err.code().name.lower(),
+                      retry_after_s=retry_after)
 
 
-async def send_json(send: Send, status: int, obj: dict[str, Any]) -> None:
+async def send_json(send: Send, status: int, obj: dict[str, Any], retry_after_s: int = 0) -> None:
     body = json.dumps(obj).encode()
     headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    if retry_after_s > 0:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -27,9 +27,10 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = "invalid_value"):
+                 kind: str = "invalid_request_error", code: str | None = "invalid_value", retry_after_s: int = 0):
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.retry_after_s = retry_after_s      # > 0: sent as a Retry-After header (429, 503)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:

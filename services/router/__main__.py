@@ -30,10 +30,27 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                    help="round_robin|least_load|balancing[+region][+prefix][+session] (default %(default)s)")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
+    p.add_argument("--fallback", action="append", default=[], metavar="MODEL=NEXT:CONFIDENCE",
+                   help="level-3 failover: when MODEL has no usable replica, serve NEXT (degraded, with that "
+                        "confidence); repeat to chain")
+    p.add_argument("--p99-target-ms", type=float, default=0.0,
+                   help="open a replica's breaker when its P99 time to first token exceeds this; 0: off")
+    p.add_argument("--stall-timeout", type=float, default=RouterConfig.stall_timeout_s,
+                   help="seconds without a token before a stream moves to another replica")
     p.add_argument("--default-model", default="smollm2-135m")
     p.add_argument("--default-version", action="append", default=[], metavar="MODEL=VERSION",
                    help="the version unpinned requests go to (default: the lowest served)")
     a = p.parse_args(argv)
+    fallbacks = []
+    for spec in a.fallback:
+        model, sep, rest = spec.partition("=")
+        nxt, colon, confidence = rest.rpartition(":")
+        try:
+            fallbacks.append((model, nxt, float(confidence)))
+        except ValueError:
+            p.error(f"--fallback {spec!r} must look like MODEL=NEXT:CONFIDENCE (e.g. m=m-int8:0.8)")
+        if not sep or not colon or not model or not nxt:
+            p.error(f"--fallback {spec!r} must look like MODEL=NEXT:CONFIDENCE")
     defaults = []
     for spec in a.default_version:
         model, sep, version = spec.partition("=")
@@ -44,7 +61,8 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(tokenizer=a.tokenizer, engines=engines, cache=a.cache, replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
                         default_model=a.default_model, default_versions=tuple(defaults),
-                        discovery=a.discovery, metrics_port=a.metrics_port)
+                        discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),
+                        p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout)
 
 
 async def serve(config: RouterConfig) -> None:

@@ -28,6 +28,8 @@ class RouterConfig:
     stall_timeout_s: float = 10.0          # ...or this long between tokens: the stream moves elsewhere
     max_attempts: int = 3                  # replicas tried per request, mid-stream failovers included
     unhealthy_after: int = 2               # health probes missed in a row before a replica is isolated
+    fallbacks: tuple[tuple[str, str, float], ...] = ()   # (model, next model, confidence): level-3 chain
+    p99_target_ms: float = 0.0             # a replica whose P99 time to first token exceeds it is opened; 0: off
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -38,3 +40,8 @@ class RouterConfig:
             raise ValueError(f"port {self.port} is out of range")
         if self.probe_interval_s <= 0:
             raise ValueError("probe_interval_s must be positive")
+        if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0 or self.max_attempts < 1:
+            raise ValueError("stall/first-token timeouts must be positive and max_attempts at least 1")
+        from services.router.failover import FailoverConfig
+
+        FailoverConfig(fallbacks={m: (n, c) for m, n, c in self.fallbacks})   # raises on cycles, bad confidence

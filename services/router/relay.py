@@ -31,9 +31,11 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, gr
 class EngineFailed(Exception):
     """An attempt ended by the engine, not by the client; another replica may take over."""
 
-    def __init__(self, replica_id: str, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+    def __init__(self, replica_id: str, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 isolate: bool = False):
         super().__init__(f"engine {replica_id} {reason}")
         self.replica_id, self.reason, self.code = replica_id, reason, code
+        self.isolate = isolate      # level 1: the replica looks gone (unreachable, failing health checks)
 
 
 class Stream:
@@ -100,14 +102,15 @@ async def attempt(stub: engine_pb2_grpc.EngineStub, replica_id: str, request: en
             try:
                 chunk = await _next(messages, limit, healthy)
             except StopAsyncIteration:
-                raise EngineFailed(replica_id, "ended the stream without finishing it") from None
+                raise EngineFailed(replica_id, "ended the stream without finishing it", isolate=True) from None
             except TimeoutError:
                 raise EngineFailed(replica_id, f"stalled: nothing for {limit:g} s") from None
             except _Unhealthy:
-                raise EngineFailed(replica_id, "failed its health checks mid-stream") from None
+                raise EngineFailed(replica_id, "failed its health checks mid-stream", isolate=True) from None
             except grpc.aio.AioRpcError as err:
                 if err.code() in RETRYABLE:
-                    raise EngineFailed(replica_id, f"failed: {err.code().name}: {err.details()}", err.code()) from None
+                    raise EngineFailed(replica_id, f"failed: {err.code().name}: {err.details()}", err.code(),
+                                       isolate=err.code() == grpc.StatusCode.UNAVAILABLE) from None
                 raise relay_error(f"engine {replica_id}", err) from None
             waited_for_first = False
             yield stream.push(chunk, served_by)

@@ -7,7 +7,6 @@ logic is StopMatcher's; this file converts protobuf and moves bytes.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -34,7 +33,8 @@ from meshpb.v1 import (
 )
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.policies import Decision, PolicyConfig, RouteRequest, make_policy
+from services.router.failover import BreakerConfig, Call, Failover, FailoverConfig, Plan, Saturated
+from services.router.policies import PolicyConfig, RouteRequest, make_policy
 from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import LoadReport, Replica, ReplicaTable
 from services.router.sessions import merge
@@ -49,6 +49,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.table = ReplicaTable()
         self.policy = make_policy(config.policy, PolicyConfig(region=config.region))
         self.discovery = make_discovery(config.discovery, config.engines)
+        self.failover = Failover(FailoverConfig(
+            fallbacks={m: (n, c) for m, n, c in config.fallbacks}, max_attempts=config.max_attempts,
+            replica=BreakerConfig(p99_target_s=config.p99_target_ms / 1000 if config.p99_target_ms else None)))
         self.block_size = 16                    # the engines' KV block size, from GetInfo: prefix hashes use it
         self._load_watchers: dict[str, asyncio.Task[None]] = {}
         self._probe_misses: dict[str, int] = {}
@@ -74,6 +77,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             added, removed = self.table.sync(endpoints)
             for replica in removed:
                 log.info("replica %s (%s) left", replica.replica_id, replica.address)
+                self.failover.forget(replica.replica_id)
                 watcher = self._load_watchers.pop(replica.replica_id, None)
                 if watcher is not None:
                     watcher.cancel()
@@ -105,7 +109,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await self.discovery.close()
 
     async def probe(self, replica: Replica) -> None:
+        checked_at = time.monotonic()
         healthy = await check_health(replica.address)
+        self.failover.health_checked(replica.replica_id, healthy, checked_at)
         if healthy and not replica.model:
             try:
                 info = await self.engine_stub(replica).GetInfo(engine_pb2.EngineInfoRequest(), timeout=2.0)
@@ -174,24 +180,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def served_versions(self, model: str) -> set[str]:
         return {r.model_version for r in self.table.serving(model)}
 
-    def pick(self, model: str, pinned: str, route: RouteRequest, version: str = "",
-             exclude: set[str] | None = None) -> Decision:
-        if pinned:
-            replica = self.table.get(pinned)
-            if replica is None:
-                raise NotFound(f"replica {pinned!r} does not exist; known: "
-                               f"{', '.join(r.replica_id for r in self.table.all())}")
-            if replica.model != model:
-                raise InvalidArgument(f"replica {pinned!r} serves {replica.model!r}, not {model!r}")
-            if not replica.healthy:
-                raise Unavailable(f"replica {pinned!r} is not healthy")
-            return Decision(replica, "pinned")
-        candidates = [r for r in self.table.serving(model) if (not version or r.model_version == version)
-                      and r.replica_id not in (exclude or ())]
-        if not candidates:
-            left = f" besides {', '.join(sorted(exclude))}" if exclude else ""
-            raise Unavailable(f"no healthy engine replica serves {model!r}{left}; retry shortly")
-        return self.policy.pick(candidates, route, time.monotonic())
+    def pinned(self, model: str, pinned: str) -> Replica:
+        replica = self.table.get(pinned)
+        if replica is None:
+            raise NotFound(f"replica {pinned!r} does not exist; known: "
+                           f"{', '.join(r.replica_id for r in self.table.all())}")
+        if replica.model != model:
+            raise InvalidArgument(f"replica {pinned!r} serves {replica.model!r}, not {model!r}")
+        why = self.failover.refusal(replica, time.monotonic())
+        if why:
+            raise Unavailable(f"replica {pinned!r} is {why}; retry shortly or drop the pin")
+        return replica
 
     # -- sessions ----------------------------------------------------------------------
     async def session_history(self, session_id: str) -> list[Message]:
@@ -248,71 +247,136 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             session = request.session_id if request.WhichOneof("input") == "chat" else ""
             incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
             conversation, new = merge(await self.session_history(session), incoming)
-            prompt_ids = await self.tokenize(request, model, conversation)
-            version = "" if request.pinned_replica else self.versions.choose(
-                model, self.served_versions(model), pinned_version, request.session_id or request_id)
-            route = RouteRequest(model, session_key=request.session_id, region=request.region,
-                                 prefix_hashes=tuple(block_hashes(prompt_ids, self.block_size)))
-            span.set_attributes({"policy": self.config.policy, "prompt_tokens": len(prompt_ids),
-                                 "session_messages": len(conversation) - len(new)})
-            stream = Stream(await self.decode_fn(model), request.sampling.stop, len(prompt_ids),
-                            request.include_token_ids)
+            version = self.choose_version(model, pinned_version, request)
+            span.set_attributes({"policy": self.config.policy, "session_messages": len(conversation) - len(new)})
             answer: list[str] = []
-            async for reply in self._generate(request, request_id, model, version, prompt_ids, route, stream,
-                                              context):
-                answer.append(reply.text)
-                if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    await self.remember(session, [*new, Message("assistant", "".join(answer))])
-                yield reply
+            try:
+                async for reply in self._generate(request, request_id, model, version, conversation, context):
+                    answer.append(reply.text)
+                    if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        await self.remember(session, [*new, Message("assistant", "".join(answer))])
+                    yield reply
+            except Saturated as exc:
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+                raise
+
+    def choose_version(self, model: str, pinned_version: str, request: router_pb2.RouterGenerateRequest) -> str:
+        """The version this request runs on; "" when any will do (a pinned replica, or none serving:
+        then failover decides, possibly for a fallback model)."""
+        if pinned_version:
+            if pinned_version not in {r.model_version for r in self.table.all() if r.model == model}:
+                raise NotFound(f"version {pinned_version!r} of {model!r} is not served")
+            return pinned_version
+        served = self.served_versions(model)
+        if request.pinned_replica or not served:
+            return ""
+        return self.versions.choose(model, served, "", request.session_id or request.request_id)
+
+    async def _prepare(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message]
+                       ) -> tuple[list[int], Stream, RouteRequest]:
+        """Token ids, a fresh client stream and the routing request, for `model`'s tokenizer."""
+        prompt_ids = await self.tokenize(request, model, conversation)
+        stream = Stream(await self.decode_fn(model), request.sampling.stop, len(prompt_ids), request.include_token_ids)
+        route = RouteRequest(model, session_key=request.session_id, region=request.region,
+                             prefix_hashes=tuple(block_hashes(prompt_ids, self.block_size)))
+        return prompt_ids, stream, route
 
     async def _generate(self, request: router_pb2.RouterGenerateRequest, request_id: str, model: str, version: str,
-                        prompt_ids: list[int], route: RouteRequest, stream: Stream,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
-        """Attempts until the stream finishes: a replica that fails mid-stream is left behind and
-        another continues from the tokens already sent (a pinned request is not moved)."""
-        failed: list[str] = []
-        while True:
-            decision = self.pick(model, request.pinned_replica, route, version, exclude=set(failed))
-            replica = decision.replica
-            version = version or replica.model_version          # a resumed stream stays on its version
-            metrics.ROUTED.labels(model, replica.model_version, replica.replica_id,
-                                  "failover" if failed else decision.reason).inc()
-            served_by = common_pb2.ServedBy(replica=replica.replica_id, model=model,
-                                            model_version=replica.model_version, region=replica.region,
-                                            degraded=False, confidence=1.0)
-            engine_request = engine_pb2.GenerateRequest(
-                request_id=request_id, model=model, prompt_ids=prompt_ids, sampling=request.sampling,
-                priority=request.priority, resume_ids=stream.ids)
-            replica.in_flight += 1
-            metrics.IN_FLIGHT.labels(replica.replica_id).inc()
-            started, ok = time.monotonic(), True
-            self.policy.on_start(replica, route, started)
+                        conversation: list[Message], context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """Attempts until the stream finishes (services/router/failover decides where and whether):
+        a replica that fails is left behind; mid-stream, another replica of the same model continues
+        from the tokens already sent; before the first token, a fallback model may take over."""
+        prompt_ids, stream, route = await self._prepare(request, model, conversation)
+        if request.pinned_replica:                     # operators and tests: exactly there, or an error
+            replica = self.pinned(model, request.pinned_replica)
             try:
-                async for reply in attempt(self.engine_stub(replica), replica.replica_id, engine_request, stream,
-                                           served_by, outgoing_metadata(), context.time_remaining(),
-                                           self.config.first_token_timeout_s, self.config.stall_timeout_s,
-                                           _relay_error, functools.partial(getattr, replica, "healthy")):
+                async for reply in self._attempt(replica, Plan(model, [replica], False, 1.0), "pinned", request,
+                                                 request_id, prompt_ids, stream, route, context):
                     yield reply
-                return
             except EngineFailed as exc:
-                ok = False
-                failed.append(replica.replica_id)
-                metrics.FAILED.labels(replica.replica_id).inc()
-                limit = request.sampling.max_tokens
-                if limit and len(stream.ids) >= limit:
-                    yield stream.finish_at_length(served_by)
-                    return
-                if request.pinned_replica or len(failed) >= self.config.max_attempts:
-                    raise Unavailable(f"{exc}; {len(failed)} attempt(s) made"
-                                      + ("" if not request.pinned_replica else " (the request is pinned to it)")
-                                      ) from None
-                log.warning("request %s: %s after %d token(s); continuing on another replica",
-                            request_id, exc, len(stream.ids))
-            finally:
-                replica.in_flight -= 1
-                metrics.IN_FLIGHT.labels(replica.replica_id).dec()
-                now = time.monotonic()
-                self.policy.on_finish(replica, route, now, now - started, ok)
+                raise Unavailable(f"{exc} (the request is pinned to it)") from None
+            return
+        now = time.monotonic
+        call = Call(self.failover, model, now())
+        streamed = model                               # the model whose tokens `stream` holds
+        try:
+            for _ in range(4 * self.failover.config.max_attempts):
+                pool = [r for r in self.table.all() if r.model != model or not version or r.model_version == version]
+                if stream.ids:                         # a stream continues on the model it started with
+                    pool = [r for r in pool if r.model == streamed]
+                plan = call.plan(pool, now())
+                if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
+                    prompt_ids, stream, route = await self._prepare(request, plan.model, conversation)
+                    streamed = plan.model
+                decision = self.policy.pick(plan.candidates, route, now())
+                attempt = call.start(decision.replica, now())
+                if attempt is None:
+                    continue
+                reason = "fallback" if plan.degraded else "failover" if call.attempts > 1 else decision.reason
+                started, first_token_s = now(), None
+                try:
+                    async for reply in self._attempt(decision.replica, plan, reason, request, request_id, prompt_ids,
+                                                     stream, route, context):
+                        first_token_s = now() - started if first_token_s is None else first_token_s
+                        yield reply
+                except EngineFailed as exc:
+                    if exc.isolate:
+                        self.failover.isolate(exc.replica_id, now(), exc.reason)
+                    limit = request.sampling.max_tokens
+                    if limit and len(stream.ids) >= limit:     # died after the last token, before its final message
+                        call.succeeded(attempt, now(), first_token_s)
+                        yield stream.finish_at_length(self.served_by(decision.replica, plan))
+                        return
+                    if not call.failed(attempt, now(), first_token_s):
+                        raise Unavailable(f"{exc}; no attempt or retry budget left for this request") from None
+                    log.warning("request %s: %s after %d token(s); trying another replica",
+                                request_id, exc, len(stream.ids))
+                    continue
+                except BaseException:                   # the client left, or a request error: no replica's fault
+                    call.cancelled(attempt, now())
+                    raise
+                call.succeeded(attempt, now(), first_token_s)
+                return
+            raise Unavailable(f"no replica could be started for {model!r}; retry shortly")
+        finally:
+            call.close(now())
+
+    def served_by(self, replica: Replica, plan: Plan) -> common_pb2.ServedBy:
+        return common_pb2.ServedBy(replica=replica.replica_id, model=plan.model, model_version=replica.model_version,
+                                   region=replica.region, degraded=plan.degraded, confidence=plan.confidence)
+
+    async def _attempt(self, replica: Replica, plan: Plan, reason: str, request: router_pb2.RouterGenerateRequest,
+                       request_id: str, prompt_ids: list[int], stream: Stream, route: RouteRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """One engine call for the stream (resuming from its tokens), with the replica's bookkeeping."""
+        metrics.ROUTED.labels(plan.model, replica.model_version, replica.replica_id, reason).inc()
+        engine_request = engine_pb2.GenerateRequest(
+            request_id=request_id, model=plan.model, prompt_ids=prompt_ids, sampling=request.sampling,
+            priority=request.priority, resume_ids=stream.ids)
+        replica.in_flight += 1
+        metrics.IN_FLIGHT.labels(replica.replica_id).inc()
+        started, ok = time.monotonic(), True
+        self.policy.on_start(replica, route, started)
+
+        def admitted() -> bool:
+            return replica.healthy and self.failover.isolation(replica.replica_id) is None
+
+        try:
+            async for reply in attempt(self.engine_stub(replica), replica.replica_id, engine_request, stream,
+                                       self.served_by(replica, plan), outgoing_metadata(), context.time_remaining(),
+                                       self.config.first_token_timeout_s, self.config.stall_timeout_s, _relay_error,
+                                       admitted):
+                yield reply
+        except EngineFailed:
+            ok = False
+            metrics.FAILED.labels(replica.replica_id).inc()
+            raise
+        finally:
+            replica.in_flight -= 1
+            metrics.IN_FLIGHT.labels(replica.replica_id).dec()
+            now = time.monotonic()
+            self.policy.on_finish(replica, route, now, now - started, ok)
 
     @rpc_errors
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
