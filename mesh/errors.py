@@ -12,9 +12,10 @@ import grpc
 class MeshError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, retry_after_s: int = 0):
         super().__init__(message)
         self.message = message
+        self.retry_after_s = retry_after_s      # > 0: sent as `retry-after` trailing metadata (HTTP Retry-After)
 
 
 class InvalidArgument(MeshError):

@@ -13,10 +13,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
+from circuitbreaker import CircuitBreaker, CircuitBreakerError
 
 from mesh.chat import Message
 from mesh.discovery import make_discovery
-from mesh.errors import InvalidArgument, NotFound, Unavailable
+from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.grpcutil import channel, check_health, rpc_errors
 from mesh.prefix import block_hashes
 from mesh.telemetry import outgoing_metadata, server_span
@@ -33,7 +34,7 @@ from meshpb.v1 import (
 )
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.failover import BreakerConfig, Call, Failover, FailoverConfig, Plan, Saturated
+from services.router.failover import BreakerConfig, Call, Failover, FailoverConfig, Plan
 from services.router.policies import PolicyConfig, RouteRequest, make_policy
 from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import LoadReport, Replica, ReplicaTable
@@ -58,6 +59,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()))
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel(config.tokenizer))
         self.cache = cache_pb2_grpc.CacheStub(channel(config.cache)) if config.cache else None
+        # The single-replica dependencies get the `circuitbreaker` package's breaker (consecutive
+        # failures, fixed recovery time: all they need): when one is down, requests fail fast
+        # (tokenizer) or go on without history (session store) instead of each waiting out a timeout.
+        # Engines need more (windows, probes, a fake clock in tests): services/router/failover.
+        self.tokenizer_breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=5,
+                                                expected_exception=_dependency_down, name=f"tokenizer@{config.port}")
+        self.session_breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=10,
+                                              expected_exception=_dependency_down, name=f"sessions@{config.port}")
         self.versions = ModelVersions(dict(config.default_versions))
         self._engine_stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
         self.tokenizer_healthy = False
@@ -199,11 +208,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.cache is None or not session_id:
             return []
         try:
-            found = await self.cache.GetSession(cache_pb2.SessionRequest(session_id=session_id),
-                                                metadata=outgoing_metadata(), timeout=5.0)
-        except grpc.aio.AioRpcError as err:
-            log.warning("session store unavailable (%s); session %s goes on without its history",
-                        err.code().name, session_id)
+            found = await self.session_breaker.call_async(
+                self.cache.GetSession, cache_pb2.SessionRequest(session_id=session_id),
+                metadata=outgoing_metadata(), timeout=5.0)
+        except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
+            why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "circuit open"
+            log.warning("session store unavailable (%s); session %s goes on without its history", why, session_id)
             return []
         return [Message(m.role, m.content, m.name) for m in found.messages]
 
@@ -211,29 +221,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.cache is None or not session_id or not messages:
             return
         try:
-            await self.cache.AppendSession(
+            await self.session_breaker.call_async(
+                self.cache.AppendSession,
                 cache_pb2.AppendSessionRequest(session_id=session_id, messages=[
                     tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in messages]),
                 metadata=outgoing_metadata(), timeout=5.0)
-        except grpc.aio.AioRpcError as err:
-            log.warning("session %s: could not store the turn (%s)", session_id, err.code().name)
+        except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
+            why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "circuit open"
+            log.warning("session %s: could not store the turn (%s)", session_id, why)
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str,
                        conversation: list[Message]) -> list[int]:
         kind = request.WhichOneof("input")
+        if kind not in ("chat", "prompt"):
+            raise InvalidArgument("the request has neither chat messages nor a prompt")
         try:
             if kind == "chat":
                 messages = [tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name)
                             for m in conversation]
-                enc = await self.tokenizer.ApplyChatTemplate(
+                enc = await self.tokenizer_breaker.call_async(
+                    self.tokenizer.ApplyChatTemplate,
                     tokenizer_pb2.ChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True),
                     metadata=outgoing_metadata(), timeout=30.0)
-            elif kind == "prompt":
-                enc = await self.tokenizer.Encode(
+            else:
+                enc = await self.tokenizer_breaker.call_async(
+                    self.tokenizer.Encode,
                     tokenizer_pb2.EncodeRequest(model=model, text=request.prompt, add_special_tokens=True),
                     metadata=outgoing_metadata(), timeout=30.0)
-            else:
-                raise InvalidArgument("the request has neither chat messages nor a prompt")
+        except CircuitBreakerError:
+            wait = max(1, self.tokenizer_breaker.open_remaining)
+            raise Unavailable(f"tokenizer {self.config.tokenizer} is failing: not called again for {wait} s "
+                              "(circuit open)", retry_after_s=wait) from None
         except grpc.aio.AioRpcError as err:
             raise _relay_error("tokenizer", err) from None
         return list(enc.ids)
@@ -256,8 +274,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         await self.remember(session, [*new, Message("assistant", "".join(answer))])
                     yield reply
-            except Saturated as exc:
-                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            except MeshError as exc:
+                if exc.retry_after_s > 0:             # Saturated, a tripped dependency breaker
+                    context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
                 raise
 
     def choose_version(self, model: str, pinned_version: str, request: router_pb2.RouterGenerateRequest) -> str:
@@ -426,6 +445,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
                                model_version=r.model_version, region=r.region, healthy=r.healthy, load=load)
         return reply
+
+
+def _dependency_down(kind: type[BaseException], err: BaseException) -> bool:
+    """What the dependency breakers count: the service failing, not a request it refused."""
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() in _DOWN_CODES
+
+
+_DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.UNKNOWN)
 
 
 def _relay_error(hop: str, err: grpc.aio.AioRpcError) -> Exception:
