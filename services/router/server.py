@@ -231,7 +231,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             log.warning("session %s: could not store the turn (%s)", session_id, why)
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str,
-                       conversation: list[Message]) -> list[int]:
+                       conversation: list[Message], deadline_s: float | None = None) -> list[int]:
         kind = request.WhichOneof("input")
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
@@ -242,12 +242,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 enc = await self.tokenizer_breaker.call_async(
                     self.tokenizer.ApplyChatTemplate,
                     tokenizer_pb2.ChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True),
-                    metadata=outgoing_metadata(), timeout=30.0)
+                    metadata=outgoing_metadata(), timeout=_within(deadline_s, 30.0))
             else:
                 enc = await self.tokenizer_breaker.call_async(
                     self.tokenizer.Encode,
                     tokenizer_pb2.EncodeRequest(model=model, text=request.prompt, add_special_tokens=True),
-                    metadata=outgoing_metadata(), timeout=30.0)
+                    metadata=outgoing_metadata(), timeout=_within(deadline_s, 30.0))
         except CircuitBreakerError:
             wait = max(1, self.tokenizer_breaker.open_remaining)
             raise Unavailable(f"tokenizer {self.config.tokenizer} is failing: not called again for {wait} s "
@@ -291,10 +291,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return ""
         return self.versions.choose(model, served, "", request.session_id or request.request_id)
 
-    async def _prepare(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message]
+    async def _prepare(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message],
+                       deadline_s: float | None = None
                        ) -> tuple[list[int], Stream, RouteRequest]:
         """Token ids, a fresh client stream and the routing request, for `model`'s tokenizer."""
-        prompt_ids = await self.tokenize(request, model, conversation)
+        prompt_ids = await self.tokenize(request, model, conversation, deadline_s)
         stream = Stream(await self.decode_fn(model), request.sampling.stop, len(prompt_ids), request.include_token_ids)
         route = RouteRequest(model, session_key=request.session_id, region=request.region,
                              prefix_hashes=tuple(block_hashes(prompt_ids, self.block_size)))
@@ -306,7 +307,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Attempts until the stream finishes (services/router/failover decides where and whether):
         a replica that fails is left behind; mid-stream, another replica of the same model continues
         from the tokens already sent; before the first token, a fallback model may take over."""
-        prompt_ids, stream, route = await self._prepare(request, model, conversation)
+        prompt_ids, stream, route = await self._prepare(request, model, conversation, context.time_remaining())
         if request.pinned_replica:                     # operators and tests: exactly there, or an error
             replica = self.pinned(model, request.pinned_replica)
             try:
@@ -326,7 +327,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     pool = [r for r in pool if r.model == streamed]
                 plan = call.plan(pool, now())
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
-                    prompt_ids, stream, route = await self._prepare(request, plan.model, conversation)
+                    prompt_ids, stream, route = await self._prepare(request, plan.model, conversation,
+                                                                    context.time_remaining())
                     streamed = plan.model
                 decision = self.policy.pick(plan.candidates, route, now())
                 attempt = call.start(decision.replica, now())
@@ -445,6 +447,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
                                model_version=r.model_version, region=r.region, healthy=r.healthy, load=load)
         return reply
+
+
+def _within(deadline_s: float | None, cap: float) -> float:
+    """A hop's timeout: its own cap, or less when the client's deadline comes sooner."""
+    return cap if deadline_s is None else max(0.001, min(cap, deadline_s))
 
 
 def _dependency_down(kind: type[BaseException], err: BaseException) -> bool:
