@@ -41,6 +41,7 @@ class EngineFailed(Exception):
 class Stream:
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str], prompt_tokens: int,
                  include_ids: bool):
+        self.decode = decode
         self.decoder = IncrementalDecoder(decode)
         self.stops = StopMatcher(list(stop))
         self.prompt_tokens = prompt_tokens
@@ -56,6 +57,10 @@ class Stream:
              ) -> router_pb2.RouterGenerateResponse:
         """The client's message for one engine message; sets `finished` on the last one."""
         final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        for entry in chunk.logprobs:           # each token's own text, as OpenAI's logprobs show it
+            entry.token = self.decode([entry.token_id])
+            for alt in entry.top:
+                alt.token = self.decode([alt.token_id])
         text = self.decoder.push(list(chunk.ids), final)
         emit, stopped = self.stops.push(text)
         ids = list(chunk.ids) if self.include_ids else []
