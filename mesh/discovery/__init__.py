@@ -118,6 +118,48 @@ def parse_endpoint(service: str, spec: str) -> Endpoint:
     return Endpoint(service, replica_id or address, address)
 
 
+def advertise_address(host: str, port: int, advertise: str = "") -> str:
+    """The address other hosts reach this process at: `advertise` (HOST or HOST:PORT) when given,
+    else the bind host, else (bound to every interface) this host's name."""
+    if advertise:
+        try:
+            split_address(advertise)          # HOST:PORT already
+            return advertise
+        except ValueError:
+            return join_address(advertise.strip("[]"), port)
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = socket.getfqdn()
+    return join_address(host, port)
+
+
+def load_endpoints(path: str) -> list[Endpoint]:
+    """A static discovery file: a JSON list of {"service", "replica_id", "address", "region"?,
+    "model"?, "model_version"?} objects, e.g. the engines of every region on a fixed set of hosts."""
+    import json
+    from pathlib import Path
+
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"discovery file {path}: {exc}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"discovery file {path}: expected a JSON list of endpoints")
+    endpoints = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not {"service", "replica_id", "address"} <= set(e):
+            raise ValueError(f"discovery file {path}: entry {i} needs service, replica_id and address")
+        unknown = set(e) - {"service", "replica_id", "address", "region", "model", "model_version"}
+        if unknown:
+            raise ValueError(f"discovery file {path}: entry {i} has unknown field(s) {', '.join(sorted(unknown))}")
+        split_address(str(e["address"]))
+        endpoints.append(Endpoint(str(e["service"]), str(e["replica_id"]), str(e["address"]),
+                                  model=str(e.get("model", "")), model_version=str(e.get("model_version", "")),
+                                  region=str(e.get("region", "local"))))
+    return endpoints
+
+
 BACKENDS = ("static", "consul")
 
 
@@ -150,5 +192,6 @@ async def announce(kind: str, endpoint: Endpoint, check: HealthCheck | None = No
 
 from mesh.discovery.static import StaticDiscovery  # noqa: E402  (static.py subclasses Discovery above)
 
-__all__ = ["BACKENDS", "Discovery", "announce", "DiscoveryError", "Endpoint", "HealthCheck", "StaticDiscovery",
+__all__ = ["BACKENDS", "Discovery", "DiscoveryError", "Endpoint", "HealthCheck", "StaticDiscovery",
+           "advertise_address", "announce", "load_endpoints",
            "join_address", "make_discovery", "parse_endpoint", "split_address"]

@@ -16,6 +16,8 @@ class CacheConfig:
     max_sessions: int = 100_000
     max_messages_per_session: int = 1_000
     discovery: str = "static"           # static | consul: where this process announces itself
+    metrics_port: int = 0               # Prometheus /metrics; 0: off
+    advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
 
     def __post_init__(self) -> None:
         if self.session_ttl_s <= 0:

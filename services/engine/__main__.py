@@ -7,7 +7,8 @@ import asyncio
 import logging
 
 from mesh import model_store
-from mesh.discovery import BACKENDS, Endpoint, announce
+from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce
+from mesh.envargs import apply_env
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.engine.config import DEVICES, DTYPES, EngineConfig
@@ -22,7 +23,9 @@ log = logging.getLogger("engine")
 def parse(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(prog="python -m services.engine")
     p.add_argument("--replica-id", default="engine-0")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
     p.add_argument("--port", type=int, default=50060)
     p.add_argument("--model", default="default", help="NAME or NAME=FOLDER")
     p.add_argument("--model-version", default="1")
@@ -36,6 +39,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    apply_env(p, "INFERMESH_ENGINE")
     a = p.parse_args(argv)
     name, folder = model_store.served_model(a.model)
     return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
@@ -43,7 +47,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                         dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
                         block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
                         max_running=a.max_running, metrics_port=a.metrics_port,
-                        discovery=a.discovery)
+                        discovery=a.discovery, advertise=a.advertise)
 
 
 async def serve(config: EngineConfig) -> None:
@@ -69,7 +73,8 @@ async def serve(config: EngineConfig) -> None:
              config.model, runner.dtype, runner.matmul, runner.device, runner.num_blocks, runner.block_size,
              service.address)
     withdraw = await announce(config.discovery, Endpoint(
-        "engine", config.replica_id, service.address, model=config.model, model_version=config.model_version,
+        "engine", config.replica_id, advertise_address(config.host, config.port, config.advertise),
+        model=config.model, model_version=config.model_version,
         region=config.region))
 
     async def stop() -> None:

@@ -27,6 +27,7 @@ class EngineConfig:
     max_running: int = 64              # sequences per step
     metrics_port: int = 0              # Prometheus /metrics; 0: off
     discovery: str = "static"          # static | consul: where this engine announces itself
+    advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from mesh.discovery import BACKENDS, Endpoint, announce, parse_endpoint
+from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce, load_endpoints, parse_endpoint
+from mesh.envargs import apply_env
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from meshpb.v1 import router_pb2_grpc
@@ -20,11 +21,15 @@ log = logging.getLogger("router")
 def parse(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m services.router")
     p.add_argument("--replica-id", default="router-0")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
     p.add_argument("--cache", default="")
     p.add_argument("--engine", action="append", default=[], help="ID=HOST:PORT; repeat for each engine")
+    p.add_argument("--discovery-file", default="", metavar="JSON",
+                   help="static discovery from a file: a JSON list of {service, replica_id, address, region}")
     p.add_argument("--region", default="local")
     p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig.policy, metavar="POLICY",
                    help="round_robin|least_load|balancing[+region][+prefix][+session] (default %(default)s)")
@@ -40,6 +45,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--default-model", default="smollm2-135m")
     p.add_argument("--default-version", action="append", default=[], metavar="MODEL=VERSION",
                    help="the version unpinned requests go to (default: the lowest served)")
+    apply_env(p, "INFERMESH_ROUTER")
     a = p.parse_args(argv)
     fallbacks = []
     for spec in a.fallback:
@@ -58,11 +64,16 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
             p.error(f"--default-version {spec!r} must look like MODEL=VERSION")
         defaults.append((model, version))
     engines = tuple(parse_endpoint("engine", spec) for spec in a.engine)
+    if a.discovery_file:
+        try:
+            engines += tuple(e for e in load_endpoints(a.discovery_file) if e.service == "engine")
+        except ValueError as exc:
+            p.error(str(exc))
     return RouterConfig(tokenizer=a.tokenizer, engines=engines, cache=a.cache, replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
                         default_model=a.default_model, default_versions=tuple(defaults),
                         discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),
-                        p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout)
+                        p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -88,7 +99,8 @@ async def serve(config: RouterConfig) -> None:
     log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,
              len(config.engines), config.policy)
 
-    withdraw = await announce(config.discovery, Endpoint("router", config.replica_id, service.address,
+    withdraw = await announce(config.discovery, Endpoint("router", config.replica_id,
+                                                         advertise_address(config.host, config.port, config.advertise),
                                                          region=config.region))
 
     async def stop_tasks() -> None:

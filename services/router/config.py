@@ -17,12 +17,13 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     region: str = "local"
-    policy: str = "balancing+prefix+session"
+    policy: str = "balancing+region+prefix+session"
     default_model: str = "smollm2-135m"
     default_versions: tuple[tuple[str, str], ...] = ()   # (model, version) routed to unless pinned/canary
     probe_interval_s: float = 1.0          # health/info probes of every engine
     load_interval_ms: int = 250            # engines' load reports (WatchLoad)
     discovery: str = "static"              # static: `engines`; consul: the agent at CONSUL_HTTP_ADDR
+    advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
     metrics_port: int = 0                  # Prometheus /metrics; 0: off
     first_token_timeout_s: float = 120.0   # an engine silent this long before its first token has failed
     stall_timeout_s: float = 10.0          # ...or this long between tokens: the stream moves elsewhere

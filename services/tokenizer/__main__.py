@@ -7,9 +7,10 @@ import asyncio
 import logging
 
 from mesh import model_store
-from mesh.discovery import BACKENDS, Endpoint, announce
+from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce
+from mesh.envargs import apply_env
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
-from mesh.telemetry import setup_tracing, shutdown_tracing
+from mesh.telemetry import serve_metrics, setup_tracing, shutdown_tracing
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import TokenizerServicer, add_to
 from services.tokenizer.tokenizer import ModelTokenizer
@@ -20,13 +21,19 @@ log = logging.getLogger("tokenizer")
 def parse(argv: list[str] | None = None) -> TokenizerConfig:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer")
     p.add_argument("--replica-id", default="tokenizer-0")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--model", action="append", default=[], help="NAME or NAME=FOLDER; repeat for more")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
+    apply_env(p, "INFERMESH_TOKENIZER")
     a = p.parse_args(argv)
     models = tuple(model_store.served_model(spec) for spec in (a.model or ["default"]))
-    return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models, discovery=a.discovery)
+    return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models, discovery=a.discovery,
+                           metrics_port=a.metrics_port,
+                           advertise=a.advertise)
 
 
 async def serve(config: TokenizerConfig) -> None:
@@ -34,8 +41,10 @@ async def serve(config: TokenizerConfig) -> None:
     service = Service("meshpb.v1.Tokenizer", config.host, config.port)
     add_to(service, TokenizerServicer(tokenizers, default=config.models[0][0]))
     await service.start()
+    serve_metrics(config.metrics_port, config.host)
     await service.ready()
-    withdraw = await announce(config.discovery, Endpoint("tokenizer", config.replica_id, service.address))
+    advertised = advertise_address(config.host, config.port, config.advertise)
+    withdraw = await announce(config.discovery, Endpoint("tokenizer", config.replica_id, advertised))
     log.info("tokenizer %s serving %s on %s", config.replica_id, ", ".join(tokenizers), service.address)
     await run_until_signalled(service, on_stop=withdraw)
 

@@ -13,6 +13,8 @@ class TokenizerConfig:
     # (served name, Hugging Face folder) for every model this replica tokenizes.
     models: tuple[tuple[str, str], ...] = ()
     discovery: str = "static"           # static | consul: where this process announces itself
+    metrics_port: int = 0               # Prometheus /metrics; 0: off
+    advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
 
     def __post_init__(self) -> None:
         if not self.models:
