@@ -66,6 +66,23 @@ class ServedBy:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str                  # the token's own text (the router decodes it alone)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob under the unmodified distribution, and its top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     finish_reason: str | None = None
@@ -74,6 +91,7 @@ class Delta:
     cached_tokens: int = 0
     served_by: ServedBy | None = None
     ids: tuple[int, ...] = field(default=())
+    logprobs: tuple[TokenLogprob, ...] = ()     # the tokens behind this delta, when Sampling.logprobs
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,10 @@ class RouterClient:
                     cached_tokens=r.usage.cached_tokens,
                     served_by=served,
                     ids=tuple(r.ids),
+                    logprobs=tuple(
+                        TokenLogprob(lp.token_id, lp.token, lp.logprob,
+                                     tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top))
+                        for lp in r.logprobs),
                 )
         finally:
             call.cancel()
@@ -170,4 +192,4 @@ def _routing(r: router_pb2.ModelRouting) -> ModelRouting:
 
 
 __all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "ModelRouting", "RouterClient", "Sampling", "ServedBy",
-           "grpc"]
+           "TokenLogprob", "TopLogprob", "grpc"]

@@ -1,19 +1,30 @@
 """Minimal HTTP/3 client on aioquic, for tests and the CLI.
 
-    async with H3Client("127.0.0.1", 8443, verify=False) as c:
+    tickets = TicketStore("~/.cache/infermesh/h3-tickets.json")  # or TicketStore() in memory
+    async with H3Client("127.0.0.1", 8443, verify=False, tickets=tickets) as c:
         r = await c.request("GET", "/health")
         async with c.stream("POST", "/v1/chat/completions", body=payload) as s:
             async for chunk in s.chunks():
                 ...
+
+With a ticket from an earlier connection to the same server, the client resumes the TLS
+session and sends its first requests as 0-RTT early data, in the same flight as the
+ClientHello; `H3Stream.zero_rtt` says whether the server took one that way. Each ticket is
+used once (the edge accepts it once); every connection brings a fresh one back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import json
+import os
 import ssl
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -22,7 +33,11 @@ from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
-from aioquic.tls import SessionTicket
+from aioquic.tls import CipherSuite, SessionTicket
+
+# A connection that used its ticket waits this long, when closing, for the server's next one
+# (the server sends it once the handshake completes, possibly after a short answer).
+TICKET_WAIT_S = 1.0
 
 
 @dataclass
@@ -30,6 +45,74 @@ class H3Response:
     status: int
     headers: dict[str, str]
     body: bytes
+
+
+def _ticket_to_json(t: SessionTicket) -> dict[str, Any]:
+    return {
+        "age_add": t.age_add, "cipher_suite": int(t.cipher_suite),
+        "not_valid_after": t.not_valid_after.isoformat(), "not_valid_before": t.not_valid_before.isoformat(),
+        "resumption_secret": t.resumption_secret.hex(), "server_name": t.server_name, "ticket": t.ticket.hex(),
+        "max_early_data_size": t.max_early_data_size,
+        "other_extensions": [[kind, data.hex()] for kind, data in t.other_extensions],
+    }
+
+
+def _ticket_from_json(d: dict[str, Any]) -> SessionTicket:
+    return SessionTicket(
+        age_add=int(d["age_add"]), cipher_suite=CipherSuite(d["cipher_suite"]),
+        not_valid_after=datetime.datetime.fromisoformat(d["not_valid_after"]),
+        not_valid_before=datetime.datetime.fromisoformat(d["not_valid_before"]),
+        resumption_secret=bytes.fromhex(d["resumption_secret"]), server_name=str(d["server_name"]),
+        ticket=bytes.fromhex(d["ticket"]), max_early_data_size=d["max_early_data_size"],
+        other_extensions=[(int(kind), bytes.fromhex(data)) for kind, data in d["other_extensions"]],
+    )
+
+
+class TicketStore:
+    """Session tickets per server, in memory and optionally in a JSON file (mode 0600).
+
+    The file lets separate processes (`infermesh chat --http3` runs) resume. It holds
+    resumption secrets, which decrypt what was sent with them: it is written owner-only.
+    A missing or unreadable file is an empty store; the CLI must never fail over a cache.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, max_servers: int = 64) -> None:
+        self.path = Path(path).expanduser() if path is not None else None
+        self._max = max_servers
+        self._tickets: dict[str, SessionTicket] = {}
+        if self.path is not None:
+            try:
+                raw = json.loads(self.path.read_text())
+                self._tickets = {key: _ticket_from_json(d) for key, d in raw.items()}
+            except (OSError, ValueError, KeyError, TypeError):
+                self._tickets = {}
+
+    def take(self, key: str) -> SessionTicket | None:
+        """Remove and return the ticket for `key` if it is still valid: tickets are single use."""
+        ticket = self._tickets.pop(key, None)
+        if ticket is not None:
+            self._save()
+        return ticket if ticket is not None and ticket.is_valid else None
+
+    def put(self, key: str, ticket: SessionTicket) -> None:
+        self._tickets.pop(key, None)
+        self._tickets[key] = ticket  # most recent last, so the oldest server goes first
+        while len(self._tickets) > self._max:
+            self._tickets.pop(next(iter(self._tickets)))
+        self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        text = json.dumps({key: _ticket_to_json(t) for key, t in self._tickets.items() if t.is_valid})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".h3-tickets.")  # created 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # resuming is an optimisation; losing a ticket costs one round trip
 
 
 class _Exchange:
@@ -56,6 +139,15 @@ class _ClientProtocol(QuicConnectionProtocol):
         self.h3 = H3Connection(self._quic)
         self._exchanges: dict[int, _Exchange] = {}
         self.session_resumed = False
+        self.early_data_accepted: bool | None = None  # known once the handshake completes
+        self.handshake_done = asyncio.Event()  # completed, or the connection died trying
+        self.handshake_completed = False
+        self.early_data_offered = False  # set by H3Client: the ClientHello carries a ticket allowing early data
+
+    @property
+    def in_early_data(self) -> bool:
+        """Whether what is sent now goes as 0-RTT early data."""
+        return self.early_data_offered and not self.handshake_done.is_set()
 
     def open(self, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, _Exchange]:
         if self._closed.is_set():
@@ -86,7 +178,11 @@ class _ClientProtocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self.session_resumed = event.session_resumed
+            self.early_data_accepted = event.early_data_accepted
+            self.handshake_completed = True
+            self.handshake_done.set()
         elif isinstance(event, ConnectionTerminated):
+            self.handshake_done.set()  # wake waiters; the exchanges fail below
             for pending in self._exchanges.values():
                 pending.fail(ConnectionError(f"connection closed: {event.reason_phrase or event.error_code}"))
         elif isinstance(event, StreamReset) and event.stream_id in self._exchanges:
@@ -109,9 +205,10 @@ class _ClientProtocol(QuicConnectionProtocol):
 class H3Stream:
     """A response whose headers have arrived; the body is read incrementally."""
 
-    def __init__(self, status: int, headers: dict[str, str], exchange: _Exchange) -> None:
+    def __init__(self, status: int, headers: dict[str, str], exchange: _Exchange, zero_rtt: bool = False) -> None:
         self.status = status
         self.headers = headers
+        self.zero_rtt = zero_rtt  # the request went as 0-RTT early data and the server accepted it
         self._ex = exchange
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -129,6 +226,14 @@ class H3Stream:
 
 
 class H3Client:
+    """One QUIC connection; `tickets` (or `session_ticket`) makes it resume, and send in 0-RTT.
+
+    `early_data=False` still resumes but sends nothing before the handshake completes. If the
+    server refuses the early data (it restarted, or the ticket was used already), aioquic
+    resends the request under 1-RTT keys once its loss detection gives the 0-RTT packets up,
+    about one round trip later than a plain full handshake would have answered.
+    """
+
     def __init__(
         self,
         host: str,
@@ -137,35 +242,56 @@ class H3Client:
         verify: bool = True,
         cafile: str | None = None,
         session_ticket: SessionTicket | None = None,
+        tickets: TicketStore | None = None,
+        early_data: bool = True,
         server_name: str = "localhost",
         timeout: float = 30.0,
     ) -> None:
         self.host, self.port = host, port
         self.timeout = timeout
+        self.tickets = tickets
+        self.ticket_key = f"{server_name}@{host}:{port}"
+        if session_ticket is None and tickets is not None:
+            session_ticket = tickets.take(self.ticket_key)
         self.session_ticket: SessionTicket | None = session_ticket  # updated as the server issues new ones
+        self.used_ticket = session_ticket is not None
+        self._new_ticket = asyncio.Event()
         self._config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name=server_name)
         if not verify:
             self._config.verify_mode = ssl.CERT_NONE
         elif cafile:
             self._config.load_verify_locations(cafile)
         self._config.session_ticket = session_ticket
+        # aioquic offers early data only for a valid ticket issued under this server name.
+        self._early = bool(
+            early_data and session_ticket is not None and session_ticket.max_early_data_size is not None
+            and session_ticket.is_valid and session_ticket.server_name == server_name
+        )
         self._cm: AbstractAsyncContextManager[QuicConnectionProtocol] | None = None
         self._proto: _ClientProtocol | None = None
+        self.early_data_sent = False  # some request went as 0-RTT early data
 
     def _save_ticket(self, ticket: SessionTicket) -> None:
         self.session_ticket = ticket
+        if self.tickets is not None:
+            self.tickets.put(self.ticket_key, ticket)
+        self._new_ticket.set()
 
     async def __aenter__(self) -> H3Client:
+        # With early data, don't wait for the handshake: the first request rides in the
+        # ClientHello's flight (aioquic sends nothing until the first transmit).
         self._cm = connect(
             self.host,
             self.port,
             configuration=self._config,
             create_protocol=_ClientProtocol,
             session_ticket_handler=self._save_ticket,
+            wait_connected=not self._early,
         )
         async with asyncio.timeout(self.timeout):
             proto = await self._cm.__aenter__()
         assert isinstance(proto, _ClientProtocol)
+        proto.early_data_offered = self._early
         self._proto = proto
         return self
 
@@ -173,20 +299,55 @@ class H3Client:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._cm is not None:
-            cm, self._cm, self._proto = self._cm, None, None
+            # _proto stays: resumed / early_data_accepted / handshake_summary() still answer after closing.
+            cm, proto, self._cm = self._cm, self._proto, None
+            if exc_type is None and proto is not None:
+                await self._await_next_ticket(proto)
             await cm.__aexit__(exc_type, exc, tb)
+
+    async def _await_next_ticket(self, proto: _ClientProtocol) -> None:
+        # The server sends the next ticket once the handshake completes, which may be after a
+        # short answer; leaving before it arrives would cost the next connection its 0-RTT.
+        started = proto.handshake_completed or self.early_data_sent
+        if self.tickets is None or not started or self._new_ticket.is_set():
+            return
+        try:
+            async with asyncio.timeout(TICKET_WAIT_S):
+                await proto.handshake_done.wait()
+                await self._new_ticket.wait()
+        except TimeoutError:
+            pass
 
     @property
     def resumed(self) -> bool:
         """Whether the TLS handshake resumed a previous session (used a ticket)."""
         return self._proto is not None and self._proto.session_resumed
 
+    @property
+    def early_data_accepted(self) -> bool | None:
+        """Whether the server accepted our 0-RTT early data (None: none offered, or handshake pending)."""
+        if self._proto is None or not self._proto.early_data_offered:
+            return None
+        return self._proto.early_data_accepted
+
+    def handshake_summary(self) -> str:
+        """One line for humans (`infermesh chat --http3 --verbose`)."""
+        if self._proto is None or not self._proto.handshake_completed:
+            return "handshake not completed"
+        if self.early_data_sent:
+            if self.early_data_accepted:
+                return "0-RTT: resumed session, request sent as early data and accepted"
+            return "0-RTT refused by the server (ticket unknown or used): request resent after a full handshake"
+        if self.resumed:
+            return "1-RTT: resumed session"
+        return "1-RTT: full handshake" + (" (ticket not accepted)" if self.used_ticket else "")
+
     @asynccontextmanager
     async def stream(
         self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b""
     ) -> AsyncIterator[H3Stream]:
         """Send a request; yield once response headers arrive. Leaving early cancels the stream."""
-        if self._proto is None:
+        if self._cm is None or self._proto is None:
             raise RuntimeError("H3Client is not connected; use `async with`")
         proto = self._proto
         authority = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -199,6 +360,8 @@ class H3Client:
         h3_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         if body:
             h3_headers.append((b"content-length", str(len(body)).encode()))
+        early = proto.in_early_data
+        self.early_data_sent |= early
         stream_id, ex = proto.open(h3_headers, body)
         try:
             async with asyncio.timeout(self.timeout):
@@ -210,7 +373,9 @@ class H3Client:
                     name, value = k.decode(), v.decode()
                     # Repeated fields fold into one comma-separated value (RFC 9110 5.3).
                     resp_headers[name] = f"{resp_headers[name]}, {value}" if name in resp_headers else value
-            yield H3Stream(status, resp_headers, ex)
+            # 1-RTT keys come from the server's Finished, so by now the handshake outcome is known;
+            # refused early data was resent by aioquic's loss recovery, under 1-RTT keys.
+            yield H3Stream(status, resp_headers, ex, zero_rtt=early and bool(proto.early_data_accepted))
         finally:
             if ex.ended:
                 proto.forget(stream_id)

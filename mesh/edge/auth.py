@@ -44,15 +44,19 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self.digests)
 
-    def check(self, authorization: str) -> bool:
-        """True for `Bearer <a configured key>`; every digest is compared, in constant time."""
-        if not self.enabled:
-            return True
+    def match(self, authorization: str) -> bytes | None:
+        """The digest of the configured key in `Bearer <key>`, or None; every digest is compared, in
+        constant time.  The digest names the caller for rate limits without keeping the key."""
         scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            return False
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
         probe = digest(key.strip())
-        ok = False
+        found = None
         for d in self.digests:
-            ok |= hmac.compare_digest(probe, d)
-        return ok
+            if hmac.compare_digest(probe, d):
+                found = d
+        return found
+
+    def check(self, authorization: str) -> bool:
+        """True for `Bearer <a configured key>`, and for anything when no keys are configured."""
+        return not self.enabled or self.match(authorization) is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.edge.auth import is_loopback
+from mesh.edge.ratelimit import Rate
 
 
 @dataclass(frozen=True)
@@ -17,9 +18,17 @@ class EdgeConfig:
     cert_dir: str = ""                     # where the self-signed certificate lives
     api_key_digests: tuple[bytes, ...] = ()
     admin_key_digests: tuple[bytes, ...] = ()   # the admin API's own keys; none: admin API off
-    max_body_bytes: int = 1 << 20          # larger bodies get 413
+    max_body_bytes: int = 1 << 20          # larger bodies get 413 (refused on Content-Length, before reading)
+    max_messages: int = 1_000              # chat `messages` longer than this get 400
     request_timeout_s: float = 600.0       # deadline passed to the router
     discovery: str = "static"              # static | consul: where the edge announces itself
+    advertise: str = ""                    # HOST[:PORT] registered in discovery; "": the bind host
+    rate_limit: Rate | None = None         # requests per API key (per client address without keys)
+    token_limit: Rate | None = None        # prompt + completion tokens, same callers
+    max_concurrent: int = 256              # completions in flight across all callers; the excess gets 503
+    max_connections: int = 4_096           # HTTP/1.1 connections; past this uvicorn answers 503
+    header_timeout_s: float = 10.0         # a request head must arrive within this (slow loris)
+    body_timeout_s: float = 30.0           # a request body must arrive within this, else 408
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.api_key_digests:
@@ -32,5 +41,9 @@ class EdgeConfig:
                 raise ValueError(f"{name} {port} is out of range")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
-        if self.request_timeout_s <= 0:
-            raise ValueError("request_timeout_s must be positive")
+        for name in ("max_messages", "max_concurrent", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")

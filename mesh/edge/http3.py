@@ -3,6 +3,20 @@
 Each request stream becomes one ASGI task. Response DATA is transmitted as soon as the
 app sends it, because the edge streams tokens over SSE and any buffering here shows up
 directly as inter-token latency.
+
+0-RTT. Every handshake issues a session ticket; a client that comes back with one may send
+its request in the first flight (TLS early data), which saves a round trip to the first
+token. Early data can be replayed by anyone who captured that flight, so:
+- tickets are single use (`SessionTicketStore.pop`): a replayed ClientHello finds no ticket,
+  falls back to a full handshake and its early data is discarded. An on-path attacker who
+  races the genuine flight can still get one copy served, so a request runs at most twice;
+  the store lives in this process's memory, so tickets die with it and are never shared.
+- a request received in early data runs at once only if `early_data_policy` says replaying
+  it is harmless (default `replay_tolerable`: reads, and completions that name no session,
+  whose replay costs compute but changes no state). Anything else waits until the handshake
+  completes, which a replayed flight never does (RFC 8470 section 3, without a 425 round trip).
+- a request the app sees before the handshake completed carries `early-data: 1`
+  (RFC 8470 section 5.1), so the app can refine the policy; clients cannot forge it.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
+    HandshakeCompleted,
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
@@ -40,6 +55,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+EarlyDataPolicy = Callable[[Scope, bytes], bool]  # (scope, whole body) -> may run before the handshake
 
 # Connection-specific headers are forbidden in HTTP/3 (RFC 9114 4.2); peers treat them
 # as a malformed message, so drop them rather than let an HTTP/1.1-minded app break H3.
@@ -55,10 +71,36 @@ _ERROR_500 = _error_body(500, "internal error", "server_error")
 _ERROR_400 = _error_body(400, "bad request", "invalid_request_error")
 
 
-class SessionTicketStore:
-    """In-memory TLS session tickets so returning clients can resume (and later use 0-RTT).
+_SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
+_COMPLETION_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
-    Tickets are popped on use: single use is what keeps 0-RTT replay windows small.
+
+def replay_tolerable(scope: Scope, body: bytes) -> bool:
+    """Default 0-RTT policy: may this request run before the handshake proves it is no replay?
+
+    Reads, yes. Completions, yes, unless they name a session (`x-session-id`, or the OpenAI
+    `user` field): a session turn is appended to the stored history, so a replay would
+    duplicate it. A replayed plain completion costs one more generation and changes nothing.
+    Any other write waits for the handshake.
+    """
+    if scope["method"] in _SAFE_METHODS:
+        return True
+    if scope["method"] != "POST" or scope["path"] not in _COMPLETION_PATHS:
+        return False
+    if any(name == b"x-session-id" for name, _ in scope["headers"]):
+        return False
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return True  # the app rejects it with a 400 either way; nothing to replay
+    return not (isinstance(payload, dict) and payload.get("user"))
+
+
+class SessionTicketStore:
+    """In-memory TLS session tickets, so returning clients resume and send 0-RTT early data.
+
+    Tickets are popped on use: a ticket resumes (and carries early data) once, which is what
+    stops a captured first flight from being replayed (see the module docstring).
     """
 
     def __init__(self, max_tickets: int = 10_000) -> None:
@@ -90,6 +132,7 @@ class _RequestStream:
         self._started = False
         self._done = False
         self._finished = asyncio.Event()  # response complete or peer gone
+        self.early = False  # headers arrived in 0-RTT early data, before the handshake completed
 
     def feed_body(self, data: bytes, end: bool) -> None:
         self._body.put_nowait((data, not end))
@@ -150,8 +193,39 @@ class _RequestStream:
         # Flush now rather than at the next received datagram: one SSE chunk per token.
         self._proto.transmit()
 
+    async def _whole_body(self) -> bytes | None:
+        """Read the whole request body ahead of the app (None: peer gone); the app still gets it."""
+        parts: list[bytes] = []
+        while True:
+            item = await self._body.get()
+            if item is None:
+                self._body.put_nowait(None)
+                return None
+            parts.append(item[0])
+            if not item[1]:
+                body = b"".join(parts)
+                self._body.put_nowait((body, False))
+                return body
+
+    async def _admit_early(self) -> bool:
+        """Decide when an early-data request runs: now (marked early-data: 1), or after the handshake."""
+        body = await self._whole_body()
+        if body is None:
+            return False
+        if self._proto.handshake_done:
+            return True  # the rest of the body came after the handshake: this is no replay
+        if self._proto.early_data_policy(self.scope, body):
+            self.scope["headers"].append((b"early-data", b"1"))
+            return True
+        log.debug("h3 stream %d: %s %s held until the handshake completes", self.stream_id,
+                  self.scope["method"], self.scope["path"])
+        await self._proto.handshake_settled.wait()
+        return not self._disconnected
+
     async def run(self, app: ASGIApp) -> None:
         try:
+            if self.early and not await self._admit_early():
+                return
             await app(self.scope, self.receive, self.send)
             if not self._done and not self._disconnected:
                 log.error("ASGI app returned without completing the response (%s)", self.scope["path"])
@@ -184,9 +258,13 @@ class _RequestStream:
 class _H3ServerProtocol(QuicConnectionProtocol):
     """One QUIC connection: demultiplexes HTTP/3 request streams into ASGI tasks."""
 
-    def __init__(self, *args: Any, app: ASGIApp, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, app: ASGIApp, early_data_policy: EarlyDataPolicy, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._app = app
+        self.early_data_policy = early_data_policy
+        # Set when the handshake completes or the connection dies: held early requests wake up.
+        self.handshake_settled = asyncio.Event()
+        self.handshake_done = False
         self.h3: H3Connection | None = None
         self._requests: dict[int, _RequestStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong refs: the loop only keeps weak ones
@@ -207,9 +285,13 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self.h3 = H3Connection(self._quic)
+        elif isinstance(event, HandshakeCompleted):
+            self.handshake_done = True
+            self.handshake_settled.set()
         elif isinstance(event, ConnectionTerminated):
             for req in list(self._requests.values()):
                 req.disconnect()
+            self.handshake_settled.set()
         elif isinstance(event, StreamReset | StopSendingReceived):
             reset = self._requests.get(event.stream_id)
             if reset is not None:
@@ -237,6 +319,9 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         if scope is None:
             req.respond(400, _ERROR_400)
             return
+        # Stream data before the handshake completed can only have come as 0-RTT early data:
+        # 1-RTT packets from the client follow its Finished.
+        req.early = not self.handshake_done and self._quic.tls.early_data_accepted
         if event.stream_ended:
             req.feed_body(b"", end=True)
         self._requests[event.stream_id] = req
@@ -250,7 +335,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         for name, value in raw:
             if name.startswith(b":"):
                 pseudo[name] = value
-            else:
+            elif name.lower() != b"early-data":  # ours to set (RFC 8470 5.1); a client's is a forgery
                 headers.append((name.lower(), value))
         method, target = pseudo.get(b":method"), pseudo.get(b":path")
         if not method or not target:
@@ -297,8 +382,16 @@ async def serve_http3(
     keyfile: str,
     *,
     ticket_store: SessionTicketStore | None = None,
+    early_data_policy: EarlyDataPolicy = replay_tolerable,
 ) -> QuicServer:
-    """Listen for HTTP/3 on UDP host:port; the returned server's `.close()` stops it."""
+    """Listen for HTTP/3 on UDP host:port; the returned server's `.close()` stops it.
+
+    Session tickets (from `ticket_store`) let clients resume with 0-RTT early data; aioquic
+    advertises the largest max_early_data, so the flow-control limits the ticket carries
+    (max_data, 1 MiB) are what bound a first flight. `early_data_policy` picks which early
+    requests run before the handshake completes. Loss recovery is aioquic's RFC 9002 default
+    (100 ms initial RTT, so a lost first flight is resent after 200 ms).
+    """
     config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
     config.load_cert_chain(certfile, keyfile)
     store = ticket_store if ticket_store is not None else SessionTicketStore()
@@ -306,7 +399,7 @@ async def serve_http3(
         host,
         port,
         configuration=config,
-        create_protocol=functools.partial(_H3ServerProtocol, app=app),
+        create_protocol=functools.partial(_H3ServerProtocol, app=app, early_data_policy=early_data_policy),
         session_ticket_fetcher=store.pop,
         session_ticket_handler=store.add,
     )

@@ -1,8 +1,18 @@
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
 
-from mesh.client import Delta, ServedBy
+from mesh.client import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
 from mesh.edge import openai
+from mesh.edge.app import EdgeApp
+from mesh.edge.auth import digest
+from mesh.edge.config import EdgeConfig
 from mesh.edge.openai import BadRequest
+from mesh.edge.openapi import document
+from mesh.edge.ratelimit import Rate
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -82,3 +92,265 @@ def test_model_routing_body_is_checked() -> None:
                         ({"weights": {}}, "unrecognized field")]:
         with pytest.raises(BadRequest, match=match):
             parse_model_routing(body)
+
+
+# -- logprobs, limits and hostile input -------------------------------------------------
+def test_chat_logprobs_are_carried() -> None:
+    spec = openai.parse_chat({**CHAT, "logprobs": True, "top_logprobs": 20})
+    assert spec.sampling.logprobs and spec.sampling.top_logprobs == 20
+    assert not openai.parse_chat(CHAT).sampling.logprobs
+    assert openai.parse_chat({**CHAT, "logprobs": True}).sampling.top_logprobs == 0
+
+
+def test_completion_logprobs_is_top_n() -> None:
+    spec = openai.parse_completion({"model": "m", "prompt": "a", "logprobs": 5})
+    assert spec.sampling.logprobs and spec.sampling.top_logprobs == 5
+    spec = openai.parse_completion({"model": "m", "prompt": "a", "logprobs": 0})
+    assert spec.sampling.logprobs and spec.sampling.top_logprobs == 0
+
+
+@pytest.mark.parametrize("patch,param,code", [
+    ({"logprobs": 1}, "logprobs", "invalid_type"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs", "invalid_type"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "name", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x", "weight": 1}]}, "messages[0].weight", "unknown_parameter"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+     "messages[0].content", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}] * 1001}, "messages", "invalid_value"),
+    ({"stop": "x" * 257}, "stop", "invalid_value"),
+    ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", "unknown_parameter"),
+    ({"frequency_penalty": "0"}, "frequency_penalty", "invalid_type"),
+    ({"frequency_penalty": False}, "frequency_penalty", "invalid_type"),
+    ({"seed": 1 << 64}, "seed", "invalid_value"),
+    ({"model": "m" * 257}, "model", "invalid_value"),
+])
+def test_bad_fields_get_precise_errors(patch: dict[str, object], param: str, code: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        body = {**CHAT, **patch}
+        openai.parse_chat(body)
+        openai.stream_options(body)
+    assert (err.value.status, err.value.param, err.value.code) == (400, param, code)
+
+
+def test_echoed_assistant_messages_and_negative_seeds_are_accepted() -> None:
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "audio": None,
+              "function_call": None, "annotations": []}
+    spec = openai.parse_chat({**CHAT, "messages": [*CHAT["messages"], echoed], "seed": -1,  # type: ignore[list-item]
+                              "frequency_penalty": 0.0, "logit_bias": {}})
+    assert spec.messages[1].content == "hi"
+    assert spec.sampling.seed == (1 << 64) - 1      # the engine's seed is uint64
+    assert openai.parse_chat(CHAT, max_messages=1).messages[0].role == "user"
+
+
+@pytest.mark.parametrize("patch", [{"echo": True}, {"echo": 0}, {"suffix": "x"}, {"best_of": 2},
+                                   {"best_of": True}, {"logprobs": 6}, {"logprobs": True}, {"top_logprobs": 1}])
+def test_bad_completion_fields(patch: dict[str, object]) -> None:
+    with pytest.raises(BadRequest) as err:
+        openai.parse_completion({"model": "m", "prompt": "a", **patch})
+    assert err.value.status == 400 and err.value.param == next(iter(patch))
+
+
+def _lp(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
+    return TokenLogprob(0, token, logprob, tuple(TopLogprob(i, t, lp) for i, (t, lp) in enumerate(top)))
+
+
+def test_chat_logprobs_shape() -> None:
+    fmt = openai.LogprobFormatter(chat=True)
+    out = fmt.format([_lp("Hé", -0.5, ("Hé", -0.5), ("Hi", -1.5)), _lp("!", float("-inf"))])
+    assert out == {"refusal": None, "content": [
+        {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169],
+         "top_logprobs": [{"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169]},
+                          {"token": "Hi", "logprob": -1.5, "bytes": [72, 105]}]},
+        {"token": "!", "logprob": -9999.0, "bytes": [33], "top_logprobs": []}]}
+
+
+def test_completion_logprobs_shape_and_offsets_run_across_chunks() -> None:
+    fmt = openai.LogprobFormatter(chat=False, prompt_chars=5)
+    first = fmt.format([_lp(" Paris", -0.1, (" Paris", -0.1), (" Lyon", -3.0))])
+    second = fmt.format([_lp(".", -0.7, (",", -0.2))])
+    assert first == {"tokens": [" Paris"], "token_logprobs": [-0.1], "text_offset": [5],
+                     "top_logprobs": [{" Paris": -0.1, " Lyon": -3.0}]}
+    # The chosen token is always in its top_logprobs dict (up to N + 1 entries, as in OpenAI).
+    assert second == {"tokens": ["."], "token_logprobs": [-0.7], "text_offset": [11],
+                      "top_logprobs": [{",": -0.2, ".": -0.7}]}
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b'{"model": "m\xff"}', "not valid UTF-8"),
+    (b'{"model": "m"', "not valid JSON"),
+    (b'{"temperature": NaN}', "not valid JSON"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'["a"]', "must be a JSON object"),
+    (b'{"model": "\\ud800"}', "surrogate"),
+])
+def test_hostile_bodies_get_400(raw: bytes, match: str) -> None:
+    with pytest.raises(BadRequest, match=match) as err:
+        openai.parse_json(raw)
+    assert err.value.status == 400
+
+
+def test_paired_surrogate_escapes_are_fine() -> None:
+    assert openai.parse_json(b'{"model": "\\ud83d\\ude00"}') == {"model": "\U0001f600"}
+
+
+# -- the ASGI app, with a fake router ---------------------------------------------------------
+class FakeRouter:
+    """Counts what reaches it; answers with canned deltas, or blocks until released."""
+
+    def __init__(self, deltas: list[Delta] | None = None):
+        self.calls: list[GenerateSpec] = []
+        served = ServedBy("engine-0", "m", "1", "local", False, 1.0)
+        self.deltas = deltas or [Delta("Hi"), Delta("!", "stop", 7, 2, served_by=served)]
+        self.release: asyncio.Event | None = None
+
+    async def generate(self, spec: GenerateSpec, timeout: float | None = None) -> AsyncIterator[Delta]:
+        self.calls.append(spec)
+        if self.release is not None:
+            await self.release.wait()
+        for d in self.deltas:
+            yield d
+
+
+async def asgi(app: EdgeApp, method: str, path: str, body: bytes | None = b"", headers: dict[str, str] | None = None,
+               ) -> tuple[int, dict[str, str], bytes]:
+    """One request; body None sends nothing and never finishes (a stalled client)."""
+    hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "method": method, "path": path, "headers": hdrs, "client": ("127.0.0.1", 5000)}
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if body is None or delivered:
+            await asyncio.Event().wait()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = sent[0]
+    return (start["status"], {k.decode(): v.decode() for k, v in start["headers"]},
+            b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def _app(router: FakeRouter | None = None, **config: Any) -> EdgeApp:
+    return EdgeApp(EdgeConfig(**config), router or FakeRouter())  # type: ignore[arg-type]
+
+
+KEY = {"authorization": "Bearer k1"}
+CHAT_JSON = json.dumps({**CHAT, "max_tokens": 4}).encode()
+
+
+def test_keys_rates_and_limits_answer_before_the_router() -> None:
+    async def main() -> None:
+        router = FakeRouter()
+        app = _app(router, api_key_digests=(digest("k1"),), rate_limit=Rate(2, 1), max_body_bytes=1024,
+                   body_timeout_s=0.05)
+        status, _, body = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        status, _, _ = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON,
+                                  {"authorization": "Bearer nope"})
+        assert status == 401
+        status, headers, body = await asgi(app, "POST", "/v1/chat/completions", b"x" * 2048,
+                                           {**KEY, "content-length": "2048"})
+        assert status == 413 and json.loads(body)["error"]["code"] == "body_too_large"
+        status, headers, body = await asgi(app, "POST", "/v1/chat/completions", None, KEY)
+        assert status == 408 and headers["connection"] == "close"       # a stalled body
+        status, headers, body = await asgi(app, "POST", "/v1/chat/completions", None, KEY)
+        assert status == 429          # the bucket (2/s) is spent: refused before the body is even read
+        assert headers["retry-after"] == "1"
+        assert json.loads(body)["error"] == {"message": json.loads(body)["error"]["message"], "type": "requests",
+                                             "param": None, "code": "rate_limit_exceeded"}
+        assert router.calls == []
+        app.request_limit = None
+        status, _, body = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, KEY)
+        assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "Hi!"
+        status, _, body = await asgi(app, "GET", "/openapi.json")
+        assert status == 200 and json.loads(body)["openapi"].startswith("3.1")
+        assert len(router.calls) == 1
+
+    asyncio.run(main())
+
+
+def test_requests_in_flight_are_bounded() -> None:
+    async def main() -> None:
+        router = FakeRouter()
+        router.release = asyncio.Event()
+        app = _app(router, max_concurrent=1)
+        first = asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON))
+        while not router.calls:
+            await asyncio.sleep(0)
+        status, headers, body = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON)
+        assert status == 503 and headers["retry-after"] == "1"
+        assert json.loads(body)["error"]["code"] == "overloaded"
+        router.release.set()
+        assert (await first)[0] == 200
+        assert (await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_tokens_are_reserved_then_settled() -> None:
+    async def main() -> None:
+        app = _app(token_limit=Rate(100, 60))
+        assert app.token_limit is not None
+        big = json.dumps({**CHAT, "max_tokens": 90}).encode()
+        status, _, _ = await asgi(app, "POST", "/v1/chat/completions", big)
+        assert status == 200      # reserved 1 + 90, used 7 + 2: the rest is refunded
+        assert app.token_limit.bucket("127.0.0.1", 0).level == pytest.approx(91, abs=0.5)
+        status, _, _ = await asgi(app, "POST", "/v1/chat/completions", big)
+        assert status == 200
+        status, headers, body = await asgi(app, "POST", "/v1/chat/completions", json.dumps(
+            {**CHAT, "max_tokens": 95}).encode())
+        assert status == 429 and json.loads(body)["error"]["type"] == "tokens"
+        assert int(headers["retry-after"]) >= 1
+
+    asyncio.run(main())
+
+
+def test_logprobs_reach_the_client() -> None:
+    served = ServedBy("engine-0", "m", "1", "local", False, 1.0)
+    deltas = [Delta("", logprobs=(_lp("H", -0.1, ("H", -0.1)),)),
+              Delta("Hi", logprobs=(_lp("i", -0.2, ("i", -0.2)),)),
+              Delta("", "length", 3, 2, served_by=served)]
+
+    async def main() -> None:
+        app = _app(FakeRouter(deltas))
+        body = {**CHAT, "logprobs": True, "top_logprobs": 1, "max_tokens": 2}
+        status, _, raw = await asgi(app, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        content = json.loads(raw)["choices"][0]["logprobs"]["content"]
+        assert status == 200 and [c["token"] for c in content] == ["H", "i"]
+        status, _, raw = await asgi(app, "POST", "/v1/chat/completions",
+                                    json.dumps({**body, "stream": True}).encode())
+        chunks = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        tokens = [c["token"] for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+                  for c in ch["choices"][0]["logprobs"]["content"]]
+        assert tokens == ["H", "i"] and "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == "Hi"
+        status, _, raw = await asgi(app, "POST", "/v1/completions", json.dumps(
+            {"model": "m", "prompt": "Say", "logprobs": 1, "max_tokens": 2}).encode())
+        lp = json.loads(raw)["choices"][0]["logprobs"]
+        assert lp["tokens"] == ["H", "i"] and lp["text_offset"] == [3, 4]
+
+    asyncio.run(main())
+
+
+def test_openapi_schema_lists_the_fields_the_parser_takes() -> None:
+    doc = document(EdgeConfig(max_messages=7))
+    schemas = doc["components"]["schemas"]
+    assert set(schemas["ChatCompletionRequest"]["properties"]) == openai.CHAT_FIELDS
+    assert set(schemas["CompletionRequest"]["properties"]) == openai.COMPLETION_FIELDS
+    for shape in schemas["ChatMessage"]["oneOf"]:
+        assert set(shape["properties"]) == openai.MESSAGE_FIELDS | set(openai.MESSAGE_EMPTY_FIELDS)
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 7
+    assert "security" not in doc["paths"]["/v1/models"]["get"]
+    assert document(EdgeConfig(api_key_digests=(b"x",)))["paths"]["/v1/models"]["get"]["security"]

@@ -1,0 +1,154 @@
+"""Rate limits at the edge: token buckets per caller, and a bound on requests in flight.
+
+Pure: every method that depends on time takes `now` (seconds on a monotonic clock) and does no
+I/O, so the tests drive a fake clock.  The asyncio glue is in mesh/edge/app.py.
+
+- Requests (`INFERMESH_RATE_LIMIT`, e.g. `5/s`): one token per request; the bucket holds one
+  period's worth, so `5/s` allows a burst of 5, then 5 a second.
+- Tokens (`INFERMESH_TOKEN_LIMIT`, tokens per minute): a request reserves its estimated cost
+  (prompt estimate + max_tokens) before it reaches the router and settles against the real usage
+  when it ends; the unused part is refunded, an overrun becomes debt that refill pays back first.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+_UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
+          "h": 3600.0, "hour": 3600.0}
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*([a-z]+))?\s*$")
+
+
+@dataclass(frozen=True)
+class Rate:
+    amount: float       # this many ...
+    period_s: float     # ... per this many seconds; the bucket holds `amount` (one period's burst)
+
+    def __post_init__(self) -> None:
+        if not (self.amount > 0 and self.period_s > 0 and math.isfinite(self.amount)):
+            raise ValueError(f"a rate needs a positive amount and period, got {self.amount}/{self.period_s}s")
+
+    @property
+    def per_s(self) -> float:
+        return self.amount / self.period_s
+
+    def __str__(self) -> str:
+        unit = {1.0: "s", 60.0: "m", 3600.0: "h"}.get(self.period_s, f"{self.period_s:g}s")
+        return f"{self.amount:g}/{unit}"
+
+
+def parse_rate(text: str, default_unit: str = "s") -> Rate | None:
+    """`5/s`, `300/m`, `300/min`, `10000/h`; a bare number uses `default_unit`; "" or "0" is no limit."""
+    if not text.strip():
+        return None
+    match = _RATE.match(text.lower())
+    if not match:
+        raise ValueError(f"rate {text!r} is not N/s, N/m or N/h")
+    amount, unit = float(match.group(1)), match.group(2) or default_unit
+    if unit not in _UNITS:
+        raise ValueError(f"rate {text!r}: unit {unit!r} is not s, m or h")
+    return Rate(amount, _UNITS[unit]) if amount > 0 else None
+
+
+def retry_after_s(wait_s: float) -> int:
+    """The Retry-After header's whole seconds: rounded up, at least 1."""
+    return max(1, math.ceil(wait_s - 1e-9))
+
+
+class TokenBucket:
+    """Holds up to `capacity` tokens and refills at `per_s` a second.
+
+    The level may go below zero: a charge settled after the fact (more tokens generated than
+    were reserved) is debt, and nothing more is admitted until refill has paid it back."""
+
+    def __init__(self, per_s: float, capacity: float, now: float):
+        self.per_s, self.capacity = per_s, capacity
+        self.level = capacity
+        self.updated = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.per_s)
+            self.updated = now
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until `amount` (at most the capacity, so every request can pass eventually) is there."""
+        self._refill(now)
+        missing = min(amount, self.capacity) - self.level
+        return max(0.0, missing / self.per_s)
+
+    def take(self, amount: float, now: float) -> float:
+        """Take `amount` and return 0.0, or take nothing and return the seconds to wait."""
+        wait = self.wait_s(amount, now)
+        if wait == 0.0:
+            self.level -= amount
+        return wait
+
+    def give(self, amount: float, now: float) -> None:
+        """Return tokens (a refund), or charge more with a negative amount (debt allowed)."""
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
+    def full(self, now: float) -> bool:
+        self._refill(now)
+        return self.level >= self.capacity
+
+
+class Limiter:
+    """One token bucket per caller (an API key's digest, or a client address), made on first use.
+
+    At most `max_callers` buckets are kept; past that the least recently used go first, so a
+    flood of client addresses cannot grow memory (a dropped caller comes back with a full bucket)."""
+
+    def __init__(self, rate: Rate, max_callers: int = 100_000):
+        self.rate = rate
+        self.max_callers = max_callers
+        self._buckets: OrderedDict[Hashable, TokenBucket] = OrderedDict()
+
+    def bucket(self, caller: Hashable, now: float) -> TokenBucket:
+        b = self._buckets.get(caller)
+        if b is None:
+            b = self._buckets[caller] = TokenBucket(self.rate.per_s, self.rate.amount, now)
+            while len(self._buckets) > self.max_callers:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(caller)
+        return b
+
+    def take(self, caller: Hashable, amount: float, now: float) -> float:
+        """0.0 when admitted (and charged), else the seconds until `amount` would be."""
+        return self.bucket(caller, now).take(amount, now)
+
+    def give(self, caller: Hashable, amount: float, now: float) -> None:
+        self.bucket(caller, now).give(amount, now)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class InFlight:
+    """At most `limit` requests in flight across all callers; the excess is refused at once, not queued
+    (a queue in front of a saturated mesh only turns overload into timeouts)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count = 0
+
+    def enter(self) -> bool:
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count = max(0, self.count - 1)
+
+
+def estimate_tokens(text_bytes: int, max_tokens: int, default_completion: int = 256) -> int:
+    """A request's token reservation before the tokenizer has seen it: about 4 bytes per prompt token
+    (English text under BPE vocabularies), plus max_tokens or, when unbounded, a default."""
+    return math.ceil(text_bytes / 4) + (max_tokens or default_completion)

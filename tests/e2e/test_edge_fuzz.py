@@ -1,0 +1,90 @@
+"""Fuzzing the edge: schemathesis generates requests from a real mesh's own /openapi.json.
+
+Valid requests (by the schema) and invalid ones go to the running mesh; every answer must not be a
+5xx, must use a documented status and content type and match the documented response schema, and
+an invalid request must be refused.  Generation is bounded (examples, and max_tokens clamped to a
+few tokens) so the run stays around a minute on two CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.e2e.conftest import Mesh
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 4          # per generated request: the model must not generate for ages on CPUs
+EXAMPLES = 100          # per generation mode, spread over the operations (about a minute in all)
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]
+
+
+@pytest.fixture(scope="module")
+def api(mesh: Mesh) -> Any:
+    with urllib.request.urlopen(f"{mesh.http}/openapi.json", timeout=10) as reply:
+        document = json.loads(reply.read())
+    return schemathesis.openapi.from_dict(document)
+
+
+@pytest.fixture(scope="module")
+def served(mesh: Mesh) -> list[str]:
+    with urllib.request.urlopen(f"{mesh.http}/v1/models", timeout=10) as reply:
+        return [m["id"] for m in json.loads(reply.read())["data"]]
+
+
+def clamp_max_tokens(case: Any) -> None:
+    """Keep generation short without changing whether the request is valid: a missing max_tokens is
+    set, and a valid one above MAX_TOKENS is lowered; an invalid value is left for the server to refuse."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and MAX_TOKENS < value <= 1 << 20:
+            body[name] = MAX_TOKENS
+
+
+def steer(case: Any, model: str | None, stream: bool) -> None:
+    """Valid requests only: random model names all end in 404 and `stream` is rarely drawn, so
+    sometimes name a served model and ask for a stream (both keep the request valid)."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if model is not None:
+        body["model"] = model
+    if stream:
+        body["stream"] = True
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
+def test_fuzz_the_openapi_document(api: Any, served: list[str], mesh: Mesh, mode: GenerationMode) -> None:
+    @given(case=api.as_strategy(generation_mode=mode), model=st.sampled_from([None, *served]),
+           stream=st.booleans())
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case: Any, model: str | None, stream: bool) -> None:
+        if case.operation.method.upper() == "POST":
+            clamp_max_tokens(case)
+            if mode == GenerationMode.POSITIVE:
+                steer(case, model, stream)
+        case.call_and_validate(base_url=mesh.http, checks=CHECKS, timeout=120)
+
+    fuzz()
