@@ -66,9 +66,10 @@ def _cmd_chat(a: argparse.Namespace) -> int:
         headers["authorization"] = f"Bearer {key}"
     body = _chat_body(a)
     meta: dict[str, object] | None = None
+    transport = ""
     try:
         if a.http3:
-            meta = asyncio.run(_chat_http3(a, body, headers))
+            meta, transport = asyncio.run(_chat_http3(a, body, headers))
         else:
             for chunk in _sse_lines(f"{a.url.rstrip('/')}/v1/chat/completions", body, headers):
                 meta = _print_chunk(chunk) or meta
@@ -81,18 +82,24 @@ def _cmd_chat(a: argparse.Namespace) -> int:
     print()
     if meta and a.verbose:
         print(f"[{json.dumps(meta)}]", file=sys.stderr)
+    if transport and a.verbose:
+        print(f"[http3: {transport}]", file=sys.stderr)
     return 0
 
 
 async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: dict[str, str]
-                      ) -> dict[str, object] | None:
+                      ) -> tuple[dict[str, object] | None, str]:
+    """Stream the answer over HTTP/3; return the last `infermesh` object and how the connection was made."""
     from urllib.parse import urlsplit
 
-    from mesh.h3client import H3Client
+    from mesh.h3client import H3Client, TicketStore
+    from mesh.model_store import home
 
     url = urlsplit(a.http3_url)
+    # Tickets persist across runs, so the next `chat --http3` resumes and sends its request in 0-RTT.
+    tickets = TicketStore(home() / "h3-tickets.json")
     meta = None
-    async with H3Client(url.hostname or "127.0.0.1", url.port or 8443, verify=False) as client:
+    async with H3Client(url.hostname or "127.0.0.1", url.port or 8443, verify=False, tickets=tickets) as client:
         async with client.stream("POST", "/v1/chat/completions", {"content-type": "application/json", **headers},
                                  json.dumps(body).encode()) as response:
             if response.status != 200:
@@ -105,7 +112,7 @@ async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: d
                     line = event.decode().strip()
                     if line.startswith("data: ") and line != "data: [DONE]":
                         meta = _print_chunk(json.loads(line[6:])) or meta
-    return meta
+    return meta, client.handshake_summary()
 
 
 def _cmd_model(a: argparse.Namespace) -> int:
@@ -125,6 +132,12 @@ def _cmd_model(a: argparse.Namespace) -> int:
         print(f"infermesh model: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cmd_top(a: argparse.Namespace) -> int:
+    from mesh import top
+
+    return top.main(a.router, once=a.once, interval_s=a.interval)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -158,10 +171,13 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--url", default="http://127.0.0.1:8000")
-    chat.add_argument("--http3", action="store_true", help="use HTTP/3 (QUIC) instead of HTTP/1.1")
+    chat.add_argument("--http3", action="store_true",
+                      help="use HTTP/3 (QUIC) instead of HTTP/1.1; resumes with 0-RTT using a session ticket kept in "
+                           "$INFERMESH_HOME/h3-tickets.json")
     chat.add_argument("--http3-url", default="https://127.0.0.1:8443")
     chat.add_argument("--api-key", default="", help="default: $INFERMESH_API_KEY")
-    chat.add_argument("-v", "--verbose", action="store_true", help="print which replica served the answer")
+    chat.add_argument("-v", "--verbose", action="store_true",
+                      help="print which replica served the answer (with --http3: whether 0-RTT was used)")
     chat.set_defaults(func=_cmd_chat)
 
     model = sub.add_parser("model", help="fetch, convert and locate models")
@@ -174,6 +190,12 @@ def parser() -> argparse.ArgumentParser:
     reg.add_argument("folder")
     msub.add_parser("list", help="known models")
     model.set_defaults(func=_cmd_model)
+
+    top = sub.add_parser("top", help="live view of the replicas: load, queue, KV use, breaker, region, version")
+    top.add_argument("--router", default="127.0.0.1:50051", help="the router's gRPC address")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    top.set_defaults(func=_cmd_top)
     return p
 
 

@@ -23,6 +23,8 @@ ROUTER_PORT, TOKENIZER_PORT, CACHE_PORT, ENGINE_BASE_PORT = 50051, 50052, 50053,
 HTTP_PORT, HTTP3_PORT = 8000, 8443
 ENGINE_METRICS_BASE_PORT = 9100
 ROUTER_METRICS_PORT = 9180
+TOKENIZER_METRICS_PORT = 9181
+CACHE_METRICS_PORT = 9182              # the edge serves /metrics on its HTTP port
 FALLBACK_CONFIDENCE = 0.8
 
 
@@ -137,9 +139,11 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                  else f"http://{config.host}:{http_port}/health")
     return [
         [Child("cache-0", [*py, "services.cache", "--replica-id", "cache-0", "--port",
-                           str(config.port(CACHE_PORT)), *discovery], cache),
+                           str(config.port(CACHE_PORT)), "--metrics-port", str(config.port(CACHE_METRICS_PORT)),
+                           *discovery], cache),
          Child("tokenizer-0", [*py, "services.tokenizer", "--replica-id", "tokenizer-0", "--port",
-                               str(config.port(TOKENIZER_PORT)), *models, *discovery], tokenizer),
+                               str(config.port(TOKENIZER_PORT)), "--metrics-port",
+                               str(config.port(TOKENIZER_METRICS_PORT)), *models, *discovery], tokenizer),
          *engines],
         [router],
         [edge],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,23 @@ from services.engine.request import (
 )
 from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
 
+# Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
+MAX_TIMINGS = 4096
+
+
+@dataclass
+class Timing:
+    """Wall-clock readings (time.time_ns()) of one request's phases, for its trace spans; 0: not yet.
+
+    queue: arrival -> scheduled; prefill: scheduled -> first_token; decode: first_token -> finished.
+    Written by the step thread, read by the server once the request is over (pop_timing)."""
+
+    arrival_ns: int = 0
+    scheduled_ns: int = 0          # the first step that ran any of its tokens began
+    first_token_ns: int = 0        # the step that sampled its first token ended
+    finished_ns: int = 0
+
+
 
 class Engine:
     def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None):
@@ -39,7 +57,9 @@ class Engine:
         self._lock = threading.Lock()
         self.last_step_s = 0.0
         self.last_step_tokens = 0
+        self.last_batch_size = 0
         self.preemptions = 0
+        self._timings: dict[str, Timing] = {}
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -80,6 +100,14 @@ class Engine:
             if len(self._inbox) + self.scheduler.num_waiting >= self.max_waiting:
                 raise ResourceExhausted(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
             self._inbox.append(request)
+            self._timings[request.request_id] = Timing(arrival_ns=time.time_ns())
+            if len(self._timings) > MAX_TIMINGS:
+                del self._timings[next(iter(self._timings))]
+
+    def pop_timing(self, request_id: str) -> Timing | None:
+        """The request's phase timings (once: the entry is dropped)."""
+        with self._lock:
+            return self._timings.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -101,11 +129,17 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs = self._drain()
+        self.last_step_tokens = self.last_batch_size = 0
         batch = self.scheduler.schedule()
         self.preemptions += len(batch.preempted)
         if not batch.chunks:
             return outputs
         started = time.perf_counter()
+        scheduled_ns = time.time_ns()
+        for chunk in batch.chunks:
+            timing = self._timings.get(chunk.request.request_id)
+            if timing is not None and not timing.scheduled_ns:
+                timing.scheduled_ns = scheduled_ns
         sampled = [c.request.sampling for c in batch.chunks if c.sample]
         greedy = all(p.greedy and not p.logprobs for p in sampled)
         logits = self.runner.run(batch.chunks, greedy=greedy)
@@ -113,6 +147,12 @@ class Engine:
         outputs.extend(self._postprocess(batch, logits))
         self.last_step_s = time.perf_counter() - started
         self.last_step_tokens = batch.num_tokens
+        self.last_batch_size = len(batch.chunks)
+        sampled_ns = time.time_ns()
+        for chunk in batch.chunks:
+            timing = self._timings.get(chunk.request.request_id)
+            if chunk.sample and timing is not None and not timing.first_token_ns:
+                timing.first_token_ns = sampled_ns
         return outputs
 
     def fail_all(self) -> list[str]:
@@ -168,6 +208,9 @@ class Engine:
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         req.finish_reason = reason
+        timing = self._timings.get(req.request_id)
+        if timing is not None:
+            timing.finished_ns = time.time_ns()
         return StepOutput(req.request_id, () if token is None else (token,), logprobs, reason,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
                           cached_tokens=req.num_cached_tokens)

@@ -19,6 +19,13 @@ STEP_TOKENS = Counter("infermesh_engine_step_tokens_total", "Tokens computed (pr
 GENERATED = Counter("infermesh_engine_generated_tokens_total", "Tokens generated; rate() gives tokens/s", LABELS)
 TTFT = Histogram("infermesh_engine_time_to_first_token_seconds", "Arrival to first generated token", LABELS,
                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+QUEUE_WAIT = Histogram("infermesh_engine_queue_wait_seconds", "Arrival to the first step that ran the request",
+                       LABELS, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+BATCH = Histogram("infermesh_engine_batch_size", "Sequences in one engine step (decode rows and prefill chunks)",
+                  LABELS, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+REQUESTS = Counter("infermesh_engine_requests_total",
+                   "Generate requests ended, by outcome: stop, length, abort, error, cancelled, rejected",
+                   ["replica", "finish_reason"])
 TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
 
@@ -34,10 +41,12 @@ class ReplicaMetrics:
         self.step, self.step_tokens = STEP.labels(replica), STEP_TOKENS.labels(replica)
         self.generated = GENERATED.labels(replica)
         self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
+        self.queue_wait, self.batch = QUEUE_WAIT.labels(replica), BATCH.labels(replica)
+        self.replica = replica
         self._seen = (0, 0, 0)  # prefix queries, prefix hits, preemptions already counted
 
     def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
-                     preemptions: int, step_s: float, step_tokens: int) -> None:
+                     preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(used)
@@ -50,3 +59,8 @@ class ReplicaMetrics:
         if step_tokens:
             self.step.observe(step_s)
             self.step_tokens.inc(step_tokens)
+        if batch_size:
+            self.batch.observe(batch_size)
+
+    def finished(self, outcome: str) -> None:
+        REQUESTS.labels(self.replica, outcome).inc()

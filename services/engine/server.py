@@ -11,14 +11,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 
-from mesh.errors import InvalidArgument
+from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import Service, rpc_errors
-from mesh.telemetry import server_span
+from mesh.telemetry import server_span, span_between
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine import metrics
 from services.engine.config import EngineConfig
-from services.engine.engine import Engine
+from services.engine.engine import Engine, Timing
 from services.engine.request import FinishReason, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         engine, blocks = self.engine, self.engine.blocks
         self.metrics.observe_step(engine.num_running, engine.num_waiting, blocks.num_used_blocks,
                                   blocks.num_free_blocks, blocks.queries, blocks.hits, engine.preemptions,
-                                  engine.last_step_s, engine.last_step_tokens)
+                                  engine.last_step_s, engine.last_step_tokens, engine.last_batch_size)
 
     @rpc_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -123,8 +124,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.queues[request_id] = queue
             started = time.monotonic()
             first_token_at = 0.0
+            outcome = "cancelled"           # until the engine says otherwise: the caller went away
             try:
-                self.engine.add(req)
+                try:
+                    self.engine.add(req)
+                except ResourceExhausted:
+                    outcome = "rejected"
+                    raise
                 self._wakeup.set()
                 while True:
                     out = await queue.get()
@@ -134,12 +140,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             first_token_at = time.monotonic()
                             self.metrics.ttft.observe(first_token_at - started)
                     if not out.new_ids and out.finish_reason is None:
+                        outcome = "error"
                         await context.abort(grpc.StatusCode.INTERNAL,
                                             f"engine {self.config.replica_id} failed while running the model")
+                    if out.finish_reason is not None:
+                        outcome = out.finish_reason.value
                     yield output_to_pb(out)
                     if out.finish_reason is not None:
                         span.set_attribute("completion_tokens", out.completion_tokens)
                         span.set_attribute("cached_tokens", out.cached_tokens)
+                        span.set_attribute("finish_reason", outcome)
                         produced = len(req.output_ids)
                         if produced > 1:
                             self.metrics.tpot.observe((time.monotonic() - first_token_at) / (produced - 1))
@@ -151,6 +161,25 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if req.finish_reason is None:
                     self.engine.abort(request_id)
                     self._wakeup.set()
+                self.metrics.finished(outcome)
+                timing = self.engine.pop_timing(request_id)
+                if timing is not None:
+                    self._trace_phases(span, timing, len(req.prompt_ids), req.num_cached_tokens,
+                                       len(req.output_ids))
+
+    def _trace_phases(self, span: trace.Span, timing: Timing, prompt_tokens: int, cached_tokens: int,
+                      generated: int) -> None:
+        """Child spans of engine.generate for the request's phases, at the times the engine saw them
+        (the step loop is shared by every request in the batch, so it cannot be wrapped per request)."""
+        end = timing.finished_ns or time.time_ns()
+        scheduled = timing.scheduled_ns
+        span_between("engine.queue", timing.arrival_ns, scheduled or end, span)
+        if scheduled:
+            self.metrics.queue_wait.observe((scheduled - timing.arrival_ns) / 1e9)
+            span_between("engine.prefill", scheduled, timing.first_token_ns or end, span,
+                         prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+        if timing.first_token_ns:
+            span_between("engine.decode", timing.first_token_ns, end, span, completion_tokens=generated)
 
     @rpc_errors
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -11,16 +11,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 from circuitbreaker import CircuitBreaker, CircuitBreakerError
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from mesh.chat import Message
 from mesh.discovery import make_discovery
 from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.grpcutil import channel, check_health, rpc_errors
 from mesh.prefix import block_hashes
-from mesh.telemetry import outgoing_metadata, server_span
+from mesh.telemetry import client_span, outgoing_metadata, server_span, span_context, tracer
 from meshpb.v1 import (
     cache_pb2,
     cache_pb2_grpc,
@@ -34,7 +37,7 @@ from meshpb.v1 import (
 )
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.failover import BreakerConfig, Call, Failover, FailoverConfig, Plan
+from services.router.failover import BreakerConfig, Call, Failover, FailoverConfig, Plan, Saturated
 from services.router.policies import PolicyConfig, RouteRequest, make_policy
 from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import LoadReport, Replica, ReplicaTable
@@ -56,7 +59,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.block_size = 16                    # the engines' KV block size, from GetInfo: prefix hashes use it
         self._load_watchers: dict[str, asyncio.Task[None]] = {}
         self._probe_misses: dict[str, int] = {}
-        metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()))
+        metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()),
+                             self.metrics_snapshot)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(channel(config.tokenizer))
         self.cache = cache_pb2_grpc.CacheStub(channel(config.cache)) if config.cache else None
         # The single-replica dependencies get the `circuitbreaker` package's breaker (consecutive
@@ -112,6 +116,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 call.cancel()
             await asyncio.sleep(self.config.probe_interval_s)
 
+    def metrics_snapshot(self, now: float) -> metrics.Snapshot:
+        """The replica table and breakers, for the gauges Prometheus reads when it scrapes."""
+        replicas = [metrics.ReplicaSample(r.replica_id, r.model, r.model_version, r.region,
+                                          r.healthy and self.failover.isolation(r.replica_id) is None,
+                                          r.running, r.waiting, r.mem_ratio) for r in self.table.all()]
+        return metrics.Snapshot(replicas, {rid: str(state) for rid, state in self.failover.states(now).items()},
+                                {m: str(state) for m, state in self.failover.model_states(now).items()})
+
     async def close(self) -> None:
         for watcher in self._load_watchers.values():
             watcher.cancel()
@@ -163,7 +175,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             from tokenizers import Tokenizer
 
             try:
-                spec = await self.tokenizer.GetTokenizerJson(tokenizer_pb2.ModelInfoRequest(model=model), timeout=30.0)
+                with client_span("router.tokenizer_json", model=model):
+                    spec = await self.tokenizer.GetTokenizerJson(tokenizer_pb2.ModelInfoRequest(model=model),
+                                                                 metadata=outgoing_metadata(), timeout=30.0)
             except grpc.aio.AioRpcError as err:
                 raise _relay_error("tokenizer", err) from None
             tokenizer = Tokenizer.from_str(spec.tokenizer_json)
@@ -208,9 +222,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.cache is None or not session_id:
             return []
         try:
-            found = await self.session_breaker.call_async(
-                self.cache.GetSession, cache_pb2.SessionRequest(session_id=session_id),
-                metadata=outgoing_metadata(), timeout=5.0)
+            with client_span("router.session_lookup", session_id=session_id) as span:
+                found = await self.session_breaker.call_async(
+                    self.cache.GetSession, cache_pb2.SessionRequest(session_id=session_id),
+                    metadata=outgoing_metadata(), timeout=5.0)
+                span.set_attributes({"found": found.found, "messages": len(found.messages)})
         except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
             why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "circuit open"
             log.warning("session store unavailable (%s); session %s goes on without its history", why, session_id)
@@ -221,11 +237,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.cache is None or not session_id or not messages:
             return
         try:
-            await self.session_breaker.call_async(
-                self.cache.AppendSession,
-                cache_pb2.AppendSessionRequest(session_id=session_id, messages=[
-                    tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in messages]),
-                metadata=outgoing_metadata(), timeout=5.0)
+            with client_span("router.session_store", session_id=session_id, messages=len(messages)):
+                await self.session_breaker.call_async(
+                    self.cache.AppendSession,
+                    cache_pb2.AppendSessionRequest(session_id=session_id, messages=[
+                        tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in messages]),
+                    metadata=outgoing_metadata(), timeout=5.0)
         except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
             why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "circuit open"
             log.warning("session %s: could not store the turn (%s)", session_id, why)
@@ -236,18 +253,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
         try:
-            if kind == "chat":
-                messages = [tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name)
-                            for m in conversation]
-                enc = await self.tokenizer_breaker.call_async(
-                    self.tokenizer.ApplyChatTemplate,
-                    tokenizer_pb2.ChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True),
-                    metadata=outgoing_metadata(), timeout=_within(deadline_s, 30.0))
-            else:
-                enc = await self.tokenizer_breaker.call_async(
-                    self.tokenizer.Encode,
-                    tokenizer_pb2.EncodeRequest(model=model, text=request.prompt, add_special_tokens=True),
-                    metadata=outgoing_metadata(), timeout=_within(deadline_s, 30.0))
+            with client_span("router.tokenize", model=model, input=kind) as span:
+                if kind == "chat":
+                    messages = [tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name)
+                                for m in conversation]
+                    enc = await self.tokenizer_breaker.call_async(
+                        self.tokenizer.ApplyChatTemplate,
+                        tokenizer_pb2.ChatTemplateRequest(model=model, messages=messages, add_generation_prompt=True),
+                        metadata=outgoing_metadata(), timeout=_within(deadline_s, 30.0))
+                else:
+                    enc = await self.tokenizer_breaker.call_async(
+                        self.tokenizer.Encode,
+                        tokenizer_pb2.EncodeRequest(model=model, text=request.prompt, add_special_tokens=True),
+                        metadata=outgoing_metadata(), timeout=_within(deadline_s, 30.0))
+                span.set_attribute("prompt_tokens", len(enc.ids))
         except CircuitBreakerError:
             wait = max(1, self.tokenizer_breaker.open_remaining)
             raise Unavailable(f"tokenizer {self.config.tokenizer} is failing: not called again for {wait} s "
@@ -275,6 +294,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         await self.remember(session, [*new, Message("assistant", "".join(answer))])
                     yield reply
             except MeshError as exc:
+                if isinstance(exc, Saturated):
+                    metrics.SHED.labels(exc.model).inc()
                 if exc.retry_after_s > 0:             # Saturated, a tripped dependency breaker
                     context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
                 raise
@@ -307,12 +328,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Attempts until the stream finishes (services/router/failover decides where and whether):
         a replica that fails is left behind; mid-stream, another replica of the same model continues
         from the tokens already sent; before the first token, a fallback model may take over."""
+        root = trace.get_current_span()                # router.generate: it carries the final decision
         prompt_ids, stream, route = await self._prepare(request, model, conversation, context.time_remaining())
         if request.pinned_replica:                     # operators and tests: exactly there, or an error
             replica = self.pinned(model, request.pinned_replica)
+            pinned = Plan(model, [replica], False, 1.0)
+            root.set_attributes(_decision(replica, pinned, "pinned", 0))
             try:
-                async for reply in self._attempt(replica, Plan(model, [replica], False, 1.0), "pinned", request,
-                                                 request_id, prompt_ids, stream, route, context):
+                async for reply in self._attempt(replica, pinned, "pinned", request, request_id, prompt_ids, stream,
+                                                 route, context):
                     yield reply
             except EngineFailed as exc:
                 raise Unavailable(f"{exc} (the request is pinned to it)") from None
@@ -327,6 +351,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     pool = [r for r in pool if r.model == streamed]
                 plan = call.plan(pool, now())
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
+                    if plan.degraded:
+                        metrics.FAILOVER.labels("3").inc()
                     prompt_ids, stream, route = await self._prepare(request, plan.model, conversation,
                                                                     context.time_remaining())
                     streamed = plan.model
@@ -335,6 +361,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if attempt is None:
                     continue
                 reason = "fallback" if plan.degraded else "failover" if call.attempts > 1 else decision.reason
+                root.set_attributes(_decision(decision.replica, plan, reason, call.attempts - 1))
                 started, first_token_s = now(), None
                 try:
                     async for reply in self._attempt(decision.replica, plan, reason, request, request_id, prompt_ids,
@@ -344,13 +371,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 except EngineFailed as exc:
                     if exc.isolate:
                         self.failover.isolate(exc.replica_id, now(), exc.reason)
+                        metrics.FAILOVER.labels("1").inc()
                     limit = request.sampling.max_tokens
                     if limit and len(stream.ids) >= limit:     # died after the last token, before its final message
                         call.succeeded(attempt, now(), first_token_s)
+                        _count_degraded(model, plan)
                         yield stream.finish_at_length(self.served_by(decision.replica, plan))
                         return
                     if not call.failed(attempt, now(), first_token_s):
                         raise Unavailable(f"{exc}; no attempt or retry budget left for this request") from None
+                    metrics.FAILOVER.labels("2").inc()
                     log.warning("request %s: %s after %d token(s); trying another replica",
                                 request_id, exc, len(stream.ids))
                     continue
@@ -358,6 +388,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     call.cancelled(attempt, now())
                     raise
                 call.succeeded(attempt, now(), first_token_s)
+                _count_degraded(model, plan)
                 return
             raise Unavailable(f"no replica could be started for {model!r}; retry shortly")
         finally:
@@ -372,6 +403,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """One engine call for the stream (resuming from its tokens), with the replica's bookkeeping."""
         metrics.ROUTED.labels(plan.model, replica.model_version, replica.replica_id, reason).inc()
+        # Not made current: this generator is suspended at every yield, and its caller's code
+        # runs meanwhile; the engine learns its parent from the metadata instead.
+        span = tracer().start_span("router.attempt", kind=trace.SpanKind.CLIENT, attributes={
+            **_decision(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
         engine_request = engine_pb2.GenerateRequest(
             request_id=request_id, model=plan.model, prompt_ids=prompt_ids, sampling=request.sampling,
             priority=request.priority, resume_ids=stream.ids)
@@ -385,15 +420,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         try:
             async for reply in attempt(self.engine_stub(replica), replica.replica_id, engine_request, stream,
-                                       self.served_by(replica, plan), outgoing_metadata(), context.time_remaining(),
+                                       self.served_by(replica, plan), outgoing_metadata(context=span_context(span)),
+                                       context.time_remaining(),
                                        self.config.first_token_timeout_s, self.config.stall_timeout_s, _relay_error,
                                        admitted):
                 yield reply
-        except EngineFailed:
+        except EngineFailed as exc:
             ok = False
             metrics.FAILED.labels(replica.replica_id).inc()
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            raise
+        except Exception as exc:                        # a request error relayed from the engine
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
             raise
         finally:
+            span.end()
             replica.in_flight -= 1
             metrics.IN_FLIGHT.labels(replica.replica_id).dec()
             now = time.monotonic()
@@ -438,15 +479,35 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc_errors
     async def ListReplicas(self, request: router_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
                            ) -> router_pb2.ListReplicasResponse:
-        reply = router_pb2.ListReplicasResponse()
+        now = time.monotonic()
+        reply = router_pb2.ListReplicasResponse(load_entropy=self.policy.load_entropy(now))
+        breakers = self.failover.states(now)
         for r in self.table.all():
             load = common_pb2.LoadReport(
                 replica_id=r.replica_id, running=r.running, waiting=r.waiting, kv_blocks_total=r.kv_blocks_total,
                 kv_blocks_free=r.kv_blocks_free, qps=r.qps, p50_latency_ms=r.p50_latency_ms,
                 p99_latency_ms=r.p99_latency_ms, tokens_per_second=r.tokens_per_second, unix_ms=r.unix_ms)
+            breaker = breakers.get(r.replica_id)
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
-                               model_version=r.model_version, region=r.region, healthy=r.healthy, load=load)
+                               model_version=r.model_version, region=r.region, healthy=r.healthy, load=load,
+                               breaker=str(breaker) if breaker is not None else "closed", in_flight=r.in_flight,
+                               isolation=self.failover.isolation(r.replica_id) or "")
         return reply
+
+
+def _decision(replica: Replica, plan: Plan, reason: str, failover_attempts: int | None) -> dict[str, Any]:
+    """The routing decision as span attributes (router.generate and router.attempt)."""
+    attrs: dict[str, Any] = {"replica": replica.replica_id, "model_version": replica.model_version,
+                             "served_model": plan.model, "region": replica.region, "reason": reason,
+                             "degraded": plan.degraded, "confidence": plan.confidence}
+    if failover_attempts is not None:
+        attrs["failover_attempts"] = failover_attempts
+    return attrs
+
+
+def _count_degraded(model: str, plan: Plan) -> None:
+    if plan.degraded:
+        metrics.DEGRADED.labels(model, plan.model).inc()
 
 
 def _within(deadline_s: float | None, cap: float) -> float:

@@ -14,6 +14,7 @@ from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import tokenizer_pb2 as pb
 from meshpb.v1 import tokenizer_pb2_grpc as pb_grpc
+from services.tokenizer import metrics
 from services.tokenizer.tokenizer import ModelTokenizer
 
 # An interactive request must not wait behind a large batch encode on the event loop;
@@ -43,6 +44,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             messages = [Message(m.role, m.content, m.name) for m in request.messages]
             text = tok.render_chat(messages, add_generation_prompt=request.add_generation_prompt)
             ids = await asyncio.to_thread(tok.encode, text, False)
+            metrics.TOKENS.labels("chat_template").inc(len(ids))
             return pb.EncodeResponse(ids=ids, text=text)
 
     @rpc_errors
@@ -50,6 +52,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         with server_span("tokenizer.encode", context):
             tok = self._get(request.model)
             ids = await asyncio.to_thread(tok.encode, request.text, request.add_special_tokens)
+            metrics.TOKENS.labels("encode").inc(len(ids))
             return pb.EncodeResponse(ids=ids, text=request.text)
 
     @rpc_errors
@@ -58,6 +61,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         with server_span("tokenizer.encode_batch", context, texts=len(request.texts)):
             tok = self._get(request.model)
             batch = await asyncio.to_thread(tok.encode_batch, list(request.texts), request.add_special_tokens)
+            metrics.TOKENS.labels("encode_batch").inc(sum(len(ids) for ids in batch))
             return pb.EncodeBatchResponse(
                 items=[pb.EncodeResponse(ids=ids, text=t) for ids, t in zip(batch, request.texts, strict=True)]
             )
@@ -99,8 +103,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     @rpc_errors
     async def GetTokenizerJson(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
                                ) -> pb.TokenizerJson:
-        tok = self._get(request.model)
-        return pb.TokenizerJson(model=tok.name, tokenizer_json=tok.hf.backend_tokenizer.to_str())
+        with server_span("tokenizer.get_tokenizer_json", context, model=request.model):
+            tok = self._get(request.model)
+            return pb.TokenizerJson(model=tok.name, tokenizer_json=tok.hf.backend_tokenizer.to_str())
 
 
 def add_to(service: Service, servicer: TokenizerServicer) -> None:

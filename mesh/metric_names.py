@@ -1,0 +1,149 @@
+"""Every Prometheus metric the mesh exports: the stable names that dashboards, alerts and the README use.
+
+This list is the one source the checks read: tests/e2e/test_observability.py scrapes a running mesh and
+requires each metric here on its service's endpoint, and tests/unit/test_dashboard.py requires every
+metric the Grafana dashboard queries to be here.  `python -m mesh.metric_names` prints the README table.
+
+Where each service serves /metrics (`infermesh up`, before --port-offset): the edge on its HTTP port
+(8000), engines on 9100+i, the router on 9180, the tokenizer on 9181, the cache on 9182.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SERVICES = ("edge", "router", "tokenizer", "engine", "cache")
+GRPC_SERVICES = ("router", "tokenizer", "engine", "cache")
+
+
+class Metric(NamedTuple):
+    name: str                     # as exported; counters end in _total
+    type: str                     # counter | gauge | histogram
+    services: tuple[str, ...]     # which services export it
+    labels: tuple[str, ...]
+    meaning: str
+
+
+def _m(name: str, kind: str, service: str | tuple[str, ...], labels: str, meaning: str) -> Metric:
+    services = (service,) if isinstance(service, str) else service
+    return Metric(name, kind, services, tuple(labels.split()) if labels else (), meaning)
+
+
+METRICS: tuple[Metric, ...] = (
+    # -- edge (HTTP) -----------------------------------------------------------------------
+    _m("infermesh_edge_requests_total", "counter", "edge", "route status", "HTTP requests by route and status code"),
+    _m("infermesh_edge_refused_total", "counter", "edge", "limit",
+       "Requests refused by the edge's limits: requests, tokens (rate limits, 429), in_flight (503)"),
+    _m("infermesh_edge_time_to_first_token_seconds", "histogram", "edge", "",
+       "Streaming request: arrival to the first text delta, as the client sees it"),
+    _m("infermesh_edge_request_duration_seconds", "histogram", "edge", "", "Completion request duration"),
+    _m("infermesh_edge_completion_tokens_total", "counter", "edge", "", "Completion tokens returned to clients"),
+    # -- every gRPC service (router, tokenizer, engine, cache) ----------------------------
+    _m("infermesh_grpc_server_requests_total", "counter", GRPC_SERVICES, "service method code",
+       "gRPC requests served, by method (its span name, e.g. router.generate) and status code (OK, UNAVAILABLE...)"),
+    _m("infermesh_grpc_server_duration_seconds", "histogram", GRPC_SERVICES, "service method",
+       "gRPC request duration; a streaming call until its last message"),
+    # -- router ----------------------------------------------------------------------------
+    _m("infermesh_router_requests_total", "counter", "router", "model model_version replica reason",
+       "Attempts routed to a replica, by reason: balance, prefix, session, region, spill, pinned, failover, fallback"),
+    _m("infermesh_router_replica_failures_total", "counter", "router", "replica", "Streams a replica failed"),
+    _m("infermesh_router_failover_total", "counter", "router", "level",
+       "Failover actions: level 1 a replica isolated, 2 an attempt retried elsewhere, 3 a fallback model used"),
+    _m("infermesh_router_degraded_responses_total", "counter", "router", "model served_model",
+       "Requests answered by a fallback model (marked degraded, lower confidence)"),
+    _m("infermesh_router_shed_total", "counter", "router", "model",
+       "Requests refused with 503 + Retry-After: no replica of the model's chain could take them"),
+    _m("infermesh_router_in_flight", "gauge", "router", "replica", "Requests this router has open on each replica"),
+    _m("infermesh_router_replicas_healthy", "gauge", "router", "", "Healthy engine replicas"),
+    _m("infermesh_router_load_entropy", "gauge", "router", "",
+       "Normalized Shannon entropy of recent picks across replicas: 1 even, 0 all on one"),
+    _m("infermesh_router_replica_up", "gauge", "router", "replica model model_version region",
+       "1 while the replica is healthy and not isolated, else 0"),
+    _m("infermesh_router_replica_running", "gauge", "router", "replica", "Requests running on the replica"),
+    _m("infermesh_router_replica_waiting", "gauge", "router", "replica", "Requests queued on the replica"),
+    _m("infermesh_router_replica_kv_used_ratio", "gauge", "router", "replica",
+       "Fraction of the replica's KV blocks held by running requests"),
+    _m("infermesh_router_breaker_state", "gauge", "router", "replica",
+       "Replica circuit breaker: 0 closed, 1 half-open, 2 open"),
+    _m("infermesh_router_model_breaker_state", "gauge", "router", "model",
+       "Model circuit breaker: 0 closed, 1 half-open, 2 open"),
+    # -- tokenizer -------------------------------------------------------------------------
+    _m("infermesh_tokenizer_tokens_total", "counter", "tokenizer", "method",
+       "Token ids produced (chat_template, encode, encode_batch)"),
+    # -- engine ----------------------------------------------------------------------------
+    _m("infermesh_engine_requests_total", "counter", "engine", "replica finish_reason",
+       "Generate requests ended: stop, length, abort, error, cancelled, rejected"),
+    _m("infermesh_engine_requests_running", "gauge", "engine", "replica", "Requests in the running batch"),
+    _m("infermesh_engine_requests_waiting", "gauge", "engine", "replica", "Queue length: requests waiting"),
+    _m("infermesh_engine_batch_size", "histogram", "engine", "replica", "Sequences in one engine step"),
+    _m("infermesh_engine_queue_wait_seconds", "histogram", "engine", "replica",
+       "Arrival to the first step that ran the request"),
+    _m("infermesh_engine_time_to_first_token_seconds", "histogram", "engine", "replica",
+       "Arrival to the first generated token"),
+    _m("infermesh_engine_time_per_output_token_seconds", "histogram", "engine", "replica",
+       "Mean gap between a request's generated tokens"),
+    _m("infermesh_engine_kv_blocks_used", "gauge", "engine", "replica", "KV cache blocks in use or cached"),
+    _m("infermesh_engine_kv_blocks_free", "gauge", "engine", "replica", "KV cache blocks free or evictable"),
+    _m("infermesh_engine_prefix_query_tokens_total", "counter", "engine", "replica",
+       "Prompt tokens looked up in the prefix cache"),
+    _m("infermesh_engine_prefix_hit_tokens_total", "counter", "engine", "replica",
+       "Prompt tokens served from the prefix cache; hit rate = rate(hit) / rate(query)"),
+    _m("infermesh_engine_preemptions_total", "counter", "engine", "replica", "Requests preempted for KV blocks"),
+    _m("infermesh_engine_step_seconds", "histogram", "engine", "replica", "Duration of one engine step"),
+    _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),
+    _m("infermesh_engine_generated_tokens_total", "counter", "engine", "replica",
+       "Tokens generated; rate() gives tokens/s"),
+    # -- cache -----------------------------------------------------------------------------
+    _m("infermesh_cache_session_lookups_total", "counter", "cache", "result", "Session lookups: hit or miss"),
+    _m("infermesh_cache_sessions", "gauge", "cache", "", "Live session contexts held"),
+    # -- cache: the shared KV block store (services/cache/block_metrics.py) ------------------
+    _m("infermesh_cache_block_hits_total", "counter", "cache", "replica tier", "Block lookups found in a tier"),
+    _m("infermesh_cache_block_misses_total", "counter", "cache", "replica tier", "Block lookups not found in a tier"),
+    _m("infermesh_cache_block_evictions_total", "counter", "cache", "replica tier",
+       "Blocks evicted from a tier to make room"),
+    _m("infermesh_cache_block_bytes_total", "counter", "cache", "replica direction",
+       "Block payload bytes received (in) and served (out)"),
+    _m("infermesh_cache_block_promotions_total", "counter", "cache", "replica", "Cold hits copied into RAM"),
+    _m("infermesh_cache_block_demotions_total", "counter", "cache", "replica",
+       "Blocks pushed out of RAM that were kept on disk"),
+    _m("infermesh_cache_block_corrupt_total", "counter", "cache", "replica",
+       "Torn or corrupt block files found and deleted"),
+    _m("infermesh_cache_block_prefix_queried_total", "counter", "cache", "replica",
+       "Chained block hashes asked about by MatchPrefix"),
+    _m("infermesh_cache_block_prefix_matched_total", "counter", "cache", "replica",
+       "Chained block hashes MatchPrefix found stored; shared prefix hit rate = rate(matched) / rate(queried)"),
+    _m("infermesh_cache_block_tier_bytes", "gauge", "cache", "replica tier", "Bytes held by a tier"),
+    _m("infermesh_cache_block_tier_blocks", "gauge", "cache", "replica tier", "Blocks held by a tier"),
+    _m("infermesh_cache_block_tier_budget_bytes", "gauge", "cache", "replica tier", "Byte budget of a tier"),
+)
+
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def names() -> set[str]:
+    return {m.name for m in METRICS}
+
+
+def of_service(service: str) -> list[Metric]:
+    return [m for m in METRICS if service in m.services]
+
+
+def base_name(series: str) -> str:
+    """The metric a PromQL series name belongs to: `x_bucket` -> `x` for histogram `x`."""
+    histograms = {m.name for m in METRICS if m.type == "histogram"}
+    for suffix in _HISTOGRAM_SUFFIXES:
+        if series.endswith(suffix) and series[: -len(suffix)] in histograms:
+            return series[: -len(suffix)]
+    return series
+
+
+def markdown_table() -> str:
+    rows = ["| Metric | Type | Service | Labels | Meaning |", "|---|---|---|---|---|"]
+    for m in METRICS:
+        labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
+        rows.append(f"| `{m.name}` | {m.type} | {', '.join(m.services)} | {labels} | {m.meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
