@@ -1,4 +1,4 @@
-"""`python -m services.cache --replica-id ID --port P`"""
+"""`python -m services.cache --replica-id ID --port P [--hot-mb N] [--cold-dir DIR --cold-mb N]`"""
 
 from __future__ import annotations
 
@@ -11,10 +11,22 @@ from mesh.envargs import apply_env
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.cache.config import CacheConfig
+from services.cache.eviction import POLICIES
 from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
+from services.cache.store import BlockStore
 
 log = logging.getLogger("cache")
+
+
+def parse_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """`premium=4,standard=2,batch=1` -> (("premium", 4.0), ...)."""
+    try:
+        pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+        return tuple((name.strip(), float(weight)) for name, weight in pairs)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected CLASS=WEIGHT,... (e.g. premium=4,standard=2,batch=1): {exc}"
+                                         ) from exc
 
 
 def parse(argv: list[str] | None = None) -> CacheConfig:
@@ -26,22 +38,52 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
     p.add_argument("--port", type=int, default=50053)
     p.add_argument("--session-ttl", type=float, default=CacheConfig.session_ttl_s, help="seconds")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--hot-mb", type=int, default=CacheConfig.hot_mb, help="RAM tier budget for KV blocks (MiB)")
+    p.add_argument("--cold-dir", default=CacheConfig.cold_dir,
+                   help="disk tier folder, kept across restarts (default: no disk tier)")
+    p.add_argument("--cold-mb", type=int, default=CacheConfig.cold_mb, help="disk tier budget (MiB)")
+    p.add_argument("--eviction", choices=list(POLICIES), default=CacheConfig.eviction)
+    p.add_argument("--tenant-weights", type=parse_weights, default=CacheConfig.tenant_weights,
+                   help="SLA class weights for --eviction tenant, e.g. premium=4,standard=2,batch=1")
+    p.add_argument("--max-block-mb", type=int, default=CacheConfig.max_block_mb, help="largest KV block (MiB)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     apply_env(p, "INFERMESH_CACHE")
     a = p.parse_args(argv)
-    return CacheConfig(replica_id=a.replica_id, host=a.host, port=a.port, session_ttl_s=a.session_ttl,
-                       discovery=a.discovery, advertise=a.advertise)
+    try:
+        return CacheConfig(replica_id=a.replica_id, host=a.host, port=a.port, session_ttl_s=a.session_ttl,
+                           discovery=a.discovery, hot_mb=a.hot_mb, cold_dir=a.cold_dir, cold_mb=a.cold_mb,
+                           eviction=a.eviction, tenant_weights=a.tenant_weights, max_block_mb=a.max_block_mb,
+                           metrics_port=a.metrics_port, advertise=a.advertise)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 async def serve(config: CacheConfig) -> None:
-    store = SessionStore(config.session_ttl_s, config.max_sessions, config.max_messages_per_session)
+    sessions = SessionStore(config.session_ttl_s, config.max_sessions, config.max_messages_per_session)
+    blocks = BlockStore.create(config.hot_mb << 20, config.cold_dir or None, config.cold_mb << 20, config.eviction,
+                               dict(config.tenant_weights), config.max_block_mb << 20)
     service = Service("meshpb.v1.Cache", config.host, config.port)
-    add_to(service, CacheServicer(store))
+    add_to(service, CacheServicer(sessions, blocks))
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        from services.cache.block_metrics import watch
+
+        watch(blocks, config.replica_id)
+        start_http_server(config.metrics_port, addr=config.host)
     await service.start()
     await service.ready()
-    advertised = advertise_address(config.host, config.port, config.advertise)
-    withdraw = await announce(config.discovery, Endpoint("cache", config.replica_id, advertised))
-    log.info("cache %s serving on %s", config.replica_id, service.address)
-    await run_until_signalled(service, on_stop=withdraw)
+    withdraw = await announce(config.discovery, Endpoint("cache", config.replica_id,
+                                                         advertise_address(config.host, config.port, config.advertise)))
+    log.info("cache %s serving on %s (KV blocks: %d MiB hot, %s, %s eviction)", config.replica_id, service.address,
+             config.hot_mb, f"{config.cold_mb} MiB cold in {config.cold_dir}" if config.cold_dir else "no cold tier",
+             config.eviction)
+
+    async def stop() -> None:
+        await withdraw()
+        await blocks.flush()
+
+    await run_until_signalled(service, on_stop=stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh.grpcutil import MAX_MESSAGE_BYTES
+from services.cache.eviction import DEFAULT_WEIGHTS, POLICIES
 from services.cache.sessions import DEFAULT_TTL_S
 
 
@@ -16,8 +18,15 @@ class CacheConfig:
     max_sessions: int = 100_000
     max_messages_per_session: int = 1_000
     discovery: str = "static"           # static | consul: where this process announces itself
-    metrics_port: int = 0               # Prometheus /metrics; 0: off
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    # KV block store
+    hot_mb: int = 1024                  # RAM tier budget (block payload bytes), MiB; 0: every block goes cold
+    cold_dir: str = ""                  # disk tier folder, kept across restarts; "": no cold tier
+    cold_mb: int = 4096                 # disk tier budget (whole block files), MiB
+    eviction: str = "lru"               # lru | lru2 | tenant (services/cache/eviction.py), both tiers
+    tenant_weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_WEIGHTS.items())   # SLA class -> weight
+    max_block_mb: int = 32              # one block (one gRPC message); larger ones are INVALID_ARGUMENT
+    metrics_port: int = 0               # Prometheus /metrics; 0: off
 
     def __post_init__(self) -> None:
         if self.session_ttl_s <= 0:
@@ -26,3 +35,15 @@ class CacheConfig:
             raise ValueError("session limits must be at least 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is out of range")
+        if self.hot_mb < 0 or self.cold_mb < 0:
+            raise ValueError("--hot-mb and --cold-mb must not be negative")
+        if self.hot_mb == 0 and not self.cold_dir:
+            raise ValueError("--hot-mb 0 needs a cold tier (--cold-dir): the block store would hold nothing")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.eviction!r} (use one of {', '.join(POLICIES)})")
+        if any(w <= 0 for _, w in self.tenant_weights):
+            raise ValueError("tenant weights must be positive")
+        # Leave room for the key and metadata in the message.
+        if not 1 <= self.max_block_mb << 20 <= MAX_MESSAGE_BYTES - (1 << 20):
+            raise ValueError(f"--max-block-mb must be between 1 and {(MAX_MESSAGE_BYTES >> 20) - 1} "
+                             "(mesh.grpcutil.MAX_MESSAGE_BYTES)")

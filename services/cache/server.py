@@ -1,5 +1,4 @@
-"""Cache gRPC servicer.  Session context is served now; KV block RPCs answer UNIMPLEMENTED
-until the block store lands (their contract is already in cache.proto)."""
+"""Cache gRPC servicer: session context here; the KV block RPCs come from BlockRPCs (block_rpcs.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,10 @@ from mesh.chat import Message
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import cache_pb2, cache_pb2_grpc, tokenizer_pb2
+from services.cache import metrics
+from services.cache.block_rpcs import BlockRPCs
 from services.cache.sessions import Session, SessionStore
+from services.cache.store import BlockStore
 
 
 def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.SessionContext:
@@ -28,15 +30,20 @@ def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.Session
     )
 
 
-class CacheServicer(cache_pb2_grpc.CacheServicer):
-    def __init__(self, sessions: SessionStore):
+class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
+    def __init__(self, sessions: SessionStore, blocks: BlockStore):
         self.sessions = sessions
+        self.blocks = blocks            # the KV block store (services/cache/block_rpcs.py serves it)
+        metrics.watch_sessions(lambda: len(self.sessions))
 
     @rpc_errors
     async def GetSession(self, request: cache_pb2.SessionRequest, context: grpc.aio.ServicerContext
                          ) -> cache_pb2.SessionContext:
-        with server_span("cache.get_session", context):
-            return session_to_pb(request.session_id, self.sessions.get(request.session_id, time.monotonic()))
+        with server_span("cache.get_session", context) as span:
+            session = self.sessions.get(request.session_id, time.monotonic())
+            metrics.SESSION_LOOKUPS.labels("miss" if session is None else "hit").inc()
+            span.set_attribute("found", session is not None)
+            return session_to_pb(request.session_id, session)
 
     @rpc_errors
     async def AppendSession(self, request: cache_pb2.AppendSessionRequest, context: grpc.aio.ServicerContext
@@ -49,13 +56,16 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     @rpc_errors
     async def DeleteSession(self, request: cache_pb2.SessionRequest, context: grpc.aio.ServicerContext
                             ) -> cache_pb2.DeleteSessionResponse:
-        return cache_pb2.DeleteSessionResponse(found=self.sessions.delete(request.session_id, time.monotonic()))
+        with server_span("cache.delete_session", context):
+            return cache_pb2.DeleteSessionResponse(found=self.sessions.delete(request.session_id, time.monotonic()))
 
     @rpc_errors
     async def GetStats(self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext
                        ) -> cache_pb2.CacheStats:
         self.sessions.expire(time.monotonic())
-        return cache_pb2.CacheStats(sessions=len(self.sessions))
+        stats = self.block_stats()
+        stats.sessions = len(self.sessions)
+        return stats
 
 
 def add_to(service: Service, servicer: CacheServicer) -> None:

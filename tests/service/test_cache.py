@@ -11,12 +11,13 @@ from mesh.grpcutil import Service, channel, check_health
 from meshpb.v1 import cache_pb2, cache_pb2_grpc, tokenizer_pb2
 from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
+from services.cache.store import BlockStore
 
 
 def test_sessions_over_grpc() -> None:
     async def scenario() -> None:
         service = Service("meshpb.v1.Cache", "127.0.0.1", 0)
-        add_to(service, CacheServicer(SessionStore(ttl_s=1800)))
+        add_to(service, CacheServicer(SessionStore(ttl_s=1800), BlockStore.create(hot_bytes=1 << 20)))
         await service.start()
         await service.ready()
         address = f"127.0.0.1:{service.port}"
@@ -38,9 +39,8 @@ def test_sessions_over_grpc() -> None:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.GetSession(cache_pb2.SessionRequest(session_id=""))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model="m"))
-                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert (await stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model="m", hashes=[bytes(16)]))
+                        ).matched == 0
         finally:
             await service.stop(0)
         assert not await check_health(address)
