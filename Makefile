@@ -5,11 +5,13 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup demo test lint protos clean
+.PHONY: setup demo test lint protos clean compose-tool
 
 # Idempotent: the venv, the project (editable) and the default model are made once;
-# the stubs are regenerated whenever a .proto is newer.
+# the stubs are regenerated whenever a .proto is newer; the fused CPU ops (kernels/cpu_ops.cpp) are
+# compiled into ~/.cache/infermesh/kernels/ when their source or torch changed.
 setup: $(STAMP) protos
+	@$(BIN)/python -m kernels.cpu_ops || echo "fused CPU ops not built; the engine will use the torch ops"
 	@$(BIN)/infermesh model pull default
 
 $(STAMP): pyproject.toml
@@ -30,10 +32,18 @@ meshpb/v1/.stamp: $(wildcard proto/meshpb/v1/*.proto) proto/generate.py
 demo: setup
 	$(BIN)/python -m mesh.demo
 
-test: setup
+test: setup compose-tool
 	$(BIN)/ruff check mesh services kernels tests bench proto
 	$(BIN)/mypy mesh services kernels
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Debian's docker-compose (1.29) lets tests/unit/test_deploy_files.py parse compose/docker-compose.yml.
+# Installed only when missing and only as root with apt-get; otherwise that one check is skipped.
+compose-tool:
+	@command -v docker-compose >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null 2>&1; } || true
 
 lint:
 	$(BIN)/ruff check mesh services kernels tests bench proto

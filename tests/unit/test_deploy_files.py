@@ -1,0 +1,465 @@
+"""compose/: the Dockerfile, docker-compose.yml and the Kubernetes manifests, checked offline.
+
+- `docker-compose config` parses the compose file as Compose 1.29 does (skipped without the binary).
+- Every infermesh container's command and INFERMESH_* variables are checked against the argparse parser
+  of the service it runs (captured from the service's own `parse()`), so a flag renamed in code
+  cannot leave a deployment file behind; ports, addresses and health checks must agree with
+  mesh/launcher.py and the README, and with each other (router -> tokenizer/cache, edge -> router,
+  Prometheus targets, Services -> container ports, probes -> service ports).
+- kubernetes-validate checks every manifest against Kubernetes' own schema (strict: unknown fields
+  fail), for a pinned Kubernetes version, from schemas shipped in the package (no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from mesh import envargs, launcher
+from mesh.envargs import apply_env, env_name
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+K8S_DIR = COMPOSE_DIR / "k8s"
+KUBERNETES_VERSION = "1.31.0"        # the oldest we promise; mixed-protocol LoadBalancers need 1.26+
+
+# The module each service runs (ENTRYPOINT is `python -m`), and its variable prefix.
+PREFIXES = {"services.cache": "INFERMESH_CACHE", "services.tokenizer": "INFERMESH_TOKENIZER",
+            "services.engine": "INFERMESH_ENGINE", "services.router": "INFERMESH_ROUTER",
+            "mesh.edge": "INFERMESH_EDGE"}
+# Variables read outside the parsers (auth, model store, discovery client, OpenTelemetry).
+OTHER_VARIABLES = {"INFERMESH_HOME", "INFERMESH_API_KEYS", "INFERMESH_API_KEYS_FILE", "INFERMESH_ADMIN_KEYS",
+                   "INFERMESH_ADMIN_KEYS_FILE", "INFERMESH_RATE_LIMIT", "CONSUL_HTTP_ADDR", "CONSUL_HTTP_TOKEN",
+                   "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME",
+                   "OTEL_RESOURCE_ATTRIBUTES"}
+# The ports `infermesh up` uses (port offset 0); engine i adds i to the engine ports.
+PORTS = {"services.cache": (launcher.CACHE_PORT, launcher.CACHE_METRICS_PORT),
+         "services.tokenizer": (launcher.TOKENIZER_PORT, launcher.TOKENIZER_METRICS_PORT),
+         "services.router": (launcher.ROUTER_PORT, launcher.ROUTER_METRICS_PORT),
+         "services.engine": (launcher.ENGINE_BASE_PORT, launcher.ENGINE_METRICS_BASE_PORT)}
+
+
+# --- the services' own parsers -------------------------------------------------------------------
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__()
+        self.parser = parser
+
+
+class _Refused(Exception):
+    pass
+
+
+def service_parser(module: str) -> tuple[argparse.ArgumentParser, str | None]:
+    """(parser, env prefix or None): the parser `python -m MODULE` builds, stopped before it parses;
+    the prefix is what the module passes to apply_env (None: it reads no INFERMESH_<SERVICE>_* variables).
+    The environment of this test process is not applied."""
+    main = importlib.import_module(f"{module}.__main__")
+    prefixes: list[str] = []
+
+    def record(parser: argparse.ArgumentParser, prefix: str, env: Mapping[str, str] | None = None) -> None:
+        prefixes.append(prefix)
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        raise _Captured(self)
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(argparse.ArgumentParser, "parse_args", capture))
+        patches.enter_context(mock.patch.object(envargs, "apply_env", record))
+        if hasattr(main, "apply_env"):
+            patches.enter_context(mock.patch.object(main, "apply_env", record))
+        try:
+            main.parse([])
+        except _Captured as caught:
+            parser = caught.parser
+        else:
+            raise AssertionError(f"{module}.__main__.parse() did not parse arguments")
+
+    def refuse(message: str) -> None:
+        raise _Refused(message)
+
+    parser.error = refuse  # type: ignore[method-assign,assignment]
+    parser.allow_abbrev = False        # a deployment file spells flags out in full
+    return parser, (prefixes[0] if prefixes else None)
+
+
+def flag_variables(parser: argparse.ArgumentParser, prefix: str) -> set[str]:
+    return {env_name(prefix, a) for a in parser._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)}
+
+
+def effective(module: str, argv: list[str], env: Mapping[str, str], where: str) -> argparse.Namespace:
+    """What the service would run with: its INFERMESH_* variables, then its command line (which wins),
+    validated by its own parser.  Fails on a flag or variable the service does not know."""
+    parser, prefix = service_parser(module)
+    own = {k: v for k, v in env.items() if k.startswith("INFERMESH_") and k not in OTHER_VARIABLES}
+    unknown = {k for k in env if not k.startswith(("INFERMESH_", "OTEL_", "CONSUL_"))}
+    assert not unknown, f"{where}: variables no infermesh process reads: {sorted(unknown)}"
+    for key in sorted(set(env) - set(own)):
+        assert key in OTHER_VARIABLES, f"{where}: {key} is not a variable infermesh reads"
+    if own:
+        assert prefix is not None, f"{where}: {module} reads no INFERMESH_* flag variables, but sets {sorted(own)}"
+        foreign = {k for k in own if not k.startswith(prefix + "_")}
+        assert not foreign, f"{where}: {sorted(foreign)} belong to another service, not {module} ({prefix}_*)"
+        unknown = set(own) - flag_variables(parser, prefix)
+        assert not unknown, (f"{where}: {sorted(unknown)} match no flag of {module}; known: "
+                             f"{sorted(flag_variables(parser, prefix))}")
+        try:
+            apply_env(parser, prefix, {k: v for k, v in own.items() if v is not None})
+        except _Refused as exc:
+            pytest.fail(f"{where}: {exc}")
+    try:
+        return parser.parse_args(argv)
+    except _Refused as exc:
+        pytest.fail(f"{where}: `python -m {module} {' '.join(argv)}`: {exc}")
+
+
+def test_the_parser_capture_sees_every_service() -> None:
+    for module, prefix in PREFIXES.items():
+        parser, applied = service_parser(module)
+        assert "--replica-id" in parser._option_string_actions
+        assert applied in (prefix, None), f"{module} applies {applied}, expected {prefix}"
+    engine, prefix = service_parser("services.engine")
+    assert prefix == "INFERMESH_ENGINE" and "INFERMESH_ENGINE_KV_CACHE_MB" in flag_variables(engine, prefix)
+    with pytest.raises(_Refused):
+        engine.parse_args(["--no-such-flag"])
+
+
+def test_the_readme_states_the_launchers_ports() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for text in (f"TCP {launcher.HTTP_PORT}", f"UDP {launcher.HTTP3_PORT}", f"gRPC {launcher.ROUTER_PORT}",
+                 f"gRPC {launcher.TOKENIZER_PORT}", f"gRPC {launcher.CACHE_PORT}",
+                 f"gRPC {launcher.ENGINE_BASE_PORT}+N, metrics {launcher.ENGINE_METRICS_BASE_PORT}+N",
+                 f"port {launcher.ROUTER_METRICS_PORT}"):
+        assert text in readme, f"README.md does not say {text!r} (mesh/launcher.py's ports)"
+
+
+# --- Dockerfile ----------------------------------------------------------------------------------
+
+def dockerfile_stages() -> dict[str, list[str]]:
+    text = (COMPOSE_DIR / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.I)
+        if m:
+            current = stages.setdefault(m.group(1), [])
+        current.append(line)
+    return stages
+
+
+def test_dockerfile_builds_stubs_once_and_has_cpu_and_cuda_targets() -> None:
+    stages = dockerfile_stages()
+    assert {"wheel", "cpu", "cuda"} <= set(stages)
+    wheel = "\n".join(stages["wheel"])
+    assert "grpcio-tools" in wheel and "python proto/generate.py" in wheel
+    torch_version = re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert torch_version is not None
+    for target, index in (("cpu", "https://download.pytorch.org/whl/cpu"), ("cuda", "https://download.pytorch.org/whl/cu")):
+        lines = stages[target]
+        text = "\n".join(lines)
+        assert f"ARG TORCH_VERSION={torch_version.group(1)}" in text, f"{target}: torch pinned as in the Makefile"
+        assert f"ARG TORCH_INDEX={index}" in text
+        assert "COPY --from=wheel" in text
+        assert re.search(r'if \[ "\$PULL_MODEL" = "1" \]; then infermesh model pull default', text)
+        users = [line.split()[1] for line in lines if line.startswith("USER ")]
+        assert users and users[-1] not in ("root", "0"), f"{target} must run as a non-root user"
+        assert 'ENTRYPOINT ["python", "-m"]' in lines
+        assert "INFERMESH_HOME=/var/lib/infermesh" in text
+    assert stages["cuda"][0] == "FROM ${CUDA_IMAGE} AS cuda"
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+$", (COMPOSE_DIR / "Dockerfile").read_text(), re.M)
+    for line in (line for lines in stages.values() for line in lines):
+        if line.startswith("COPY ") and "--from" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+
+
+# --- docker-compose.yml ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def compose_infermesh(compose: dict[str, Any]) -> Iterator[tuple[str, str, list[str], dict[str, str]]]:
+    """(compose service, module, flags, environment) for every infermesh container."""
+    for name, service in compose["services"].items():
+        command = service.get("command") or []
+        if command and command[0] in PREFIXES:
+            env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+            yield name, command[0], [str(a) for a in command[1:]], env
+
+
+def test_docker_compose_parses_it() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose); "
+                    "the structural checks below still ran")
+    env = {**os.environ, "INFERMESH_API_KEYS": "test-key"}
+    done = subprocess.run([binary, "-f", str(COMPOSE_FILE), "config", "-q"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    # Without API keys the edge (bound to 0.0.0.0) must not start: compose refuses the file.
+    env.pop("INFERMESH_API_KEYS")
+    done = subprocess.run([binary, "-f", str(COMPOSE_FILE), "config", "-q"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and "set INFERMESH_API_KEYS" in done.stderr
+
+
+def test_compose_format_and_services(compose: dict[str, Any]) -> None:
+    assert compose["version"] == "3.8"
+    services = compose["services"]
+    assert {"consul", "cache", "tokenizer", "router", "edge", "prometheus", "grafana", "otel-collector",
+            "jaeger"} <= set(services)
+    assert services["consul"]["image"].startswith("hashicorp/consul:")
+    modules = [module for _, module, _, _ in compose_infermesh(compose)]
+    assert sorted(set(modules)) == sorted(PREFIXES) and modules.count("services.engine") >= 2
+
+
+def test_compose_services_use_real_flags_and_the_launchers_ports(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    engines = []
+    config: dict[str, argparse.Namespace] = {}
+    for name, module, argv, env in compose_infermesh(compose):
+        a = effective(module, argv, env, f"docker-compose.yml service {name}")
+        config[name] = a
+        service = services[name]
+        check = service["healthcheck"]["test"]
+        assert check[:4] == ["CMD", "python", "-m", "mesh.healthcheck"], f"{name}: healthcheck"
+        if module == "mesh.edge":
+            assert (a.http_port, a.http3_port) == (launcher.HTTP_PORT, launcher.HTTP3_PORT)
+            assert a.host == "0.0.0.0"
+            assert check[4] == f"http://127.0.0.1:{a.http_port}/health"
+            assert {f"{a.http_port}:{a.http_port}/tcp", f"{a.http3_port}:{a.http3_port}/udp"} <= set(service["ports"])
+            assert env["INFERMESH_API_KEYS"] == "${INFERMESH_API_KEYS:?set INFERMESH_API_KEYS}"
+            assert service["depends_on"]["router"]["condition"] == "service_healthy"
+            continue
+        assert a.host == "0.0.0.0" and a.advertise == name, f"{name}: binds 0.0.0.0 and advertises its name"
+        assert a.discovery == "consul" and env["CONSUL_HTTP_ADDR"] == "consul:8500"
+        assert service["depends_on"]["consul"]["condition"] == "service_healthy"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317" and env["OTEL_SERVICE_NAME"]
+        assert check[4] == f"127.0.0.1:{a.port}", f"{name}: healthcheck probes its own port"
+        assert f"127.0.0.1:{a.metrics_port}:{a.metrics_port}" in service["ports"], f"{name}: metrics on loopback"
+        port, metrics = PORTS[module]
+        if module == "services.engine":
+            engines.append((name, a))
+        else:
+            assert (a.port, a.metrics_port) == (port, metrics), f"{name}: the launcher's ports"
+    for i, (name, a) in enumerate(sorted(engines, key=lambda e: e[1].metrics_port)):
+        assert a.port == launcher.ENGINE_BASE_PORT and a.metrics_port == launcher.ENGINE_METRICS_BASE_PORT + i, name
+    regions = {a.region for _, a in engines}
+    assert {"a", "b"} <= regions
+    router = config["router"]
+    assert router.region == "a" and not router.engine and not router.discovery_file, "engines come from Consul"
+    assert router.tokenizer == f"tokenizer:{config['tokenizer'].port}"
+    assert router.cache == f"cache:{config['cache'].port}"
+    assert config["edge"].router == f"router:{router.port}"
+    for dependency in ("tokenizer", "cache"):
+        assert services["router"]["depends_on"][dependency]["condition"] == "service_healthy"
+    cache_mounts = [v.split(":")[1] for v in services["cache"]["volumes"]]
+    assert config["cache"].cold_dir in cache_mounts, "the cold tier lives on a volume"
+
+
+def test_compose_observability_files_exist_and_are_scraped(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        for volume in service.get("volumes") or []:
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE_DIR / source).exists(), f"{name} mounts {source}, which does not exist"
+    prometheus = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] for sc in job.get("static_configs", [])
+               for t in sc["targets"]}
+    for name, module, argv, env in compose_infermesh(compose):
+        a = effective(module, argv, env, name)
+        port = a.http_port if module == "mesh.edge" else a.metrics_port
+        assert f"127.0.0.1:{port}" in targets, f"compose/prometheus.yml does not scrape {name} (127.0.0.1:{port})"
+    collector = " ".join(services["otel-collector"]["command"])
+    assert "0.0.0.0:4317" in collector and "jaeger:4317" in collector
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------
+
+def k8s_files() -> list[Path]:
+    return sorted(p for p in K8S_DIR.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path in k8s_files() for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_kubernetes_validate_every_manifest(manifests: list[tuple[Path, dict[str, Any]]]) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    failures = []
+    for path, doc in manifests:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except Exception as exc:        # ValidationError, SchemaNotFoundError: both carry .message
+            failures.append(f"{path.relative_to(ROOT)} {doc.get('kind')}/{doc.get('metadata', {}).get('name')}: "
+                            f"{getattr(exc, 'message', exc)}")
+    assert not failures, "\n".join(failures)
+
+
+def test_kustomizations_list_every_manifest() -> None:
+    for kustomization in K8S_DIR.rglob("kustomization.yaml"):
+        listed = yaml.safe_load(kustomization.read_text())["resources"]
+        here = {p.name for p in kustomization.parent.glob("*.yaml") if p.name != "kustomization.yaml"}
+        files = {r for r in listed if not r.endswith("/")}
+        assert files == here, f"{kustomization.relative_to(ROOT)} lists {sorted(files)}, the folder has {sorted(here)}"
+        for r in listed:
+            assert (kustomization.parent / r).exists(), r
+
+
+def _by_kind(manifests: list[tuple[Path, dict[str, Any]]], *kinds: str) -> list[dict[str, Any]]:
+    return [doc for _, doc in manifests if doc["kind"] in kinds]
+
+
+def _matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _container_env(container: dict[str, Any], config_maps: dict[str, dict[str, str]]) -> dict[str, str | None]:
+    env: dict[str, str | None] = {}
+    for source in container.get("envFrom") or []:
+        env.update(config_maps[source["configMapRef"]["name"]])
+    for item in container.get("env") or []:
+        env[item["name"]] = item.get("value")            # None: from a field, a secret or a key
+    return env
+
+
+def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, Any]]]) -> None:
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in _by_kind(manifests, "ConfigMap")}
+    seen: dict[str, list[str]] = {}
+    for workload in _by_kind(manifests, "Deployment", "StatefulSet"):
+        name = workload["metadata"]["name"]
+        pod = workload["spec"]["template"]
+        assert _matches(workload["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), name
+        for container in pod["spec"]["containers"]:
+            args = container.get("args") or []
+            if not args or args[0] not in PREFIXES:
+                continue
+            module = args[0]
+            seen.setdefault(module, []).append(name)
+            env = _container_env(container, config_maps)
+            # Variables that only feed $(NAME) expansions in args are Kubernetes', not the service's.
+            for expanded in re.findall(r"\$\((\w+)\)", " ".join(args)):
+                assert expanded in env, f"{name}: args use $({expanded}), which the container does not define"
+                del env[expanded]
+            where = f"k8s {workload['kind']}/{name}"
+            prefix = PREFIXES[module]
+            for key in env:
+                owner = next((m for m, p in PREFIXES.items() if key.startswith(p + "_")), None)
+                if key in OTHER_VARIABLES:
+                    continue
+                assert owner is not None, f"{where}: {key} is no variable infermesh reads"
+                # The shared ConfigMap carries every service's settings; each must be a real flag.
+                assert key in flag_variables(*_parser_and_prefix(owner)), f"{where}: {key} matches no flag of {owner}"
+            names_only = {k for k, v in env.items() if v is None}
+            a = effective(module, args[1:], {k: v for k, v in env.items() if v is not None and
+                                             (k in OTHER_VARIABLES or k.startswith(prefix + "_"))}, where)
+            values = {k: v for k, v in env.items() if v is not None}
+            ports = {p.get("name"): p for p in container["ports"]}
+            numbers = {p["containerPort"] for p in container["ports"]}
+            resources = container.get("resources", {})
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), f"{where}: resource requests"
+            assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+            if module == "mesh.edge":
+                assert a.host == "0.0.0.0" and a.router == f"router:{launcher.ROUTER_PORT}"
+                assert (a.http_port, a.http3_port) == (launcher.HTTP_PORT, launcher.HTTP3_PORT)
+                assert ports["http"]["containerPort"] == a.http_port
+                assert ports["http3"] == {"name": "http3", "containerPort": a.http3_port, "protocol": "UDP"}
+                assert "INFERMESH_API_KEYS" in names_only, "the edge takes its keys from a Secret"
+                continue
+            port, metrics = PORTS[module]
+            assert a.host == "0.0.0.0" and a.discovery == "consul", where
+            assert values["CONSUL_HTTP_ADDR"] == "consul:8500"
+            assert a.port == port and a.metrics_port == metrics, f"{where}: the launcher's ports"
+            assert {a.port, a.metrics_port} <= numbers
+            fields = {i["name"]: i.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                      for i in container.get("env") or []}
+            assert fields.get(f"{prefix}_ADVERTISE") == "status.podIP", f"{where}: registers its pod IP"
+            assert fields.get(f"{prefix}_REPLICA_ID") == "metadata.name", f"{where}: one replica id per pod"
+            probes = [container.get(p) for p in ("readinessProbe", "livenessProbe", "startupProbe")]
+            grpc_ports = {p["grpc"]["port"] for p in probes if p and "grpc" in p}
+            assert grpc_ports == {a.port}, f"{where}: native gRPC probes on {a.port}"
+            assert "grpc" in container["readinessProbe"], f"{where}: readiness by the gRPC health service"
+            if module == "services.engine":
+                assert a.region in ("a", "b")
+            if module == "services.cache":
+                mounts = {m["mountPath"] for m in container["volumeMounts"]}
+                claims = {c["metadata"]["name"] for c in workload["spec"]["volumeClaimTemplates"]}
+                assert workload["kind"] == "StatefulSet" and a.cold_dir in mounts and claims
+            if module == "services.router":
+                assert a.tokenizer == f"tokenizer:{launcher.TOKENIZER_PORT}"
+                assert a.cache == f"cache:{launcher.CACHE_PORT}" and a.region == "a"
+    assert sorted(seen) == sorted(PREFIXES)
+    assert len(seen["services.engine"]) >= 3, "engine-a, engine-b and the GPU variant"
+
+
+def _parser_and_prefix(module: str) -> tuple[argparse.ArgumentParser, str]:
+    parser, prefix = service_parser(module)
+    assert prefix is not None, f"{module} reads no INFERMESH_* variables"
+    return parser, prefix
+
+
+def test_kubernetes_wiring(manifests: list[tuple[Path, dict[str, Any]]]) -> None:
+    workloads = _by_kind(manifests, "Deployment", "StatefulSet")
+    pods = {w["metadata"]["name"]: w["spec"]["template"] for w in workloads}
+    # No two workloads claim each other's pods.
+    for w in workloads:
+        for other, pod in pods.items():
+            if other != w["metadata"]["name"]:
+                assert not _matches(w["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), \
+                    f"{w['metadata']['name']}'s selector also matches {other}'s pods"
+    for service in _by_kind(manifests, "Service"):
+        name = service["metadata"]["name"]
+        selected = [p for p in pods.values() if _matches(service["spec"]["selector"], p["metadata"]["labels"])]
+        assert selected, f"Service {name} selects no pods"
+        for port in service["spec"]["ports"]:
+            for pod in selected:
+                container_ports = [p for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+                target = port.get("targetPort", port["port"])
+                found = [p for p in container_ports if target in (p.get("name"), p["containerPort"])]
+                assert found, f"Service {name} port {port['name']} has no target {target!r}"
+                assert found[0].get("protocol", "TCP") == port.get("protocol", "TCP")
+    edge = next(s for s in _by_kind(manifests, "Service") if s["metadata"]["name"] == "edge")
+    assert {(p["port"], p["protocol"]) for p in edge["spec"]["ports"]} == {(launcher.HTTP_PORT, "TCP"),
+                                                                          (launcher.HTTP3_PORT, "UDP")}
+    (pdb,) = _by_kind(manifests, "PodDisruptionBudget")
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    protected = [n for n, p in pods.items() if _matches(selector, p["metadata"]["labels"])]
+    assert {"engine-a", "engine-b"} <= set(protected) and all(n.startswith("engine") for n in protected)
+    gpu = pods["engine-gpu"]["spec"]["containers"][0]["resources"]
+    assert gpu["limits"]["nvidia.com/gpu"] == 1
+    (hpa,) = _by_kind(manifests, "HorizontalPodAutoscaler")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target["kind"] == "Deployment" and target["name"] in pods
+    (metric,) = hpa["spec"]["metrics"]
+    metric_name = metric["pods"]["metric"]["name"]
+    assert f'"{metric_name}"' in (ROOT / "services" / "engine" / "metrics.py").read_text(), "an engine metric"
+    adapter = next(d for d in _by_kind(manifests, "ConfigMap") if d["metadata"]["name"].endswith("prometheus-adapter"))
+    rules = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    assert any(r["name"]["as"] == metric_name and metric_name in r["seriesQuery"] for r in rules)
+    consul = next(w for w in workloads if w["metadata"]["name"] == "consul")
+    assert consul["kind"] == "StatefulSet"
