@@ -78,7 +78,8 @@ class ModelRunner:
             tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in decode_tables], dtype=torch.int64,
                                   device=self.device)
             lens = torch.tensor(decode_lens, dtype=torch.int64, device=self.device)
-            mask = paged_attention.decode_mask(tables, lens, self.block_size, self.dtype)
+            if not getattr(self.model, "fused", False):    # the fused decode op masks by length itself
+                mask = paged_attention.decode_mask(tables, lens, self.block_size, self.dtype)
         plan = AttentionPlan(
             slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device) if decode_rows else None,

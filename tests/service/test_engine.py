@@ -209,3 +209,35 @@ def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # typ
         with torch.inference_mode():
             ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
         assert tokens(outs) == ref
+
+
+def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
+    """The fast modes' fused CPU ops (kernels/cpu_ops.cpp) give the tokens the same mode gives with
+    the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks
+    (chunked prefill and joins mid-run); the exact mode never uses them."""
+    assert not runner.model.fused
+    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w")
+    if not fast.model.fused:
+        pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built")
+    _, tokenizer = hf
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS + ["Explain photosynthesis step by step. " * 4, "Hi"]]
+
+    def generate() -> dict[str, list[StepOutput]]:
+        engine = Engine(fast, scheduler=SchedulerConfig(max_batched_tokens=48))
+        outputs: dict[str, list[StepOutput]] = {}
+        for i, ids in enumerate(prompts):
+            engine.add(engine.make_request(f"r{i}", ids, SamplingParams(max_tokens=16, logprobs=True)))
+            for out in engine.step() if i % 2 else []:
+                outputs.setdefault(out.request_id, []).append(out)
+        for rid, outs in run(engine).items():
+            outputs.setdefault(rid, []).extend(outs)
+        return outputs
+
+    fused = generate()
+    fast.model.fused = False
+    unfused = generate()
+    assert {r: tokens(o) for r, o in fused.items()} == {r: tokens(o) for r, o in unfused.items()}
+    for rid, outs in fused.items():
+        got = [lp.logprob for o in outs for lp in o.logprobs]
+        want = [lp.logprob for o in unfused[rid] for lp in o.logprobs]
+        assert got == pytest.approx(want, abs=1e-4)

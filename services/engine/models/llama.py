@@ -2,8 +2,10 @@
 
 One call runs a ragged batch: the tokens of every scheduled chunk, flattened, go through
 the projections together (where batching pays); attention then runs per group: all
-decode rows in one paged call, each prefill chunk on its own prefix.  The float32 math
-mirrors transformers' LlamaForCausalLM op for op, so greedy outputs agree with it.
+decode rows in one paged call, each prefill chunk on its own prefix.  In the "exact" mode
+the float32 math mirrors transformers' LlamaForCausalLM op for op, so greedy outputs agree
+with it bit for bit; the fast modes run the norms, RoPE, the KV write, SiLU and decode
+attention as fused CPU ops (kernels/cpu_ops.cpp) when that library builds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention
+from kernels import cpu_ops, paged_attention
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -165,7 +167,8 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None                      # (B,) rows that are single decode tokens
     decode_tables: torch.Tensor | None                    # (B, max_blocks)
     decode_lens: torch.Tensor | None                      # (B,) keys per decode row
-    decode_mask: torch.Tensor | None                      # paged_attention.decode_mask() of the above
+    decode_mask: torch.Tensor | None                      # paged_attention.decode_mask() of the above; the
+                                                          # fused decode op needs none
     prefills: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first row, rows, start position, block table)
 
 
@@ -226,6 +229,8 @@ class LlamaModel:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = d ** -0.5
+        # The fused ops agree with the torch ops to rounding, not bit for bit, so "exact" keeps the torch ops.
+        self.fused = matmul != "exact" and device.type == "cpu" and dtype == torch.float32 and cpu_ops.load()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -242,6 +247,8 @@ class LlamaModel:
                 kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_rows: (S,) rows whose next-token logits are wanted.
         Returns (S, V) float32."""
+        if self.fused:
+            return self._forward_fused(input_ids, positions, plan, kv, logits_rows)
         c = self.config
         t = input_ids.shape[0]
         qk_heads = c.num_heads + c.num_kv_heads
@@ -260,6 +267,28 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         return self._rms_norm(x[logits_rows], self.norm)                           # (S, H)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                       kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor:
+        """forward() with the fused CPU ops: each residual add rides in the next norm, and RoPE
+        rotates q and k in place while it stores k and v in the cache."""
+        c = self.config
+        ops = torch.ops.infermesh
+        t = input_ids.shape[0]
+        qk_heads = c.num_heads + c.num_kv_heads
+        eps = c.rms_norm_eps
+        x = self.embed[input_ids]                                                  # (T, H) residual stream
+        update: torch.Tensor | None = None                                         # (T, H) not yet added to x
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+            h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
+            qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
+            ops.rope_and_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, plan.slots, c.num_heads)
+            q, k, v = qkv[:, : c.num_heads], qkv[:, c.num_heads: qk_heads], qkv[:, qk_heads:]
+            attn = self._attention(q, k, v, k_cache, v_cache, plan)                # (T, heads, D)
+            h = ops.add_rms_norm(x, layer.o(attn.reshape(t, c.num_heads * c.head_dim)), layer.post_norm, eps)
+            update = layer.down(ops.silu_and_mul(layer.gate_up(h)))
+        rows = x[logits_rows]                                                      # (S, H)
+        return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (S, H) -> (S, V) float32."""
@@ -280,19 +309,24 @@ class LlamaModel:
         exact = torch.einsum("sh,skh->sk", hidden, self.head_weight[candidates])   # (S, K)
         return candidates.gather(1, exact.argmax(dim=-1, keepdim=True)).squeeze(1)
 
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                plan: AttentionPlan) -> torch.Tensor:
+        """The decode rows' attention.  q: (B, H, D) -> (B, H, D)."""
+        assert plan.decode_tables is not None and plan.decode_lens is not None
+        if self.fused:
+            return torch.ops.infermesh.paged_decode_attention(q, k_cache, v_cache, plan.decode_tables,
+                                                              plan.decode_lens, self.scale)
+        return paged_attention.decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
+                                      plan.decode_mask)
+
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         if plan.decode_rows is not None and not plan.prefills:
             # Pure decode step (the common case): every row is a decode row, in order.
-            assert plan.decode_tables is not None and plan.decode_lens is not None
-            return paged_attention.decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
-                                          plan.decode_mask)
+            return self._decode(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            assert plan.decode_tables is not None and plan.decode_lens is not None
-            out[plan.decode_rows] = paged_attention.decode(q[plan.decode_rows], k_cache, v_cache,
-                                                           plan.decode_tables, plan.decode_lens, self.scale,
-                                                           plan.decode_mask)
+            out[plan.decode_rows] = self._decode(q[plan.decode_rows], k_cache, v_cache, plan)
         for first, rows, start, table in plan.prefills:
             sl = slice(first, first + rows)
             if start == 0:

@@ -1,0 +1,156 @@
+"""The fused CPU ops (kernels/cpu_ops.cpp) against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels import paged_attention as pa
+
+if not cpu_ops.load():
+    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see kernels.cpu_ops' warning)",
+                allow_module_level=True)
+
+ops = torch.ops.infermesh
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def paged_case(lens: list[int], bs: int, kh: int, d: int, seed: int):  # type: ignore[no-untyped-def]
+    """A cache with each row's blocks scattered over it; tables padded with the row's first block."""
+    g = gen(seed)
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + 3
+    k = torch.randn(num_blocks, bs, kh, d, generator=g)
+    v = torch.randn(num_blocks, bs, kh, d, generator=g)
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in need:
+        tables.append(ids[:n])
+        ids = ids[n:]
+    width = max(need)
+    padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    return k, v, tables, padded
+
+
+@pytest.mark.parametrize("lens,bs,heads,kh,d", [
+    ([10, 3, 16, 1, 33], 4, 9, 3, 16),     # ragged, one on a block boundary, a single key, GQA 3
+    ([7], 16, 4, 4, 64),                   # one row, multi-head (no grouping)
+    ([200, 64, 129, 17], 16, 9, 3, 64),    # the engine's shape (SmolLM2)
+    ([40, 5], 8, 8, 1, 12),                # multi-query; head_dim not a multiple of 8 (scalar path)
+    ([300, 2, 77], 16, 32, 4, 128),        # groups of 8 query heads, head_dim 128
+])
+def test_paged_decode_attention_matches_reference(lens: list[int], bs: int, heads: int, kh: int, d: int) -> None:
+    k, v, tables, padded = paged_case(lens, bs, kh, d, seed=len(lens) + d)
+    q = torch.randn(len(lens), heads, d, generator=gen(1))
+    out = ops.paged_decode_attention(q, k, v, padded, torch.tensor(lens), d ** -0.5)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        ref = pa._reference(q[i:i + 1], k, v, table, n - 1, d ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], ref, **TOL)
+
+
+def test_paged_decode_attention_takes_q_as_a_view_of_qkv() -> None:
+    """The forward passes q as qkv[:, :heads]: rows strided, each head's D values contiguous."""
+    lens = [5, 20]
+    k, v, _, padded = paged_case(lens, 4, 2, 8, seed=7)
+    qkv = torch.randn(2, 4 + 2 * 2, 8, generator=gen(2))
+    q = qkv[:, :4]
+    out = ops.paged_decode_attention(q, k, v, padded, torch.tensor(lens), 0.3)
+    torch.testing.assert_close(out, pa.decode(q.contiguous(), k, v, padded, torch.tensor(lens), 0.3), **TOL)
+
+
+def test_paged_decode_attention_refuses_bad_input() -> None:
+    k, v, _, padded = paged_case([5], 4, 1, 8, seed=3)
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.paged_decode_attention(q.double(), k, v, padded, torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        ops.paged_decode_attention(q, k, v, padded, torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="not a block id"):
+        ops.paged_decode_attention(q, k, v, torch.full_like(padded, k.shape[0]), torch.tensor([5]), 1.0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (16, 576), (300, 576), (5, 37)])
+def test_add_rms_norm_adds_in_place_and_normalizes(rows: int, hidden: int) -> None:
+    g = gen(rows)
+    x, r = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    summed = x + r
+    out = ops.add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(x, summed, rtol=0, atol=0)      # the add is exact
+    torch.testing.assert_close(out, rms_norm(summed, w, 1e-5), **TOL)
+
+
+def test_rms_norm_without_residual_leaves_x_alone() -> None:
+    x, w = torch.randn(3, 64, generator=gen(0)), torch.randn(64, generator=gen(1))
+    before = x.clone()
+    out = ops.add_rms_norm(x, None, w, 1e-6)
+    assert torch.equal(x, before)
+    torch.testing.assert_close(out, rms_norm(x, w, 1e-6), **TOL)
+
+
+def rope_tables(positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(positions).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("t,heads,kh,d", [(1, 9, 3, 64), (16, 9, 3, 64), (70, 4, 2, 12), (3, 2, 1, 6)])
+def test_rope_and_write_kv(t: int, heads: int, kh: int, d: int) -> None:
+    g = gen(t)
+    bs, num_blocks = 4, 40
+    cos, sin = rope_tables(128, d)
+    qkv = torch.randn(t, heads + 2 * kh, d, generator=g)
+    positions = torch.randint(0, 128, (t,), generator=g)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t]
+    k_cache, v_cache = torch.zeros(num_blocks, bs, kh, d), torch.zeros(num_blocks, bs, kh, d)
+
+    half = d // 2
+    x = qkv[:, : heads + kh]
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    rotated = x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+    expected_v = qkv[:, heads + kh:].clone()
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    pa.write_kv(ref_k, ref_v, slots, rotated[:, heads:], expected_v)
+
+    ops.rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, heads)
+    torch.testing.assert_close(qkv[:, : heads + kh], rotated, **TOL)
+    assert torch.equal(qkv[:, heads + kh:], expected_v)            # v is not rotated
+    torch.testing.assert_close(k_cache, ref_k, **TOL)
+    assert torch.equal(v_cache, ref_v)
+
+
+def test_rope_refuses_positions_past_the_table() -> None:
+    cos, sin = rope_tables(8, 4)
+    cache = torch.zeros(2, 4, 1, 4)
+    with pytest.raises(RuntimeError, match="RoPE table"):
+        ops.rope_and_write_kv(torch.zeros(1, 3, 4), torch.tensor([8]), cos, sin, cache, cache.clone(),
+                              torch.tensor([0]), 1)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (16, 1536), (300, 1536), (7, 13)])
+def test_silu_and_mul(rows: int, inter: int) -> None:
+    gate_up = torch.randn(rows, 2 * inter, generator=gen(rows)) * 8     # reaches both exp tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
+
+
+def test_silu_saturates_without_nan() -> None:
+    gate_up = torch.tensor([[-200.0, -90.0, 0.0, 90.0, 200.0, 1.0, 1.0, 1.0, 1.0, 1.0] + [1.0] * 6])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
+
+
+def test_ops_refuse_non_contiguous_input() -> None:
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.silu_and_mul(torch.randn(8, 4).t())
