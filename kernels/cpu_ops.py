@@ -99,7 +99,7 @@ def build() -> Path:
             return library
         partial = folder / f"{LIBRARY}.{os.getpid()}.tmp"
         started = time.monotonic()
-        result = subprocess.run(_command(compiler, partial), capture_output=True, text=True)
+        result = subprocess.run(_command(compiler, partial), capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
             raise RuntimeError(f"{' '.join(_command(compiler, library))} failed:\n{result.stderr[-4000:]}")
@@ -132,7 +132,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         library = build()
-    except RuntimeError as exc:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         print(f"kernels.cpu_ops: {exc}", file=sys.stderr)
         return 1
     torch.ops.load_library(str(library))
