@@ -111,14 +111,16 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                    "--model", model, "--model-version", version, "--dtype", config.dtype, "--region",
                                    config.region, "--threads", str(threads), "--kv-cache-mb",
                                    str(config.kv_cache_mb), "--metrics-port",
-                                   str(config.port(ENGINE_METRICS_BASE_PORT + i)), *discovery], f"127.0.0.1:{port}"))
+                                   str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache, *discovery],
+                             f"127.0.0.1:{port}"))
     for j in range(config.fallback_engines):
         i = config.engines + j
         rid, port = f"fallback-{j}", config.port(ENGINE_BASE_PORT + i)
         engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
                                    "--model", fallback[0], "--dtype", "int8", "--region", config.region,
                                    "--threads", str(threads), "--kv-cache-mb", str(config.kv_cache_mb),
-                                   "--metrics-port", str(config.port(ENGINE_METRICS_BASE_PORT + i)), *discovery],
+                                   "--metrics-port", str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache,
+                                   *discovery],
                              f"127.0.0.1:{port}"))
     router_port = config.port(ROUTER_PORT)
     router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),

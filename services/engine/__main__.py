@@ -1,4 +1,4 @@
-"""`python -m services.engine --replica-id ID --port P --model NAME[=FOLDER] [--dtype ...]`"""
+"""`python -m services.engine --replica-id ID --port P --model NAME[=FOLDER] [--dtype ...] [--cache ADDR]`"""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
+from services.engine import kv_transfer
 from services.engine.config import DEVICES, DTYPES, EngineConfig
 from services.engine.engine import Engine
+from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
+from services.engine.remote_cache import RemoteCache, kv_version
 from services.engine.scheduler import SchedulerConfig
 from services.engine.server import EngineServicer, add_to
 
@@ -39,15 +42,25 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--cache", default="", metavar="HOST:PORT",
+                   help="the shared KV-cache service: load prompt blocks other engines computed (default: none)")
+    p.add_argument("--cache-tenant", default=EngineConfig.cache_tenant,
+                   help="SLA class of the blocks this engine publishes (premium, standard, batch)")
+    p.add_argument("--cache-timeout", type=float, default=EngineConfig.cache_timeout_s,
+                   help="seconds to fetch one request's blocks before recomputing them")
     apply_env(p, "INFERMESH_ENGINE")
     a = p.parse_args(argv)
     name, folder = model_store.served_model(a.model)
-    return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
-                        replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
-                        dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
-                        block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
-                        max_running=a.max_running, metrics_port=a.metrics_port,
-                        discovery=a.discovery, advertise=a.advertise)
+    try:
+        return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
+                            replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
+                            dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
+                            block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
+                            max_running=a.max_running, metrics_port=a.metrics_port,
+                            discovery=a.discovery, advertise=a.advertise, cache=a.cache,
+                            cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 async def serve(config: EngineConfig) -> None:
@@ -60,7 +73,14 @@ async def serve(config: EngineConfig) -> None:
                          matmul=config.resolved_matmul())
     service = Service("meshpb.v1.Engine", config.host, config.port)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
-    servicer = EngineServicer(Engine(runner, config.max_waiting, limits), config)
+    remote: RemoteCache | None = None
+    outbox: Outbox | None = None
+    if config.cache:
+        kv_layout = kv_transfer.layout(runner.kv)
+        remote = RemoteCache(config.cache, config.model, kv_version(config.model_version, kv_layout, runner.matmul),
+                             kv_layout, config.cache_tenant, config.cache_timeout_s)
+        outbox = Outbox(config.cache_outbox_mb << 20)
+    servicer = EngineServicer(Engine(runner, config.max_waiting, limits, outbox), config, remote)
     add_to(service, servicer)
     await service.start()
     servicer.start()
@@ -69,9 +89,10 @@ async def serve(config: EngineConfig) -> None:
 
         start_http_server(config.metrics_port, addr=config.host)
     await service.ready()
-    log.info("engine %s serving %s (%s, %s matmuls, on %s; %d KV blocks of %d tokens) at %s", config.replica_id,
+    log.info("engine %s serving %s (%s, %s matmuls, on %s; %d KV blocks of %d tokens) at %s%s", config.replica_id,
              config.model, runner.dtype, runner.matmul, runner.device, runner.num_blocks, runner.block_size,
-             service.address)
+             service.address, f"; shared KV cache {remote.address} as {config.model}@{remote.version}"
+             if remote is not None else "")
     withdraw = await announce(config.discovery, Endpoint(
         "engine", config.replica_id, advertise_address(config.host, config.port, config.advertise),
         model=config.model, model_version=config.model_version,

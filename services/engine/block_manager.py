@@ -3,7 +3,8 @@
 A full block whose KV has been computed is registered under the chained hash of its
 tokens; a later request whose prompt starts with the same tokens takes those blocks
 instead of computing them.  Unreferenced registered blocks stay cached until the space
-is needed, and are evicted least recently used first.
+is needed, and are evicted least recently used first.  A block whose KV is copied in from
+the shared cache (another engine computed it) is registered the same way: `register_imported`.
 
 Invariant: every block is in exactly one of: the free list, the evictable LRU (ref 0,
 hashed), or in use (ref > 0).  num_free_blocks counts the first two.
@@ -41,8 +42,9 @@ class BlockManager:
         self.free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()   # LRU order: oldest first
         self.cached: dict[bytes, int] = {}                       # hash -> block
-        self.hits = 0        # prompt tokens served from the prefix cache
+        self.hits = 0        # prompt tokens served from the prefix cache (local hits and imports)
         self.queries = 0     # prompt tokens looked up
+        self.imported = 0    # of the hits, tokens whose KV was imported from the shared cache
 
     # -- accounting ------------------------------------------------------------------
     @property
@@ -57,7 +59,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix lookup and allocation ------------------------------------------------
-    def _prefix_hashes(self, tokens: Sequence[int]) -> list[bytes]:
+    def prefix_hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the blocks of `tokens` that may be served from a cache, local or shared."""
         # The last token is never served from cache: its logits are needed to sample.
         usable = (len(tokens) - 1) // self.block_size * self.block_size
         return block_hashes(tokens[:usable], self.block_size, self.namespace)
@@ -65,7 +68,7 @@ class BlockManager:
     def match_prefix(self, tokens: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached prefix of `tokens` (without taking them)."""
         found: list[int] = []
-        for h in self._prefix_hashes(tokens):
+        for h in self.prefix_hashes(tokens):
             block = self.cached.get(h)
             if block is None:
                 break
@@ -118,6 +121,23 @@ class BlockManager:
             if parent not in self.cached:
                 self.cached[parent] = block
                 self.block_hash[block] = parent
+
+    def register_imported(self, table: BlockTable, hashes: Sequence[bytes]) -> list[int]:
+        """Register the table's next blocks, right after its registered prefix, under `hashes` (their
+        chained hashes, continuing table.hashes), as commit does once computed: their KV is being
+        imported.  Returns their ids; the caller fills them before any model step reads them."""
+        start = len(table.hashes)
+        if start + len(hashes) > len(table.blocks):
+            raise ValueError(f"{len(hashes)} imported blocks after {start} do not fit a table of {len(table)}")
+        for i, h in enumerate(hashes, start):
+            table.hashes.append(h)
+            block = table.blocks[i]
+            if h not in self.cached:
+                self.cached[h] = block
+                self.block_hash[block] = h
+        self.hits += len(hashes) * self.block_size
+        self.imported += len(hashes) * self.block_size
+        return table.blocks[start:start + len(hashes)]
 
     def free_table(self, table: BlockTable) -> None:
         """Release a request's blocks.  Tail blocks first, so the LRU evicts them first."""

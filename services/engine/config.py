@@ -28,6 +28,12 @@ class EngineConfig:
     metrics_port: int = 0              # Prometheus /metrics; 0: off
     discovery: str = "static"          # static | consul: where this engine announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    # The shared KV-cache service: prompt blocks other engines computed are loaded, not recomputed.
+    cache: str = ""                    # HOST:PORT of services.cache; "": no shared cache
+    cache_tenant: str = "standard"     # SLA class the blocks this engine publishes are evicted by
+    cache_timeout_s: float = 2.0       # fetching one request's blocks, at most; then it recomputes
+    cache_outbox_mb: int = 256         # computed blocks waiting to be published; the oldest go beyond
+    cache_staging_mb: int = 1024       # fetched blocks waiting for their requests' admission; beyond: recompute
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,6 +50,12 @@ class EngineConfig:
             raise ValueError("threads must be >= 0")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
+        if self.cache and not self.cache.rpartition(":")[2].isdigit():
+            raise ValueError(f"--cache {self.cache!r} is not HOST:PORT")
+        if not 0 < len(self.cache_tenant) <= 64:
+            raise ValueError("--cache-tenant must be 1 to 64 characters")
+        if self.cache_timeout_s <= 0 or self.cache_outbox_mb < 1 or self.cache_staging_mb < 1:
+            raise ValueError("cache_timeout_s, cache_outbox_mb and cache_staging_mb must be positive")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -3,6 +3,10 @@
 add() and abort() are called from the event loop while step() runs in a worker thread:
 they only append to thread-safe inboxes, which step() drains, so the scheduler and the
 block manager are touched by one thread only.
+
+With a shared KV cache, step() also copies in the KV the scheduler imported (fetched by the
+server before add) and, after the model ran, copies out the prompt blocks it just computed
+into `outbox`, which the server's publisher drains.
 """
 
 from __future__ import annotations
@@ -10,13 +14,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mesh.errors import InvalidArgument, ResourceExhausted
-from services.engine import sampler
+from services.engine import kv_transfer, sampler
 from services.engine.block_manager import BlockManager
+from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
 from services.engine.request import (
     FinishReason,
@@ -46,9 +52,11 @@ class Timing:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None):
+    def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None,
+                 outbox: Outbox | None = None):
         self.runner = runner
         self.max_waiting = max_waiting
+        self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
         self.scheduler = Scheduler(self.blocks, scheduler)
         self._inbox: deque[Request] = deque()
@@ -104,6 +112,16 @@ class Engine:
             if len(self._timings) > MAX_TIMINGS:
                 del self._timings[next(iter(self._timings))]
 
+    def uncached_prefix(self, tokens: Sequence[int]) -> tuple[int, list[bytes]]:
+        """(i, hashes): the chained hashes of the usable prompt blocks from block i, the first not cached
+        here.  Read-only, for the server's thread: a stale answer costs only a block fetched in vain."""
+        hashes = self.blocks.prefix_hashes(tokens)
+        cached = self.blocks.cached
+        i = 0
+        while i < len(hashes) and hashes[i] in cached:
+            i += 1
+        return i, hashes[i:]
+
     def pop_timing(self, request_id: str) -> Timing | None:
         """The request's phase timings (once: the entry is dropped)."""
         with self._lock:
@@ -135,6 +153,7 @@ class Engine:
         if not batch.chunks:
             return outputs
         started = time.perf_counter()
+        kv_transfer.import_blocks(self.runner.kv, batch.imports)
         scheduled_ns = time.time_ns()
         for chunk in batch.chunks:
             timing = self._timings.get(chunk.request.request_id)
@@ -144,6 +163,8 @@ class Engine:
         greedy = all(p.greedy and not p.logprobs for p in sampled)
         logits = self.runner.run(batch.chunks, greedy=greedy)
         self.scheduler.commit(batch)
+        if self.outbox is not None:
+            self._publish(batch, self.outbox)
         outputs.extend(self._postprocess(batch, logits))
         self.last_step_s = time.perf_counter() - started
         self.last_step_tokens = batch.num_tokens
@@ -177,6 +198,25 @@ class Engine:
             if aborted is not None:
                 outputs.append(self._finish(aborted, FinishReason.ABORT, None, ()))
         return outputs
+
+    def _publish(self, batch: Batch, outbox: Outbox) -> None:
+        """Copy out the prompt blocks this step filled (after commit registered them) for the shared cache.
+
+        Local hits and imports are never in a chunk, so they are not sent back; a block that merely
+        duplicates one another request registered first is skipped too."""
+        bs = self.blocks.block_size
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        for chunk in batch.chunks:
+            req = chunk.request
+            end = min(chunk.start + chunk.num_tokens, len(req.prompt_ids) + len(req.resume_ids))
+            for i in range(chunk.start // bs, end // bs):
+                block, h = req.table.blocks[i], req.table.hashes[i]
+                if self.blocks.block_hash[block] == h:
+                    ids.append(block)
+                    hashes.append(h)
+        if ids:
+            outbox.put(hashes, kv_transfer.export_blocks(self.runner.kv, ids))
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy."""

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from mesh.errors import InvalidArgument
 from services.engine.block_manager import BlockTable
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.Enum):
@@ -57,6 +61,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+class StagedBlock(NamedTuple):
+    """KV of one prompt block, fetched from the shared cache before the request was added.
+
+    The scheduler imports it at admission if it directly follows the local prefix hit and its
+    hash is the prompt's own; it only moves the tensor, which the engine copies into the KV cache."""
+
+    position: int               # the block's index in the prompt (0: the first block)
+    hash: bytes                 # its chained hash (mesh.prefix)
+    kv: torch.Tensor            # (layers, 2, block_size, kv_heads, head_dim), the runner's KV dtype
+
+
 @dataclass
 class Request:
     request_id: str
@@ -71,9 +86,10 @@ class Request:
     priority: int = 0                     # 0 interactive, 1 batch
     arrival: int = 0                      # set by the scheduler
     num_computed: int = 0                 # tokens whose KV is in the cache
-    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache, local or shared
     num_preemptions: int = 0
     table: BlockTable = field(default_factory=BlockTable)
+    staged: list[StagedBlock] = field(default_factory=list)   # in position order; emptied at admission
 
     def __post_init__(self) -> None:
         # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.

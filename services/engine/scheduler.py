@@ -7,16 +7,23 @@ budget, sequence slots and KV blocks last.  When a running request needs a block
 none is free, the lowest-priority, most recently admitted request is preempted: its
 blocks are freed and it waits again, to be recomputed from its prompt plus the tokens
 it already produced (so nothing is lost and its output continues unchanged).
+
+A request may arrive with staged blocks: prompt KV the server fetched from the shared cache.
+At admission the staged blocks that continue the local prefix hit count as computed; the batch
+lists them as (block id, KV) imports, which the engine copies in before the model runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from services.engine.block_manager import BlockManager, BlockTable
-from services.engine.request import Request, RequestStatus
+from services.engine.request import Request, RequestStatus, StagedBlock
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,8 @@ class Chunk(NamedTuple):
 class Batch(NamedTuple):
     chunks: list[Chunk]
     preempted: list[Request]
+    # (block id, (layers, 2, block_size, kv_heads, head_dim) KV): copy in before running the chunks
+    imports: list[tuple[int, torch.Tensor]]
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +81,7 @@ class Scheduler:
         budget = self.config.max_batched_tokens
         chunks: list[Chunk] = []
         preempted: list[Request] = []
+        imports: list[tuple[int, torch.Tensor]] = []
         self.running.sort(key=lambda r: (r.priority, r.arrival))
         i = 0
         while i < len(self.running) and budget > 0:
@@ -91,10 +101,10 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            self._admit(chunks, budget)
-        return Batch(chunks, preempted)
+            self._admit(chunks, budget, imports)
+        return Batch(chunks, preempted, imports)
 
-    def _admit(self, chunks: list[Chunk], budget: int) -> None:
+    def _admit(self, chunks: list[Chunk], budget: int, imports: list[tuple[int, torch.Tensor]]) -> None:
         for queue in self.waiting:
             while queue and budget > 0 and len(self.running) < self.config.max_running:
                 req = queue[0]
@@ -103,6 +113,7 @@ class Scheduler:
                     return  # head-of-line: keep arrival order rather than starve big requests
                 queue.popleft()
                 req.table, cached = self.blocks.allocate(tokens)
+                cached += self._import_staged(req, cached, imports)
                 req.num_computed = cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_ids)))
                 req.status = RequestStatus.RUNNING
@@ -110,6 +121,30 @@ class Scheduler:
                 n = min(len(tokens) - cached, budget)
                 chunks.append(Chunk(req, cached, n, cached + n == len(tokens)))
                 budget -= n
+
+    def _import_staged(self, req: Request, cached: int, imports: list[tuple[int, torch.Tensor]]) -> int:
+        """Count the staged blocks that continue the local hit as computed; returns their tokens.
+
+        Only an unbroken run from the first block not cached here is usable, and only blocks whose
+        hash is the one this request's tokens give (the prompt could differ from what was fetched
+        for, e.g. resumed tokens).  Staged KV is dropped either way: a preempted request recomputes
+        from (or hits) the local cache."""
+        staged, req.staged = req.staged, []
+        if not staged:
+            return 0
+        first = cached // self.blocks.block_size
+        hashes = self.blocks.prefix_hashes(req.all_ids)
+        take: list[StagedBlock] = []
+        for block in staged:
+            i = first + len(take)
+            if block.position < i:
+                continue                # cached here since it was fetched
+            if block.position != i or i >= len(hashes) or block.hash != hashes[i]:
+                break
+            take.append(block)
+        ids = self.blocks.register_imported(req.table, [b.hash for b in take])
+        imports.extend(zip(ids, (b.kv for b in take), strict=True))
+        return len(take) * self.blocks.block_size
 
     def commit(self, batch: Batch) -> None:
         """After the model ran: the chunks' KV is in the cache; register full blocks."""

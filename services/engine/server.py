@@ -1,4 +1,8 @@
-"""Engine gRPC servicer: pb <-> engine types, the Generate stream, Abort, load and info."""
+"""Engine gRPC servicer: pb <-> engine types, the Generate stream, Abort, load and info.
+
+With a shared KV cache (`remote`), Generate fetches the prompt blocks this engine lacks before
+adding the request, and a publisher task sends the blocks the engine computed; neither is ever
+on the step thread, and neither can fail a request (services/engine/remote_cache.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ from opentelemetry import trace
 
 from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import Service, rpc_errors
-from mesh.telemetry import server_span, span_between
+from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine import metrics
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine, Timing
-from services.engine.request import FinishReason, SamplingParams, StepOutput
+from services.engine.remote_cache import RemoteCache
+from services.engine.request import FinishReason, Request, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +64,13 @@ def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: Engine, config: EngineConfig):
+    def __init__(self, engine: Engine, config: EngineConfig, remote: RemoteCache | None = None):
         self.engine = engine
         self.config = config
+        self.remote = remote
+        self._staging: dict[str, Request] = {}     # requests that came with fetched KV (until it is imported)
+        self._publish_wakeup = asyncio.Event()
+        self._publisher: asyncio.Task[None] | None = None
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -74,11 +83,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_loop())
+        if self.remote is not None and self.engine.outbox is not None:
+            self._publisher = asyncio.create_task(self.remote.run_publisher(self.engine.outbox, self._publish_wakeup))
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._publisher):
+            if task is not None:
+                task.cancel()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
+        if self.remote is not None:
+            await self.remote.close()
 
     async def _run_loop(self) -> None:
         while True:
@@ -97,6 +111,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     continue
                 now = time.monotonic()
                 self._observe_step()
+                if self.engine.outbox:
+                    self._publish_wakeup.set()
                 for out in outputs:
                     self._tokens.append((now, len(out.new_ids)))
                     queue = self.queues.get(out.request_id)
@@ -126,6 +142,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             first_token_at = 0.0
             outcome = "cancelled"           # until the engine says otherwise: the caller went away
             try:
+                if self.remote is not None:
+                    await self._fetch_prefix(req, span)
                 try:
                     self.engine.add(req)
                 except ResourceExhausted:
@@ -158,6 +176,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             finally:
                 # Reached on completion and on cancellation (the caller went away).
                 self.queues.pop(request_id, None)
+                self._staging.pop(request_id, None)
                 if req.finish_reason is None:
                     self.engine.abort(request_id)
                     self._wakeup.set()
@@ -166,6 +185,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if timing is not None:
                     self._trace_phases(span, timing, len(req.prompt_ids), req.num_cached_tokens,
                                        len(req.output_ids))
+
+    async def _fetch_prefix(self, req: Request, span: trace.Span) -> None:
+        """Stage the prompt blocks this engine lacks and the shared cache holds (the scheduler imports them)."""
+        assert self.remote is not None
+        if self.engine.num_waiting >= self.engine.max_waiting:
+            return                                  # engine.add will refuse it: fetch nothing in vain
+        start, hashes = self.engine.uncached_prefix(req.all_ids)
+        # Fetched KV waits in memory until its request is admitted: bounded, beyond it requests recompute.
+        room = (self.config.cache_staging_mb << 20) - self._staged_bytes()
+        hashes = hashes[:max(0, room) // self.remote.layout.block_bytes]
+        if not hashes:
+            return
+        fetch_ns = time.time_ns()
+        req.staged = await self.remote.fetch(start, hashes, outgoing_metadata(context=span_context(span)))
+        if req.staged:
+            self._staging[req.request_id] = req
+        span_between("engine.kv_fetch", fetch_ns, time.time_ns(), span, local_blocks=start,
+                     missing_blocks=len(hashes), fetched_blocks=len(req.staged))
+
+    def _staged_bytes(self) -> int:
+        # req.staged is swapped for [] by the step thread at admission: reading it here is safe.
+        for request_id in [r for r, req in self._staging.items() if not req.staged]:
+            del self._staging[request_id]
+        return sum(b.kv.nbytes for req in self._staging.values() for b in req.staged)
 
     def _trace_phases(self, span: trace.Span, timing: Timing, prompt_tokens: int, cached_tokens: int,
                       generated: int) -> None:

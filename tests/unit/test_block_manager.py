@@ -171,6 +171,46 @@ def test_second_request_with_same_content_does_not_replace_registration() -> Non
     assert bm.match_prefix([1, 2, 3]) == [0]
 
 
+# -- blocks imported from the shared cache ---------------------------------------------
+def test_imported_blocks_are_registered_after_the_local_prefix_like_committed_ones() -> None:
+    bm = BlockManager(8, 2)
+    bm.free_table(committed(bm, [1, 2, 3]))    # block 0 [1,2] cached here, block 1 free again
+    hashes = block_hashes(A, 2)
+    table, cached = bm.allocate(A)
+    assert (table.blocks, cached) == ([0, 2, 3], 2)
+    assert bm.register_imported(table, hashes[1:2]) == [2]
+    assert table.hashes == hashes
+    assert (bm.cached, bm.block_hash[2]) == ({hashes[0]: 0, hashes[1]: 2}, hashes[1])
+    assert (bm.hits, bm.imported, bm.queries) == (4, 2, 8)   # hits count local and imported tokens
+    assert bm.ref[:4] == [1, 0, 1, 1]
+    bm.commit(table, A, 5)                     # the tail [5] is not full: nothing more to register
+    assert table.hashes == hashes
+    bm.free_table(table)
+    assert list(bm.evictable) == [2, 0]
+    assert bm.match_prefix(A + [6]) == [0, 2]
+
+
+def test_an_imported_hash_already_cached_elsewhere_is_not_registered_twice() -> None:
+    bm = BlockManager(8, 2)
+    hashes = block_hashes(A, 2)
+    first, _ = bm.allocate(A)
+    second, _ = bm.allocate(A)
+    assert bm.register_imported(first, hashes) == [0, 1]
+    assert bm.register_imported(second, hashes) == [3, 4]
+    assert bm.cached == {hashes[0]: 0, hashes[1]: 1}
+    assert (bm.block_hash[3], second.hashes) == (None, hashes)
+    bm.free_table(second)
+    assert list(bm.evictable) == [] and list(bm.free)[-3:] == [5, 4, 3]
+
+
+def test_importing_more_blocks_than_the_table_holds_is_refused() -> None:
+    bm = BlockManager(8, 2)
+    table, _ = bm.allocate([1, 2, 3])
+    with pytest.raises(ValueError, match="do not fit"):
+        bm.register_imported(table, block_hashes([1, 2, 3, 4, 5, 6], 2))
+    assert (table.hashes, bm.cached) == ([], {})
+
+
 # -- freeing and eviction ------------------------------------------------------------
 def test_free_puts_hashed_blocks_in_lru_and_unhashed_in_free_list() -> None:
     bm = BlockManager(8, 2)

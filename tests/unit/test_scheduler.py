@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from mesh.prefix import block_hashes
 from services.engine.block_manager import BlockManager
-from services.engine.request import Request, RequestStatus, SamplingParams
+from services.engine.request import Request, RequestStatus, SamplingParams, StagedBlock
 from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
 
 
@@ -42,6 +43,8 @@ class FakeModel:
     def step(self) -> Batch:
         """One engine step: schedule, run, commit, sample, finish the requests that are done."""
         batch = self.s.schedule()
+        for block, kv in batch.imports:             # staged "KV" here is the block's tokens
+            self.kv[block] = list(kv)  # type: ignore[call-overload]
         for c in batch.chunks:
             for pos in range(c.start, c.start + c.num_tokens):
                 block, off = self._slot(c.request, pos)
@@ -458,6 +461,103 @@ def test_concurrent_requests_share_prefix_blocks_once_committed() -> None:
     assert spans(step(s)) == [("a", 5, 1, True), ("b", 4, 1, True)]
     assert (a.table.blocks, b.table.blocks) == ([0, 1, 2], [0, 1, 3])
     assert s.blocks.ref[:4] == [2, 2, 1, 1]
+
+
+# -- blocks imported from the shared cache ---------------------------------------------
+def staged(prompt: list[int], positions: range, block_size: int = 2) -> list[StagedBlock]:
+    """Blocks another engine computed for `prompt`, as the server stages them; their "KV" is their tokens."""
+    hashes = block_hashes(prompt, block_size)
+    return [StagedBlock(i, hashes[i], prompt[i * block_size:(i + 1) * block_size]) for i in positions]  # type: ignore[arg-type]
+
+
+def test_staged_blocks_are_imported_at_admission_and_skip_their_prefill() -> None:
+    s = sched(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]             # usable: [1,2] [3,4] [5,6]; token 7 is always computed
+    b = req("b", prompt, max_tokens=1)
+    b.staged = staged(prompt, range(3))
+    s.add(b)
+    batch = s.schedule()
+    assert spans(batch) == [("b", 6, 1, True)]
+    assert [(block, kv) for block, kv in batch.imports] == [(0, [1, 2]), (1, [3, 4]), (2, [5, 6])]
+    assert b.table.blocks == [0, 1, 2, 3]
+    assert b.table.hashes == block_hashes(prompt[:6], 2)
+    assert (b.num_computed, b.num_cached_tokens, b.staged) == (6, 6, [])
+    assert s.blocks.ref[:4] == [1, 1, 1, 1]
+    assert s.blocks.cached == {h: i for i, h in enumerate(block_hashes(prompt[:6], 2))}
+    assert (s.blocks.hits, s.blocks.imported, s.blocks.queries) == (6, 6, 7)
+
+
+def test_imported_prefix_gives_the_output_of_a_full_prefill_and_is_then_a_local_hit() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    s = sched(num_blocks=8, block_size=2)
+    b = req("b", prompt, max_tokens=3)
+    b.staged = staged(prompt, range(3))
+    got, batches = run_to_completion(s, [b])
+    assert got == reference([req("b", prompt, max_tokens=3)])
+    assert batches[0].num_tokens == 1
+    assert list(s.blocks.evictable) == [3, 2, 1, 0]  # finished: imported blocks stay cached, tail first
+    c = req("c", prompt + [8, 9], max_tokens=1)
+    s.add(c)
+    batch = s.schedule()
+    assert spans(batch) == [("c", 6, 3, True)] and batch.imports == []
+    assert (s.blocks.hits, s.blocks.imported) == (12, 6)
+
+
+def test_only_staged_blocks_after_the_local_hit_are_imported() -> None:
+    s = sched(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    run_to_completion(s, [req("a", [1, 2, 3], max_tokens=1)])   # caches block [1,2] locally as block 0
+    b = req("b", prompt, max_tokens=1)
+    b.staged = staged(prompt, range(3))
+    s.add(b)
+    batch = s.schedule()
+    assert spans(batch) == [("b", 6, 1, True)]
+    assert b.table.blocks[:3] == [0, 2, 3]
+    assert [(block, kv) for block, kv in batch.imports] == [(2, [3, 4]), (3, [5, 6])]
+    assert (b.num_cached_tokens, s.blocks.imported) == (6, 4)
+
+
+def test_staged_blocks_after_a_gap_are_not_imported() -> None:
+    s = sched(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    b = req("b", prompt, max_tokens=1)
+    b.staged = staged(prompt, range(1, 3))       # block 0 neither cached here nor staged (evicted since)
+    s.add(b)
+    batch = s.schedule()
+    assert spans(batch) == [("b", 0, 7, True)] and batch.imports == []
+    assert (b.num_cached_tokens, b.staged, s.blocks.imported, s.blocks.cached) == (0, [], 0, {})
+
+
+def test_import_stops_at_a_block_of_another_prompt_or_past_the_usable_blocks() -> None:
+    s = sched(num_blocks=16, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    b = req("b", prompt, max_tokens=1)
+    b.staged = staged(prompt, range(1)) + staged([1, 2, 9, 9, 5, 6], range(1, 3))
+    s.add(b)
+    batch = s.schedule()
+    assert spans(batch) == [("b", 2, 5, True)] and [block for block, _ in batch.imports] == [0]
+    c = req("c", [1, 2, 3, 4, 5], max_tokens=1)     # usable: [1,2] [3,4]; [5,6] is not this prompt's
+    c.staged = staged([1, 2, 3, 4, 5, 6, 7], range(3))
+    s.add(c)
+    batch = s.schedule()
+    assert spans(batch)[-1] == ("c", 4, 1, True)
+    assert [block for block, _ in batch.imports] == [c.table.blocks[1]]   # block 0 is a local hit now
+
+
+def test_a_preempted_imported_request_recomputes_from_the_local_cache() -> None:
+    s = sched(num_blocks=5, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    a = req("a", prompt, max_tokens=4)
+    a.staged = staged(prompt, range(2))
+    s.add(a)
+    batch = s.schedule()
+    assert spans(batch) == [("a", 4, 1, True)] and len(batch.imports) == 2
+    s.commit(batch)
+    s._preempt(a)
+    assert (a.num_computed, a.staged) == (0, [])
+    batch = s.schedule()
+    assert spans(batch) == [("a", 4, 1, True)] and batch.imports == []   # both blocks are local hits now
+    assert (s.blocks.hits, s.blocks.imported) == (8, 4)
 
 
 # -- finish --------------------------------------------------------------------------

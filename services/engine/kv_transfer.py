@@ -1,0 +1,141 @@
+"""KV blocks between the runner's paged cache and the shared cache's wire format.
+
+The runner's cache is `kv`: one (k_cache, v_cache) pair per layer, each (num_blocks, block_size,
+kv_heads, head_dim).  The shared cache holds one block as the row-major bytes of a
+(layers, 2, block_size, kv_heads, head_dim) tensor (services/cache/blocks.py).  The copies run
+in the step thread (export after the step, import before the model runs); the bytes are made
+and parsed by the server's asyncio tasks (remote_cache.py).  The Outbox hands exported blocks
+from the one to the other.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+KVCache = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVLayout(NamedTuple):
+    """What one block of a runner's KV is: blocks of another layout must never be loaded."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]          # (layers, 2, block_size, kv_heads, head_dim)
+
+    @property
+    def dtype_name(self) -> str:    # as the cache service names it: "float32", "bfloat16"
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def block_size(self) -> int:
+        return self.shape[2]
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def layout(kv: KVCache) -> KVLayout:
+    k = kv[0][0]
+    return KVLayout(k.dtype, (len(kv), 2, *k.shape[1:]))
+
+
+@torch.inference_mode()
+def export_blocks(kv: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
+    """A CPU copy of the blocks: (n, layers, 2, block_size, kv_heads, head_dim), contiguous."""
+    k0 = kv[0][0]
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=k0.device)
+    out = torch.empty((len(block_ids), len(kv), 2, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+    for layer, (k, v) in enumerate(kv):
+        out[:, layer, 0] = k.index_select(0, ids)
+        out[:, layer, 1] = v.index_select(0, ids)
+    return out.cpu()
+
+
+@torch.inference_mode()
+def import_blocks(kv: KVCache, imports: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Write each (block id, (layers, 2, block_size, kv_heads, head_dim) tensor) into the cache."""
+    if not imports:
+        return
+    k0 = kv[0][0]
+    ids = torch.tensor([block for block, _ in imports], dtype=torch.int64, device=k0.device)
+    data = _stacked([t for _, t in imports]).to(k0.device)    # (n, layers, 2, block_size, kv_heads, head_dim)
+    for layer, (k, v) in enumerate(kv):
+        k.index_copy_(0, ids, data[:, layer, 0])
+        v.index_copy_(0, ids, data[:, layer, 1])
+
+
+def _stacked(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(n, *shape) of n same-shaped blocks; without a copy when they are consecutive rows of one
+    tensor, as from_bytes makes them (a 1,500-token prompt is ~70 MB of fp32 KV: a copy shows in TTFT)."""
+    first = blocks[0]
+    step = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    if first.is_contiguous() and all(
+            b.is_contiguous() and b.shape == first.shape and b.dtype == first.dtype
+            and b.untyped_storage().data_ptr() == storage and b.storage_offset() == first.storage_offset() + i * step
+            for i, b in enumerate(blocks)):
+        return first.as_strided((len(blocks), *first.shape), (step, *first.stride()))
+    return torch.stack(list(blocks))
+
+
+def to_bytes(block: torch.Tensor) -> bytes:
+    """The row-major bytes of one block (any dtype, bfloat16 included)."""
+    return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def from_bytes(blocks: Sequence[bytes], kv_layout: KVLayout) -> torch.Tensor:
+    """Blocks of `kv_layout` (each exactly block_bytes long) as one (n, *shape) tensor, one copy."""
+    if not blocks:
+        return torch.empty((0, *kv_layout.shape), dtype=kv_layout.dtype)
+    buffer = bytearray().join(blocks)       # writable: torch.frombuffer shares it without a warning
+    return torch.frombuffer(buffer, dtype=kv_layout.dtype).reshape(len(blocks), *kv_layout.shape)
+
+
+class Published(NamedTuple):
+    hashes: list[bytes]
+    kv: torch.Tensor                # (n, layers, 2, block_size, kv_heads, head_dim), CPU
+
+
+class Outbox:
+    """Exported prompt blocks on their way to the shared cache: the step thread puts, the server's
+    publisher takes.  Bounded in bytes: when the cache is slow or down, the oldest batches are
+    dropped (the shared cache speeds engines up; it must never hold their memory hostage)."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError("the outbox needs a positive byte budget")
+        self.max_bytes = max_bytes
+        self._items: deque[Published] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.put_blocks = 0         # blocks handed in since start
+        self.dropped_blocks = 0     # of which were dropped for room, never sent
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, hashes: list[bytes], kv: torch.Tensor) -> None:
+        with self._lock:
+            self._items.append(Published(hashes, kv))
+            self._bytes += kv.nbytes
+            self.put_blocks += len(hashes)
+            while self._bytes > self.max_bytes:
+                old = self._items.popleft()
+                self._bytes -= old.kv.nbytes
+                self.dropped_blocks += len(old.hashes)
+
+    def take(self) -> Published | None:
+        with self._lock:
+            if not self._items:
+                return None
+            item = self._items.popleft()
+            self._bytes -= item.kv.nbytes
+            return item
