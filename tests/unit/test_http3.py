@@ -81,14 +81,16 @@ def _free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-def run_with_server(cert: tuple[str, str], check: Callable[[int, App], Awaitable[None]]) -> None:
+def run_with_server(cert: tuple[str, str], check: Callable[[int, Any], Awaitable[None]], app: Any = None,
+                    **server_options: Any) -> None:
+    """Serve `app` (default: App()) over HTTP/3 on a free loopback port while `check(port, app)` runs."""
     async def main() -> None:
-        app = App()
+        served = App() if app is None else app
         port = _free_udp_port()
-        server = await serve_http3(app, "127.0.0.1", port, *cert)
+        server = await serve_http3(served, "127.0.0.1", port, *cert, **server_options)
         try:
             async with asyncio.timeout(20):
-                await check(port, app)
+                await check(port, served)
         finally:
             server.close()
 

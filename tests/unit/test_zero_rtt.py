@@ -19,9 +19,9 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
-from mesh.edge.http3 import SessionTicketStore, ensure_self_signed_cert, replay_tolerable, serve_http3
+from mesh.edge.http3 import SessionTicketStore, ensure_self_signed_cert, replay_tolerable
 from mesh.h3client import H3Client, TicketStore
-from tests.unit.test_http3 import _free_udp_port
+from tests.unit.test_http3 import run_with_server
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -53,16 +53,7 @@ class Recorder:
 
 
 def run(cert: tuple[str, str], check: Callable[[int, Recorder], Awaitable[None]]) -> None:
-    async def main() -> None:
-        app, port = Recorder(), _free_udp_port()
-        server = await serve_http3(app, "127.0.0.1", port, *cert, ticket_store=SessionTicketStore())
-        try:
-            async with asyncio.timeout(20):
-                await check(port, app)
-        finally:
-            server.close()
-
-    asyncio.run(main())
+    run_with_server(cert, check, Recorder(), ticket_store=SessionTicketStore())
 
 
 async def _first_ticket(port: int, tickets: TicketStore | None = None) -> SessionTicket:
