@@ -12,7 +12,7 @@ from mesh.envargs import apply_env
 from mesh.grpcutil import Service, run_until_signalled, setup_logging
 from mesh.telemetry import setup_tracing, shutdown_tracing
 from services.engine import kv_transfer
-from services.engine.config import DEVICES, DTYPES, EngineConfig
+from services.engine.config import CUDA_GRAPHS, DEVICES, DTYPES, EngineConfig
 from services.engine.engine import Engine
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
@@ -40,6 +40,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default="auto",
+                   help="auto: on a GPU, capture pure-decode steps as CUDA graphs for batch sizes up to "
+                        "--max-running; off: launch every kernel from Python")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
     p.add_argument("--cache", default="", metavar="HOST:PORT",
@@ -56,7 +59,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
                             dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
                             block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
-                            max_running=a.max_running, metrics_port=a.metrics_port,
+                            max_running=a.max_running, cuda_graphs=a.cuda_graphs, metrics_port=a.metrics_port,
                             discovery=a.discovery, advertise=a.advertise, cache=a.cache,
                             cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout)
     except ValueError as exc:
@@ -70,7 +73,8 @@ async def serve(config: EngineConfig) -> None:
         torch.set_num_threads(config.threads)
     runner = ModelRunner(config.model_path, config.resolved_dtype(), config.resolved_device(),
                          kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
-                         matmul=config.resolved_matmul())
+                         matmul=config.resolved_matmul(), graphs=config.cuda_graphs,
+                         max_batch=config.max_running)
     service = Service("meshpb.v1.Engine", config.host, config.port)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
     remote: RemoteCache | None = None
@@ -78,7 +82,8 @@ async def serve(config: EngineConfig) -> None:
     if config.cache:
         kv_layout = kv_transfer.layout(runner.kv)
         remote = RemoteCache(config.cache, config.model, kv_version(config.model_version, kv_layout, runner.matmul),
-                             kv_layout, config.cache_tenant, config.cache_timeout_s)
+                             kv_layout, config.cache_tenant, config.cache_timeout_s,
+                             pin=runner.device.type == "cuda")
         outbox = Outbox(config.cache_outbox_mb << 20)
     servicer = EngineServicer(Engine(runner, config.max_waiting, limits, outbox), config, remote)
     add_to(service, servicer)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
+CUDA_GRAPHS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EngineConfig:
     block_size: int = 16               # tokens per KV block
     max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
     max_running: int = 64              # sequences per step
+    cuda_graphs: str = "auto"          # auto: pure-decode steps replay CUDA graphs on a GPU; off: never
     metrics_port: int = 0              # Prometheus /metrics; 0: off
     discovery: str = "static"          # static | consul: where this engine announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
@@ -46,6 +48,8 @@ class EngineConfig:
             raise ValueError("kv_cache_mb and block_size must be at least 1")
         if self.max_batched_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batched_tokens and max_running must be at least 1")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs {self.cuda_graphs!r} is not one of {CUDA_GRAPHS}")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.max_waiting < 1:
@@ -81,7 +85,8 @@ class EngineConfig:
           accumulation, faster than packed fp32 at every batch size on this AVX2 CPU (1.6-2x
           for decode); greedy output still equal to float32's on the tested prompts.
         - `packed`: oneDNN fp32 with weights reordered once (auto on CPU without FBGEMM).
-        - `int8`: --dtype int8, a quantized model."""
+        - `int8`: --dtype int8, a quantized model.
+        - `fused` (auto on CUDA): cuBLAS, with q/k/v and gate/up each one GEMM."""
         if self.dtype == "int8":
             if self.resolved_device() != "cpu":
                 raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
@@ -92,4 +97,6 @@ class EngineConfig:
             if "fbgemm" in torch.backends.quantized.supported_engines:
                 return "fp16w"
             return "packed" if torch.backends.mkldnn.is_available() else "exact"
+        if self.resolved_device() == "cuda" and self.dtype != "float32":
+            return "fused"
         return "exact"

@@ -216,7 +216,8 @@ class Engine:
                     ids.append(block)
                     hashes.append(h)
         if ids:
-            outbox.put(hashes, kv_transfer.export_blocks(self.runner.kv, ids))
+            exported = kv_transfer.export_blocks_async(self.runner.kv, ids)   # the publisher waits for it
+            outbox.put(hashes, exported.kv, exported.ready)
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy."""

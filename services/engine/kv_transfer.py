@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,26 +47,60 @@ def layout(kv: KVCache) -> KVLayout:
     return KVLayout(k.dtype, (len(kv), 2, *k.shape[1:]))
 
 
+class Exported(NamedTuple):
+    kv: torch.Tensor                # (n, layers, 2, block_size, kv_heads, head_dim), CPU (pinned from a GPU)
+    ready: Any                      # a torch.cuda.Event the copy completes; None: complete already
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.kv
+
+
+def _indices(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    ids = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":       # from pinned memory: the copy does not synchronise the stream
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
+
+
 @torch.inference_mode()
-def export_blocks(kv: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
-    """A CPU copy of the blocks: (n, layers, 2, block_size, kv_heads, head_dim), contiguous."""
+def export_blocks_async(kv: KVCache, block_ids: Sequence[int]) -> Exported:
+    """Copy the blocks out; on a GPU into pinned host memory without waiting for it.
+
+    The gather runs on the device, then one device-to-host copy is queued behind the step's work;
+    the caller (the publisher) waits for `ready` before it reads the bytes, in its own thread."""
     k0 = kv[0][0]
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=k0.device)
+    ids = _indices(block_ids, k0.device)
     out = torch.empty((len(block_ids), len(kv), 2, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
     for layer, (k, v) in enumerate(kv):
         out[:, layer, 0] = k.index_select(0, ids)
         out[:, layer, 1] = v.index_select(0, ids)
-    return out.cpu()
+    if k0.device.type != "cuda":
+        return Exported(out.cpu(), None)
+    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return Exported(host, ready)
+
+
+def export_blocks(kv: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
+    """A CPU copy of the blocks: (n, layers, 2, block_size, kv_heads, head_dim), contiguous."""
+    return export_blocks_async(kv, block_ids).wait()
 
 
 @torch.inference_mode()
 def import_blocks(kv: KVCache, imports: Sequence[tuple[int, torch.Tensor]]) -> None:
-    """Write each (block id, (layers, 2, block_size, kv_heads, head_dim) tensor) into the cache."""
+    """Write each (block id, (layers, 2, block_size, kv_heads, head_dim) tensor) into the cache.
+
+    Blocks that from_bytes(pin=True) made reach a GPU by a copy that does not wait for it."""
     if not imports:
         return
     k0 = kv[0][0]
-    ids = torch.tensor([block for block, _ in imports], dtype=torch.int64, device=k0.device)
-    data = _stacked([t for _, t in imports]).to(k0.device)    # (n, layers, 2, block_size, kv_heads, head_dim)
+    ids = _indices([block for block, _ in imports], k0.device)
+    data = _stacked([t for _, t in imports])                  # (n, layers, 2, block_size, kv_heads, head_dim)
+    data = data.to(k0.device, non_blocking=data.is_pinned())
     for layer, (k, v) in enumerate(kv):
         k.index_copy_(0, ids, data[:, layer, 0])
         v.index_copy_(0, ids, data[:, layer, 1])
@@ -91,10 +125,20 @@ def to_bytes(block: torch.Tensor) -> bytes:
     return block.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def from_bytes(blocks: Sequence[bytes], kv_layout: KVLayout) -> torch.Tensor:
-    """Blocks of `kv_layout` (each exactly block_bytes long) as one (n, *shape) tensor, one copy."""
+def from_bytes(blocks: Sequence[bytes], kv_layout: KVLayout, pin: bool = False) -> torch.Tensor:
+    """Blocks of `kv_layout` (each exactly block_bytes long) as one (n, *shape) tensor, one copy.
+
+    pin=True (an engine on a GPU): the tensor is in pinned host memory, so import_blocks moves it
+    to the device with an asynchronous copy."""
     if not blocks:
         return torch.empty((0, *kv_layout.shape), dtype=kv_layout.dtype)
+    if pin:
+        size = kv_layout.block_bytes
+        out = torch.empty(len(blocks) * size, dtype=torch.uint8, pin_memory=True)
+        view = out.numpy()
+        for i, block in enumerate(blocks):
+            view[i * size:(i + 1) * size] = memoryview(block)
+        return out.view(kv_layout.dtype).reshape(len(blocks), *kv_layout.shape)
     buffer = bytearray().join(blocks)       # writable: torch.frombuffer shares it without a warning
     return torch.frombuffer(buffer, dtype=kv_layout.dtype).reshape(len(blocks), *kv_layout.shape)
 
@@ -102,6 +146,7 @@ def from_bytes(blocks: Sequence[bytes], kv_layout: KVLayout) -> torch.Tensor:
 class Published(NamedTuple):
     hashes: list[bytes]
     kv: torch.Tensor                # (n, layers, 2, block_size, kv_heads, head_dim), CPU
+    ready: Any = None               # the Exported copy's event: wait for it before reading kv
 
 
 class Outbox:
@@ -122,9 +167,9 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, hashes: list[bytes], kv: torch.Tensor) -> None:
+    def put(self, hashes: list[bytes], kv: torch.Tensor, ready: Any = None) -> None:
         with self._lock:
-            self._items.append(Published(hashes, kv))
+            self._items.append(Published(hashes, kv, ready))
             self._bytes += kv.nbytes
             self.put_blocks += len(hashes)
             while self._bytes > self.max_bytes:

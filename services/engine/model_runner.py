@@ -1,7 +1,15 @@
-"""Owns the weights and the paged KV tensors; turns a scheduled batch into next-token logits."""
+"""Owns the weights and the paged KV tensors; turns a scheduled batch into next-token logits.
+
+On CUDA a step sends its integer inputs (token ids, positions, cache slots, block tables)
+to the GPU as one copy from pinned host memory that does not wait for the GPU, replays a
+captured CUDA graph for a pure-decode step (services/engine/decode_graphs.py), and waits for
+the GPU once, at the end, to read the sampled tokens back.  The KV tensors hold one block
+more than the block manager hands out: the scratch block that padded graph rows write into.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,26 +17,41 @@ import torch
 
 from kernels import paged_attention
 from mesh import model_store
+from services.engine.decode_graphs import DecodeGraphs
 from services.engine.models import ARCHITECTURES
 from services.engine.models.llama import AttentionPlan, load_weights
 from services.engine.scheduler import Chunk
 
+GRAPH_MODES = ("auto", "off", "eager", "cuda")
+
 
 class ModelRunner:
     def __init__(self, folder: str | Path, dtype: str = "float32", device: str = "cpu",
-                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, matmul: str = "exact"):
-        import json
-
+                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, matmul: str = "exact",
+                 attention: str = "auto", graphs: str = "auto", max_batch: int = 256,
+                 weights: dict[str, torch.Tensor] | None = None):
+        """graphs: how pure-decode steps run.  "cuda": replayed from CUDA graphs captured now;
+        "eager": the same padded static buffers without capture (the graphs' logic, testable on
+        CPU); "off": like any other step; "auto": "cuda" on a GPU, else "off".
+        weights: the model's tensors by their Hugging Face names, instead of the folder's files
+        (the folder still gives config.json and the end-of-sequence ids)."""
         self.folder = Path(folder)
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs {graphs!r} is not one of {GRAPH_MODES}")
+        if graphs == "auto":
+            graphs = "cuda" if self.device.type == "cuda" else "off"
+        if graphs == "cuda" and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need --device cuda")
         model_type = json.loads((self.folder / "config.json").read_text()).get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"{self.folder}: model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}")
         config_cls, model_cls = ARCHITECTURES[model_type]
         self.config = config_cls.from_folder(self.folder)
         self.matmul = matmul
-        self.model = model_cls(self.config, load_weights(self.folder), self.dtype, self.device, matmul)
+        self.model = model_cls(self.config, weights if weights is not None else load_weights(self.folder),
+                               self.dtype, self.device, matmul, attention)
         self.max_context = self.config.max_position
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = model_store.eos_token_ids(self.folder)
@@ -37,25 +60,57 @@ class ModelRunner:
         # K and V, every layer, one block: the unit the KV budget is counted in.
         self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         self.num_blocks = max(1, kv_cache_bytes // self.block_bytes)
-        shape = (self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.scratch_block = self.num_blocks        # never handed out: padded rows write here
+        shape = (self.num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
         self.kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                     torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+        self.pinned = self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        if graphs != "off":
+            self.graphs = DecodeGraphs(self.model, self.kv, block_size, self.max_context, self.scratch_block,
+                                       max_batch, self.device, capture=graphs == "cuda")
 
     def _slots(self, blocks: Sequence[int], start: int, n: int) -> list[int]:
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    @torch.inference_mode()
+    def upload(self, *parts: Sequence[int]) -> list[torch.Tensor]:
+        """Integer lists as int64 tensors on the device, with one host-to-device copy.
+
+        On CUDA the copy is from pinned memory and does not wait for the GPU (a copy from pageable
+        memory synchronises the stream first); the caching host allocator keeps the pinned buffer
+        until the copy is done."""
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
+        if self.device.type != "cpu":
+            flat = (flat.pin_memory() if self.pinned else flat).to(self.device, non_blocking=self.pinned)
+        out, at = [], 0
+        for part in parts:
+            out.append(flat[at:at + len(part)])
+            at += len(part)
+        return out
+
     def run(self, chunks: Sequence[Chunk], greedy: bool = False) -> torch.Tensor:
         """Compute every chunk.  For the chunks with sample=True, in order, return (S, V) float32
-        logits, or with greedy=True (S,) argmax token ids when the model has a faster way to them."""
+        logits, or with greedy=True (S,) argmax token ids, on the CPU: the step's one wait for the GPU."""
+        return self.launch(chunks, greedy).cpu()
+
+    @torch.inference_mode()
+    def launch(self, chunks: Sequence[Chunk], greedy: bool = False) -> torch.Tensor:
+        """run() without reading the result back: every kernel and copy is queued, none waited for
+        (tests/gpu checks that with CUDA's sync debug mode)."""
+        # A pure-decode step: every chunk one token that is sampled (a one-token prefill chunk that
+        # does not reach the prompt's end samples nothing, so it takes the eager path).
+        if self.graphs is not None and chunks and len(chunks) <= self.graphs.max_batch \
+                and all(c.num_tokens == 1 and c.start > 0 and c.sample for c in chunks):
+            return self._run_graph(chunks, greedy)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[tuple[int, int, int, torch.Tensor]] = []
+        prefill_spans: list[tuple[int, int, int]] = []
+        prefill_tables: list[list[int]] = []
         logits_rows: list[int] = []
         for chunk in chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
@@ -68,29 +123,42 @@ class ModelRunner:
                 decode_tables.append(req.table.blocks[: -(-(start + 1) // self.block_size)])
                 decode_lens.append(start + 1)
             else:
-                table = torch.tensor(req.table.blocks, dtype=torch.int64, device=self.device)
-                prefills.append((row, n, start, table))
+                prefill_spans.append((row, n, start))
+                prefill_tables.append(req.table.blocks)
             if chunk.sample:
                 logits_rows.append(row + n - 1)
         width = max((len(t) for t in decode_tables), default=0)
+        flat_tables = [b for t in decode_tables for b in t + [t[0]] * (width - len(t))]
+        t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = self.upload(
+            ids, positions, slots, logits_rows, decode_rows, decode_lens, flat_tables, *prefill_tables)
         tables = lens = mask = None
         if decode_rows:
-            tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in decode_tables], dtype=torch.int64,
-                                  device=self.device)
-            lens = torch.tensor(decode_lens, dtype=torch.int64, device=self.device)
-            if not getattr(self.model, "fused", False):    # the fused decode op masks by length itself
+            tables = t_dtables.view(len(decode_rows), width)
+            lens = t_dlens
+            if self.model.needs_decode_mask:
                 mask = paged_attention.decode_mask(tables, lens, self.block_size, self.dtype)
         plan = AttentionPlan(
-            slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device) if decode_rows else None,
-            decode_tables=tables, decode_lens=lens, decode_mask=mask, prefills=tuple(prefills),
+            slots=t_slots, decode_rows=t_drows if decode_rows else None, decode_tables=tables, decode_lens=lens,
+            decode_mask=mask,
+            prefills=tuple((row, n, start, table) for (row, n, start), table in zip(prefill_spans, t_ptables,
+                                                                                    strict=True)),
         )
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            plan, self.kv, torch.tensor(logits_rows, dtype=torch.int64, device=self.device))
+        hidden = self.model.forward(t_ids, t_positions, plan, self.kv, t_rows)
         if greedy and hidden.shape[0]:
             tokens = self.model.greedy(hidden)
+            if tokens is None and self.device.type != "cpu":
+                tokens = self.model.logits(hidden).argmax(dim=-1)   # on the device: only ids come back
             if tokens is not None:
-                return tokens.cpu()
-        return self.model.logits(hidden).cpu()
+                return tokens
+        return self.model.logits(hidden)
+
+    def _run_graph(self, chunks: Sequence[Chunk], greedy: bool) -> torch.Tensor:
+        assert self.graphs is not None
+        ids, positions, slots, tables = [], [], [], []
+        for chunk in chunks:
+            req, start = chunk.request, chunk.start
+            ids.append(req.all_ids[start])
+            positions.append(start)
+            slots.extend(self._slots(req.table.blocks, start, 1))
+            tables.append(req.table.blocks[: -(-(start + 1) // self.block_size)])
+        return self.graphs.launch(self, ids, positions, slots, tables, greedy)

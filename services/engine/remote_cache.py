@@ -48,8 +48,10 @@ class RemoteStats:
 
 class RemoteCache:
     def __init__(self, address: str, model: str, version: str, kv_layout: KVLayout, tenant: str = "standard",
-                 timeout_s: float = 2.0, publish_timeout_s: float = 30.0, retry_after_s: float = 5.0):
+                 timeout_s: float = 2.0, publish_timeout_s: float = 30.0, retry_after_s: float = 5.0,
+                 pin: bool = False):
         self.address = address
+        self.pin = pin                              # fetched blocks in pinned memory (an engine on a GPU)
         self.model = model
         self.version = version
         self.layout = kv_layout
@@ -122,7 +124,7 @@ class RemoteCache:
                 data.append(msg.data)
         finally:
             call.cancel()                           # a no-op once the stream has ended
-        kv = kv_transfer.from_bytes(data, lay)     # (n, layers, 2, block_size, kv_heads, head_dim)
+        kv = kv_transfer.from_bytes(data, lay, self.pin)     # (n, layers, 2, block_size, kv_heads, head_dim)
         self.stats.fetched_blocks += len(data)
         return [StagedBlock(start + i, h, kv[i]) for i, h in enumerate(wanted[:len(data)])]
 
@@ -130,6 +132,8 @@ class RemoteCache:
     async def publish(self, batch: Published) -> int:
         """Send one batch with one PutBlocks stream; returns the blocks stored.  Raises on failure."""
         lay = self.layout
+        if batch.ready is not None:                 # a GPU's copy into pinned memory may still be running
+            await asyncio.to_thread(batch.ready.synchronize)
 
         def messages() -> Iterator[cache_pb2.KVBlock]:
             for h, block in zip(batch.hashes, batch.kv, strict=True):

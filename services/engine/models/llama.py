@@ -5,7 +5,9 @@ the projections together (where batching pays); attention then runs per group: a
 decode rows in one paged call, each prefill chunk on its own prefix.  In the "exact" mode
 the float32 math mirrors transformers' LlamaForCausalLM op for op, so greedy outputs agree
 with it bit for bit; the fast modes run the norms, RoPE, the KV write, SiLU and decode
-attention as fused CPU ops (kernels/cpu_ops.cpp) when that library builds.
+attention as fused CPU ops (kernels/cpu_ops.cpp) when that library builds.  On CUDA, decode
+attention is the Triton paged kernel (kernels/paged_attention_triton.py) and, outside "exact",
+the norms, RoPE + KV write and SiLU are Triton kernels too (kernels/triton_ops.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +70,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """The same GEMM as Linear, but Concat fuses q/k/v and gate/up into one call (the CUDA default:
+    one launch and one read of the input instead of three; not bit-identical to separate GEMMs)."""
 
 
 class PackedLinear(Linear):
@@ -145,8 +153,10 @@ def _has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-MATMULS: dict[str, type[Linear]] = {"exact": Linear, "packed": PackedLinear, "fp16w": Fp16WeightLinear,
-                                     "int8": Int8Linear}
+ATTENTIONS = ("auto", "torch", "fused", "triton")
+
+MATMULS: dict[str, type[Linear]] = {"exact": Linear, "fused": FusedLinear, "packed": PackedLinear,
+                                     "fp16w": Fp16WeightLinear, "int8": Int8Linear}
 
 
 @dataclass
@@ -186,7 +196,9 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, matmul: str = "exact"):
+                 device: torch.device, matmul: str = "exact", attention: str = "auto"):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention {attention!r} is not one of {ATTENTIONS}")
         self.config = config
         self.dtype = dtype
         linear = MATMULS[matmul]
@@ -219,8 +231,9 @@ class LlamaModel:
         self.lm_head = (PackedLinear if linear is Fp16WeightLinear else linear)(head, None)
         # Greedy shortcut (fast modes only): an int8 copy of the head ranks the vocabulary,
         # then the top candidates are rescored exactly in fp32.  See greedy().
-        self.head_weight = head if matmul != "exact" else None
-        self.approx_head = Int8Linear(head, None) if matmul != "exact" and _has_fbgemm() else None
+        cpu_fast = matmul != "exact" and device.type == "cpu"
+        self.head_weight = head if cpu_fast else None
+        self.approx_head = Int8Linear(head, None) if cpu_fast and _has_fbgemm() else None
         # RoPE tables as transformers builds them: float32 inverse frequencies times positions.
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -230,7 +243,30 @@ class LlamaModel:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = d ** -0.5
         # The fused ops agree with the torch ops to rounding, not bit for bit, so "exact" keeps the torch ops.
-        self.fused = matmul != "exact" and device.type == "cpu" and dtype == torch.float32 and cpu_ops.load()
+        self.fused = (attention in ("auto", "fused") and matmul != "exact" and device.type == "cpu"
+                      and dtype == torch.float32 and cpu_ops.load())
+        if attention == "auto":
+            attention = "triton" if device.type == "cuda" else "fused" if self.fused else "torch"
+        elif attention == "fused" and not self.fused:
+            raise ValueError("attention 'fused' needs the fused CPU ops: a CPU float32 model, matmul other than "
+                             "'exact', and kernels/cpu_ops built")
+        self.attention = attention
+        # Decode attention: the Triton kernel (CUDA; the interpreter on CPU), the fused CPU op, or torch's SDPA.
+        self._triton_decode = None
+        self.ops: Any = torch.ops.infermesh if self.fused else None    # the fused forward's norm/RoPE/SiLU ops
+        if attention == "triton":
+            from kernels import paged_attention_triton
+
+            self._triton_decode = paged_attention_triton.decode
+            if matmul != "exact":      # "exact" keeps transformers' torch ops, for parity
+                from kernels import triton_ops
+
+                self.ops = triton_ops
+
+    @property
+    def needs_decode_mask(self) -> bool:
+        """Whether decode attention wants paged_attention.decode_mask(); the kernels mask by length."""
+        return self.attention == "torch"
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -247,7 +283,7 @@ class LlamaModel:
                 kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); logits_rows: (S,) rows whose next-token logits are wanted.
         Returns (S, V) float32."""
-        if self.fused:
+        if self.ops is not None:
             return self._forward_fused(input_ids, positions, plan, kv, logits_rows)
         c = self.config
         t = input_ids.shape[0]
@@ -270,10 +306,10 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                        kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor:
-        """forward() with the fused CPU ops: each residual add rides in the next norm, and RoPE
-        rotates q and k in place while it stores k and v in the cache."""
+        """forward() with fused ops (the CPU library, or the Triton kernels on CUDA): each residual add
+        rides in the next norm, and RoPE rotates q and k in place while it stores k and v in the cache."""
         c = self.config
-        ops = torch.ops.infermesh
+        ops = self.ops
         t = input_ids.shape[0]
         qk_heads = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
@@ -316,6 +352,8 @@ class LlamaModel:
         if self.fused:
             return torch.ops.infermesh.paged_decode_attention(q, k_cache, v_cache, plan.decode_tables,
                                                               plan.decode_lens, self.scale)
+        if self._triton_decode is not None:
+            return self._triton_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale)
         return paged_attention.decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, self.scale,
                                       plan.decode_mask)
 
