@@ -382,8 +382,11 @@ def throughput(model: Model, levels: list[int], prompt_len: int, gen: int, deadl
     base = torch.cuda.memory_allocated() if cuda else 0
     kv_bytes = max(levels) * (prompt_len + gen + 16) * kv_bytes_per_token(model) + (64 << 20)
     built = time.perf_counter()
-    runner = model.runner("bfloat16" if cuda else "float32", "cuda" if cuda else "eager", max_batch=max(levels),
-                          kv_bytes=kv_bytes)
+    runner = model.runner("bfloat16" if cuda else "float32", "cuda" if cuda else "eager",
+                          max_batch=max(levels), kv_bytes=kv_bytes)
+    if runner.graphs is None:                 # the runner logged why; it measures without graphs
+        verdict(f"{model.name} CUDA graph capture", False, "capture failed (see the warning above); "
+                "the figures below are without graphs")
     log(f"  {model.name}: our runner built in {time.perf_counter() - built:.1f} s "
         f"({len(runner.graphs.sizes) if runner.graphs else 0} decode graphs)")
     drive(runner, random_prompts(2, [prompt_len], vocab, seed=99), 4, max_tokens_step=8192)   # warm-up
@@ -455,31 +458,52 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"}
     RESULTS["env"] = env
     log(f"gpu_check: {env}")
-    ok = check_kernel(device, a.smoke)
+    save = (lambda: Path(a.json).write_text(json.dumps(RESULTS, indent=1))) if a.json else (lambda: None)
+    # One device run has to tell everything: a check that raises is a FAIL with its traceback, and the
+    # rest still run; the results file is rewritten after each part, so a run cut short keeps them.
+    ok = guarded("Triton paged decode kernel", check_kernel, device, a.smoke)
+    save()
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             t0 = time.perf_counter()
             model = Model(name, device, Path(tmp))
             log(f"{name}: random weights built in {time.perf_counter() - t0:.1f} s")
-            ok &= check_fp32_parity(model, a.smoke)
-            ok &= check_bf16_logits(model, a.smoke)
+            ok &= guarded(f"{name} fp32 greedy parity", check_fp32_parity, model, a.smoke)
+            ok &= guarded(f"{name} bf16 logits", check_bf16_logits, model, a.smoke)
             if device.type == "cuda":
-                ok &= check_no_sync(model)
+                ok &= guarded("no host sync inside a step", check_no_sync, model)
+            save()
             model.hf32 = model.hf32.to(torch.bfloat16) if device.type == "cuda" else model.hf32
             model.hf16 = model.hf32 if device.type == "cuda" else None
-            throughput(model, levels, prompt_len, gen, deadline, a.smoke)
+            ok &= guarded(f"{name} throughput run", throughput, model, levels, prompt_len, gen, deadline, a.smoke)
             model.release_hf()
-    log(table())
+            log(table())
+            save()
     if not a.smoke:
         for name in models:
             at64 = [e for e in RESULTS["throughput"] if e["model"] == name and e["concurrent"] == 64]
             ok &= verdict(f"{name} throughput at 64 concurrent", bool(at64) and at64[0]["ratio"] >= 5.0,
                           f"{at64[0]['ratio']:.1f}x transformers' static batch (target 5x)" if at64 else "not run")
+    ok = ok and all(c["pass"] for c in RESULTS["checks"])
     RESULTS["seconds"] = time.monotonic() - started
     log(f"gpu_check: {'PASS' if ok else 'FAIL'} in {RESULTS['seconds']:.0f} s")
-    if a.json:
-        Path(a.json).write_text(json.dumps(RESULTS, indent=1))
+    save()
     return 0 if ok else 1
+
+
+def guarded(name: str, check: Any, *args: Any) -> bool:
+    """check(*args); an exception is a FAIL of `name`, printed with its traceback, not the end of the run."""
+    try:
+        result = check(*args)
+    except Exception as exc:
+        import traceback
+
+        log(traceback.format_exc(limit=-8))
+        return verdict(name, False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(0)
+    return result is not False
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ more than the block manager hands out: the scratch block that padded graph rows 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from services.engine.models.llama import AttentionPlan, load_weights
 from services.engine.scheduler import Chunk
 
 GRAPH_MODES = ("auto", "off", "eager", "cuda")
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -67,8 +70,15 @@ class ModelRunner:
         self.pinned = self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         if graphs != "off":
-            self.graphs = DecodeGraphs(self.model, self.kv, block_size, self.max_context, self.scratch_block,
-                                       max_batch, self.device, capture=graphs == "cuda")
+            try:
+                self.graphs = DecodeGraphs(self.model, self.kv, block_size, self.max_context, self.scratch_block,
+                                           max_batch, self.device, capture=graphs == "cuda")
+            except RuntimeError as exc:
+                if graphs != "cuda":
+                    raise
+                # Slower, still right: serve with every kernel launched from Python rather than not at all.
+                log.warning("CUDA graph capture failed (%s); decode steps launch their kernels one by one", exc)
+                torch.cuda.synchronize(self.device)
 
     def _slots(self, blocks: Sequence[int], start: int, n: int) -> list[int]:
         bs = self.block_size

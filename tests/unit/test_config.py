@@ -18,6 +18,7 @@ ENGINE = (Endpoint("engine", "engine-0", "127.0.0.1:50060"),)
     (lambda: EngineConfig(model_path="/m", dtype="float16"), "dtype"),
     (lambda: EngineConfig(model_path="/m", port=0), "port"),
     (lambda: EngineConfig(model_path="/m", threads=-1), "threads"),
+    (lambda: EngineConfig(model_path="/m", cuda_graphs="on"), "cuda_graphs"),
     (lambda: TokenizerConfig(models=()), "at least one model"),
     (lambda: TokenizerConfig(models=(("a", "/x"), ("a", "/y"))), "unique"),
     (lambda: RouterConfig(tokenizer="t:1", engines=()), "at least one engine"),
@@ -44,6 +45,27 @@ def test_engine_auto_dtype_is_fp32_on_cpu() -> None:
     assert auto.resolved_dtype() == "float32" and auto.resolved_matmul() == "fp16w"
     exact = EngineConfig(model_path="/m", device="cpu", dtype="float32")
     assert exact.resolved_dtype() == "float32" and exact.resolved_matmul() == "exact"
+
+
+def test_engine_on_cuda_is_bf16_with_fused_gemms_and_graphs() -> None:
+    gpu = EngineConfig(model_path="/m", device="cuda")
+    assert (gpu.resolved_dtype(), gpu.resolved_matmul(), gpu.cuda_graphs) == ("bfloat16", "fused", "auto")
+    exact = EngineConfig(model_path="/m", device="cuda", dtype="float32")
+    assert (exact.resolved_dtype(), exact.resolved_matmul()) == ("float32", "exact")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(model_path="/m", device="cuda", dtype="int8").resolved_matmul()
+
+
+def test_engine_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.engine.__main__ import parse
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("INFERMESH_ENGINE_MAX_RUNNING", "256")
+    config = parse(["--model", f"m={tmp_path}", "--cuda-graphs", "off", "--device", "cuda"])
+    assert (config.cuda_graphs, config.device, config.max_running) == ("off", "cuda", 256)
+    with pytest.raises(SystemExit):
+        parse(["--model", f"m={tmp_path}", "--cuda-graphs", "always"])
 
 
 def test_endpoint_parsing() -> None:
