@@ -305,6 +305,8 @@ def check_kernel(device: torch.device, smoke: bool) -> bool:
             got = pt.decode(q, k, v, t, n, scale).float()
             ref = pa.decode(q.float(), k.float(), v.float(), t, n, scale).float()
             err = float((got - ref).abs().max())
+            split = pt.decode(q[:3], k, v, t[:3], n[:3], scale, splits=5).float()      # split-K, forced
+            err = max(err, float((split - ref[:3]).abs().max()))
             worst64 = 0.0
             q_cpu, k_cpu, v_cpu = q.float().cpu(), k.float().cpu(), v.float().cpu()
             for i in range(0, len(lens), max(1, len(lens) // 6)):     # a few rows against float64 math
@@ -335,8 +337,14 @@ def kernel_speed(device: torch.device) -> str:
     triton_ms = triton.testing.do_bench(lambda: pt.decode(q, k, v, t, n, d ** -0.5))
     torch_ms = triton.testing.do_bench(lambda: pa.decode(q, k, v, t, n, d ** -0.5))
     moved = 2 * b * ctx * kv_heads * d * 2
+    # One 4,096-token stream: split-K (auto) against one program per KV head.
+    long_t, long_n = t[:4].reshape(1, -1), torch.full((1,), 4 * ctx, device=device)
+    auto = pt.num_splits(1, kv_heads, long_t.shape[1], pt.multiprocessors(device))
+    split_ms = triton.testing.do_bench(lambda: pt.decode(q[:1], k, v, long_t, long_n, d ** -0.5))
+    whole_ms = triton.testing.do_bench(lambda: pt.decode(q[:1], k, v, long_t, long_n, d ** -0.5, splits=1))
     return (f"speed at 64 x 1,024-token contexts (bf16, 32/4 heads): Triton {triton_ms * 1e3:.0f} us "
-            f"({moved / triton_ms / 1e6:.0f} GB/s of K/V), torch gather+SDPA {torch_ms * 1e3:.0f} us")
+            f"({moved / triton_ms / 1e6:.0f} GB/s of K/V), torch gather+SDPA {torch_ms * 1e3:.0f} us; "
+            f"1 x 4,096 tokens: {auto} splits {split_ms * 1e3:.0f} us, unsplit {whole_ms * 1e3:.0f} us")
 
 
 # -- 4: throughput ---------------------------------------------------------------------------------

@@ -65,6 +65,34 @@ def test_decode_matches_reference(kv_heads: int, heads: int, head_dim: int, bloc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [2, 3, 9])       # 9: more splits than the widest row has blocks
+def test_split_k_matches_reference(splits: int, dtype: torch.dtype) -> None:
+    """Split-K: each row's table in ranges walked by separate programs, then combined; ranges past a
+    row's length are empty and must not count."""
+    q, k, v, tables, lens = make_case(3, 9, 16, 4, dtype, seed=splits)
+    scale = 16 ** -0.5
+    out = pat.decode(q, k, v, padded(tables, extra=1), torch.tensor(lens), scale, splits=splits)
+    whole = pat.decode(q, k, v, padded(tables, extra=1), torch.tensor(lens), scale, splits=1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), whole.float(), rtol=tol, atol=tol)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        ref = pa._reference(q[i:i + 1].double(), k.double(), v.double(), table, n - 1, scale)
+        torch.testing.assert_close(out[i:i + 1].double(), ref, rtol=tol, atol=tol, msg=f"row {i} (length {n})")
+
+
+def test_split_count_fills_the_gpu_only_when_the_batch_does_not() -> None:
+    # 132 multiprocessors (an H100/H200): below 132 programs, split towards 264.
+    assert pat.num_splits(1, 3, 512, 132) == 64            # one long stream: as many as allowed (64 x 8 blocks)
+    assert pat.num_splits(1, 3, 32, 132) == 4              # a short table: at least 8 blocks a split
+    assert pat.num_splits(16, 3, 512, 132) == 6            # 48 programs -> 6 splits each
+    assert pat.num_splits(64, 4, 512, 132) == 1            # 256 programs fill it already
+    assert pat.num_splits(128, 3, 512, 132) == 1
+    assert pat.num_splits(1, 3, 8, 132) == 1               # nothing to split
+    assert pat.num_splits(1, 3, 512, 0) == 1               # CPU
+    assert pat.multiprocessors(torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_padding_rows_read_only_the_scratch_slot(dtype: torch.dtype) -> None:
     """A decode graph's padding row (table all scratch, length 1) attends exactly one slot: its
     output is that slot's V, whatever the rest of the scratch block holds; real rows beside it
