@@ -88,6 +88,11 @@ METRICS: tuple[Metric, ...] = (
        "Prompt tokens looked up in the prefix cache"),
     _m("infermesh_engine_prefix_hit_tokens_total", "counter", "engine", "replica",
        "Prompt tokens served from the prefix cache; hit rate = rate(hit) / rate(query)"),
+    _m("infermesh_engine_shared_cache_blocks_total", "counter", "engine", "replica event",
+       "KV blocks exchanged with the shared cache: fetched, rejected (another layout), published, dropped "
+       "(never sent: cache down or slow, outbox full)"),
+    _m("infermesh_engine_shared_cache_errors_total", "counter", "engine", "replica",
+       "Failed calls to the shared KV cache (each leaves it alone for a few seconds)"),
     _m("infermesh_engine_preemptions_total", "counter", "engine", "replica", "Requests preempted for KV blocks"),
     _m("infermesh_engine_step_seconds", "histogram", "engine", "replica", "Duration of one engine step"),
     _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
 LABELS = ["replica"]
 RUNNING = Gauge("infermesh_engine_requests_running", "Requests in the running batch", LABELS)
@@ -28,6 +32,44 @@ REQUESTS = Counter("infermesh_engine_requests_total",
                    ["replica", "finish_reason"])
 TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
+
+
+SHARED_CACHE_EVENTS = ("fetched", "rejected", "published", "dropped")
+
+
+class SharedCacheCollector:
+    """The shared KV cache's block counters, read from each replica's RemoteCache.stats and Outbox at
+    scrape time (the publisher updates them between steps and while the engine idles)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, tuple[Any, Any]] = {}       # replica -> (RemoteCache, Outbox)
+
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        return (CounterMetricFamily("infermesh_engine_shared_cache_blocks",
+                                    "KV blocks exchanged with the shared cache, by event: fetched (staged on "
+                                    "requests), rejected (another layout), published (stored), dropped (never "
+                                    "sent: the cache down or slow, or the outbox full)", labels=["replica", "event"]),
+                CounterMetricFamily("infermesh_engine_shared_cache_errors",
+                                    "Failed calls to the shared KV cache", labels=["replica"]))
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        blocks, errors = self._families()
+        for replica, (remote, outbox) in list(self.sources.items()):
+            s = remote.stats
+            dropped = s.dropped_blocks + (outbox.dropped_blocks if outbox is not None else 0)
+            for event, n in zip(SHARED_CACHE_EVENTS, (s.fetched_blocks, s.rejected_blocks, s.published_blocks,
+                                                      dropped), strict=True):
+                blocks.add_metric([replica, event], n)
+            errors.add_metric([replica], s.errors)
+        yield blocks
+        yield errors
+
+
+SHARED_CACHE = SharedCacheCollector()
+REGISTRY.register(SHARED_CACHE)
 
 
 class ReplicaMetrics:
@@ -64,3 +106,10 @@ class ReplicaMetrics:
 
     def finished(self, outcome: str) -> None:
         REQUESTS.labels(self.replica, outcome).inc()
+
+    def watch_shared_cache(self, remote: Any, outbox: Any) -> None:
+        """Export this replica's shared-cache counters (remote: RemoteCache, outbox: its Outbox) until close()."""
+        SHARED_CACHE.sources[self.replica] = (remote, outbox)
+
+    def close(self) -> None:
+        SHARED_CACHE.sources.pop(self.replica, None)

@@ -80,6 +80,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
         self.metrics = metrics.ReplicaMetrics(config.replica_id)
+        if remote is not None:
+            self.metrics.watch_shared_cache(remote, engine.outbox)
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._run_loop())
@@ -91,6 +93,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if task is not None:
                 task.cancel()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
+        self.metrics.close()
         if self.remote is not None:
             await self.remote.close()
 

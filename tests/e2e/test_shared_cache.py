@@ -123,6 +123,17 @@ def test_a_prefix_computed_on_one_replica_is_loaded_by_the_other(shared_mesh: Me
     assert warm.text == a.text
     assert warm.text == reference(16, messages=[{"role": "user", "content": prompt}])
 
+    # And the engines' Prometheus counters say so: engine-0 published, engine-1 fetched the blocks.
+    published = shared_blocks(0, "engine-0", "published")
+    fetched = shared_blocks(1, "engine-1", "fetched")
+    assert published >= a.prompt_tokens // BLOCK - 2 and fetched >= warm.cached_tokens // BLOCK - 2
+
+
+def shared_blocks(index: int, replica: str, event: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{9100 + index + PORTS}/metrics", timeout=10).text
+    line = f'infermesh_engine_shared_cache_blocks_total{{event="{event}",replica="{replica}"}} '
+    return float(next(row for row in text.splitlines() if row.startswith(line)).split()[-1])
+
 
 def test_killing_the_cache_under_load_fails_no_request(shared_mesh: Mesh) -> None:
     prompts = [facts(f"Lighthouse list number {i}.", n=30) for i in range(4)]
