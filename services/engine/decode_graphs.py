@@ -41,6 +41,12 @@ class DecodeModel(Protocol):
     def needs_decode_mask(self) -> bool: ...
 
 
+def padded_tables(tables: Sequence[Sequence[int]], width: int) -> list[int]:
+    """Block tables as one flat (len(tables) x width) row-major list, each row padded by repeating its
+    first block (any valid id: a row reads only the entries its length needs)."""
+    return [b for t in tables for b in (*t, *(t[0],) * (width - len(t)))]
+
+
 def buckets(max_batch: int) -> list[int]:
     """The batch sizes captured for an engine running at most max_batch sequences (max_batch included)."""
     sizes = [b for b in BUCKETS if b < max_batch]
@@ -125,8 +131,7 @@ class DecodeGraphs:
         n = len(ids)
         pad = size - n
         width = max(len(t) for t in tables)
-        flat_tables = [b for t in tables for b in (*t, *(t[0],) * (width - len(t)))]
-        flat_tables += [self.scratch_block] * (pad * width)
+        flat_tables = padded_tables(tables, width) + [self.scratch_block] * (pad * width)
         d_ids, d_positions, d_slots, d_lens, d_tables = runner.upload(
             [*ids, *(0,) * pad], [*positions, *(0,) * pad],
             [*slots, *(self.scratch_block * self.block_size,) * pad],

@@ -57,9 +57,12 @@ class Exported(NamedTuple):
         return self.kv
 
 
-def _indices(values: Sequence[int], device: torch.device) -> torch.Tensor:
+def int64_on(device: torch.device, values: Sequence[int]) -> torch.Tensor:
+    """Integers as one int64 tensor on `device`.  To a GPU the copy is from pinned memory and does not
+    wait for it (a copy from pageable memory synchronises the stream first); the caching host
+    allocator keeps the pinned buffer until the copy is done."""
     ids = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":       # from pinned memory: the copy does not synchronise the stream
+    if device.type == "cuda":
         return ids.pin_memory().to(device, non_blocking=True)
     return ids.to(device)
 
@@ -71,7 +74,7 @@ def export_blocks_async(kv: KVCache, block_ids: Sequence[int]) -> Exported:
     The gather runs on the device, then one device-to-host copy is queued behind the step's work;
     the caller (the publisher) waits for `ready` before it reads the bytes, in its own thread."""
     k0 = kv[0][0]
-    ids = _indices(block_ids, k0.device)
+    ids = int64_on(k0.device, block_ids)
     out = torch.empty((len(block_ids), len(kv), 2, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
     for layer, (k, v) in enumerate(kv):
         out[:, layer, 0] = k.index_select(0, ids)
@@ -98,7 +101,7 @@ def import_blocks(kv: KVCache, imports: Sequence[tuple[int, torch.Tensor]]) -> N
     if not imports:
         return
     k0 = kv[0][0]
-    ids = _indices([block for block, _ in imports], k0.device)
+    ids = int64_on(k0.device, [block for block, _ in imports])
     data = _stacked([t for _, t in imports])                  # (n, layers, 2, block_size, kv_heads, head_dim)
     data = data.to(k0.device, non_blocking=data.is_pinned())
     for layer, (k, v) in enumerate(kv):

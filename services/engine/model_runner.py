@@ -18,7 +18,8 @@ import torch
 
 from kernels import paged_attention
 from mesh import model_store
-from services.engine.decode_graphs import DecodeGraphs
+from services.engine import kv_transfer
+from services.engine.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.models import ARCHITECTURES
 from services.engine.models.llama import AttentionPlan, load_weights
 from services.engine.scheduler import Chunk
@@ -67,7 +68,6 @@ class ModelRunner:
         shape = (self.num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
         self.kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                     torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
-        self.pinned = self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         if graphs != "off":
             try:
@@ -84,15 +84,14 @@ class ModelRunner:
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    def upload(self, *parts: Sequence[int]) -> list[torch.Tensor]:
-        """Integer lists as int64 tensors on the device, with one host-to-device copy.
+    def _decode_table(self, blocks: Sequence[int], start: int) -> Sequence[int]:
+        """The blocks a decode row at position `start` attends: those holding positions 0 .. start."""
+        return blocks[: -(-(start + 1) // self.block_size)]
 
-        On CUDA the copy is from pinned memory and does not wait for the GPU (a copy from pageable
-        memory synchronises the stream first); the caching host allocator keeps the pinned buffer
-        until the copy is done."""
-        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
-        if self.device.type != "cpu":
-            flat = (flat.pin_memory() if self.pinned else flat).to(self.device, non_blocking=self.pinned)
+    def upload(self, *parts: Sequence[int]) -> list[torch.Tensor]:
+        """Integer lists as int64 tensors on the device, with one host-to-device copy that does not
+        wait for the GPU (kv_transfer.int64_on); the tensors are views of it."""
+        flat = kv_transfer.int64_on(self.device, [v for part in parts for v in part])
         out, at = [], 0
         for part in parts:
             out.append(flat[at:at + len(part)])
@@ -117,7 +116,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_tables: list[Sequence[int]] = []
         decode_lens: list[int] = []
         prefill_spans: list[tuple[int, int, int]] = []
         prefill_tables: list[list[int]] = []
@@ -130,7 +129,7 @@ class ModelRunner:
             slots.extend(self._slots(req.table.blocks, start, n))
             if n == 1 and start > 0:
                 decode_rows.append(row)
-                decode_tables.append(req.table.blocks[: -(-(start + 1) // self.block_size)])
+                decode_tables.append(self._decode_table(req.table.blocks, start))
                 decode_lens.append(start + 1)
             else:
                 prefill_spans.append((row, n, start))
@@ -138,7 +137,7 @@ class ModelRunner:
             if chunk.sample:
                 logits_rows.append(row + n - 1)
         width = max((len(t) for t in decode_tables), default=0)
-        flat_tables = [b for t in decode_tables for b in t + [t[0]] * (width - len(t))]
+        flat_tables = padded_tables(decode_tables, width)
         t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = self.upload(
             ids, positions, slots, logits_rows, decode_rows, decode_lens, flat_tables, *prefill_tables)
         tables = lens = mask = None
@@ -170,5 +169,5 @@ class ModelRunner:
             ids.append(req.all_ids[start])
             positions.append(start)
             slots.extend(self._slots(req.table.blocks, start, 1))
-            tables.append(req.table.blocks[: -(-(start + 1) // self.block_size)])
+            tables.append(self._decode_table(req.table.blocks, start))
         return self.graphs.launch(self, ids, positions, slots, tables, greedy)

@@ -215,15 +215,18 @@ def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRu
     """The fast modes' fused CPU ops (kernels/cpu_ops.cpp) give the tokens the same mode gives with
     the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks
     (chunked prefill and joins mid-run); the exact mode never uses them."""
-    assert not runner.model.fused
+    assert runner.model.attention != "fused" and runner.model.ops is None
     fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w")
-    if not fast.model.fused:
+    if fast.model.attention != "fused":
         pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built")
+    # The same mode with the torch ops throughout (norms, RoPE, KV write, SiLU and decode attention).
+    torch_ops = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w", attention="torch")
+    assert torch_ops.model.ops is None
     _, tokenizer = hf
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS + ["Explain photosynthesis step by step. " * 4, "Hi"]]
 
-    def generate() -> dict[str, list[StepOutput]]:
-        engine = Engine(fast, scheduler=SchedulerConfig(max_batched_tokens=48))
+    def generate(runner: ModelRunner) -> dict[str, list[StepOutput]]:
+        engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=48))
         outputs: dict[str, list[StepOutput]] = {}
         for i, ids in enumerate(prompts):
             engine.add(engine.make_request(f"r{i}", ids, SamplingParams(max_tokens=16, logprobs=True)))
@@ -233,9 +236,8 @@ def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRu
             outputs.setdefault(rid, []).extend(outs)
         return outputs
 
-    fused = generate()
-    fast.model.fused = False
-    unfused = generate()
+    fused = generate(fast)
+    unfused = generate(torch_ops)
     assert {r: tokens(o) for r, o in fused.items()} == {r: tokens(o) for r, o in unfused.items()}
     for rid, outs in fused.items():
         got = [lp.logprob for o in outs for lp in o.logprobs]

@@ -243,18 +243,20 @@ class LlamaModel:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = d ** -0.5
         # The fused ops agree with the torch ops to rounding, not bit for bit, so "exact" keeps the torch ops.
-        self.fused = (attention in ("auto", "fused") and matmul != "exact" and device.type == "cpu"
-                      and dtype == torch.float32 and cpu_ops.load())
+        cpu_fusable = matmul != "exact" and device.type == "cpu" and dtype == torch.float32
         if attention == "auto":
-            attention = "triton" if device.type == "cuda" else "fused" if self.fused else "torch"
-        elif attention == "fused" and not self.fused:
+            attention = ("triton" if device.type == "cuda" else
+                         "fused" if cpu_fusable and cpu_ops.load() else "torch")
+        elif attention == "fused" and not (cpu_fusable and cpu_ops.load()):
             raise ValueError("attention 'fused' needs the fused CPU ops: a CPU float32 model, matmul other than "
                              "'exact', and kernels/cpu_ops built")
+        # Decode attention: the fused CPU op, the Triton kernel (CUDA; the interpreter on CPU), or torch's SDPA.
         self.attention = attention
-        # Decode attention: the Triton kernel (CUDA; the interpreter on CPU), the fused CPU op, or torch's SDPA.
+        self.ops: Any = None                       # the fused forward's norm/RoPE/SiLU ops; None: the torch ops
         self._triton_decode = None
-        self.ops: Any = torch.ops.infermesh if self.fused else None    # the fused forward's norm/RoPE/SiLU ops
-        if attention == "triton":
+        if attention == "fused":
+            self.ops = torch.ops.infermesh
+        elif attention == "triton":
             from kernels import paged_attention_triton
 
             self._triton_decode = paged_attention_triton.decode
@@ -349,7 +351,7 @@ class LlamaModel:
                 plan: AttentionPlan) -> torch.Tensor:
         """The decode rows' attention.  q: (B, H, D) -> (B, H, D)."""
         assert plan.decode_tables is not None and plan.decode_lens is not None
-        if self.fused:
+        if self.attention == "fused":
             return torch.ops.infermesh.paged_decode_attention(q, k_cache, v_cache, plan.decode_tables,
                                                               plan.decode_lens, self.scale)
         if self._triton_decode is not None:
