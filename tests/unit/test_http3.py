@@ -26,6 +26,16 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return ensure_self_signed_cert(str(tmp_path_factory.mktemp("tls")))
 
 
+async def read_body(receive: Callable) -> bytes:
+    """An ASGI request's whole body."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+
+
 class App:
     """Tiny ASGI app covering the shapes the edge serves: JSON, SSE, failures."""
 
@@ -34,12 +44,7 @@ class App:
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable, send: Callable) -> None:
         assert scope["type"] == "http"
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         path = scope["path"]
         if path == "/boom":
             raise RuntimeError("app bug")

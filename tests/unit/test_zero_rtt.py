@@ -21,7 +21,7 @@ from aioquic.tls import SessionTicket
 
 from mesh.edge.http3 import SessionTicketStore, ensure_self_signed_cert, replay_tolerable
 from mesh.h3client import H3Client, TicketStore
-from tests.unit.test_http3 import run_with_server
+from tests.unit.test_http3 import read_body, run_with_server
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -39,12 +39,7 @@ class Recorder:
         self.seen: list[dict[str, Any]] = []
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable, send: Callable) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         seen = {"path": scope["path"], "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
                 "body": body.decode()}
         self.seen.append(seen)
