@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup demo test lint protos clean compose-tool
+.PHONY: setup demo test test-fast lint protos clean compose-tool
 
 # Idempotent: the venv, the project (editable) and the default model are made once;
 # the stubs are regenerated whenever a .proto is newer; the fused CPU ops (kernels/cpu_ops.cpp) are
@@ -32,12 +32,16 @@ meshpb/v1/.stamp: $(wildcard proto/meshpb/v1/*.proto) proto/generate.py
 demo: setup
 	$(BIN)/python -m mesh.demo
 
-test: setup compose-tool
-	$(BIN)/ruff check mesh services kernels tests bench proto
-	$(BIN)/mypy mesh services kernels
+# Everything: unit, service, deployment files, GPU checks (skipped without CUDA), end-to-end meshes
+# and the multi-host test (root only). What CI runs.
+test: setup compose-tool lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# Debian's docker-compose (1.29) lets tests/unit/test_deploy_files.py parse compose/docker-compose.yml.
+# Pure code (tests/unit) and in-process services (tests/service): no meshes, no root; a few minutes.
+test-fast: setup lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/service
+
+# Debian's docker-compose (1.29) lets tests/deploy/test_deploy_files.py parse compose/docker-compose.yml.
 # Installed only when missing and only as root with apt-get; otherwise that one check is skipped.
 compose-tool:
 	@command -v docker-compose >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from mesh.errors import MeshError
 
@@ -86,10 +87,12 @@ def rpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Service:
-    """A grpc.aio server with the standard health service and a clean stop.
+    """A grpc.aio server with the standard health service, server reflection and a clean stop.
 
-    `ready()` flips health to SERVING; `stop()` flips it to NOT_SERVING first so
-    routers stop sending new work, then lets in-flight RPCs finish within `grace`.
+    Reflection lists `name`, health and reflection itself, so grpcurl and other stub-less clients
+    can call the service without the .proto files.  `ready()` flips health to SERVING; `stop()`
+    flips it to NOT_SERVING first so routers stop sending new work, then lets in-flight RPCs
+    finish within `grace`.
     """
 
     def __init__(self, name: str, host: str, port: int):
@@ -104,6 +107,7 @@ class Service:
         self.port = bound
 
     async def start(self) -> None:
+        reflection.enable_server_reflection((self.name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         await self.server.start()
 
     async def ready(self, serving: bool = True) -> None:

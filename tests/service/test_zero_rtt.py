@@ -21,7 +21,7 @@ from aioquic.tls import SessionTicket
 
 from mesh.edge.http3 import SessionTicketStore, ensure_self_signed_cert, replay_tolerable
 from mesh.h3client import H3Client, TicketStore
-from tests.unit.test_http3 import read_body, run_with_server
+from tests.service.test_http3_server import read_body, run_with_server
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()

@@ -1,0 +1,79 @@
+"""The one shape every service process has: flags -> frozen config -> run_service().
+
+`__main__` parses its flags into the service's frozen config and calls `run_service()`, which sets
+up logging and tracing, runs the service's `serve` coroutine until SIGINT/SIGTERM and shuts
+tracing down.  A gRPC service's `serve` builds its servicers and hands them to `serve_grpc()`: the
+server starts (with health and reflection), metrics are exported, the replica is announced to
+discovery, and on a signal it stops gracefully and withdraws, in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+from mesh.discovery import Endpoint, HealthCheck, advertise_address, announce
+from mesh.grpcutil import Service, setup_logging
+from mesh.telemetry import serve_metrics, setup_tracing, shutdown_tracing
+
+
+class Hosted(Protocol):
+    """The fields every service config has (each config is its own frozen dataclass)."""
+
+    replica_id: str
+    host: str
+    advertise: str
+    discovery: str
+
+
+def run_service(kind: str, config: Hosted, serve: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
+    """Logging and tracing named after `kind`, then `serve(config)` in a fresh event loop."""
+    setup_logging(kind, config.replica_id)
+    setup_tracing(kind)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()
+
+
+async def wait_for_signal(*also: Awaitable[Any]) -> None:
+    """Until SIGINT or SIGTERM arrives, or one of `also` (e.g. the server's own end) completes."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiters = {asyncio.ensure_future(stop.wait()), *(asyncio.ensure_future(a) for a in also)}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+async def announce_self(kind: str, config: Hosted, port: int, *, check: HealthCheck | None = None,
+                        model: str = "", model_version: str = "", region: str = "local"
+                        ) -> Callable[[], Awaitable[None]]:
+    """Register this replica with the config's discovery backend; returns the withdraw coroutine."""
+    address = advertise_address(config.host, port, config.advertise)
+    endpoint = Endpoint(kind, config.replica_id, address, model=model, model_version=model_version, region=region)
+    return await announce(config.discovery, endpoint, check)
+
+
+async def serve_grpc(kind: str, config: Hosted, service: Service, *, port: int, metrics_port: int = 0,
+                     ready: bool = True, on_stop: Callable[[], Awaitable[None]] | None = None,
+                     model: str = "", model_version: str = "", region: str = "local") -> None:
+    """Start `service` (its servicers already added), export metrics, report SERVING unless the
+    service decides that itself (`ready=False`), announce, and serve until a signal.  Then health
+    turns NOT_SERVING, in-flight RPCs get a grace period, the replica is withdrawn and `on_stop` runs."""
+    await service.start()
+    serve_metrics(metrics_port, config.host)
+    if ready:
+        await service.ready()
+    withdraw = await announce_self(kind, config, port, model=model, model_version=model_version, region=region)
+    await wait_for_signal(service.server.wait_for_termination())
+    await service.stop()
+    await withdraw()
+    if on_stop is not None:
+        await on_stop()
