@@ -20,12 +20,16 @@ from mesh.telemetry import serve_metrics, setup_tracing, shutdown_tracing
 
 
 class Hosted(Protocol):
-    """The fields every service config has (each config is its own frozen dataclass)."""
+    """The fields every service config has (each config is its own frozen dataclass, so read-only)."""
 
-    replica_id: str
-    host: str
-    advertise: str
-    discovery: str
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def advertise(self) -> str: ...
+    @property
+    def discovery(self) -> str: ...
 
 
 def run_service(kind: str, config: Hosted, serve: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
