@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from mesh.models import home
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -45,9 +47,7 @@ _loaded: bool | None = None
 
 
 def _cache_root() -> Path:
-    # The same folder as mesh.model_store.home(); kernels import nothing from the services.
-    env = os.environ.get("INFERMESH_HOME")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "infermesh") / "kernels"
+    return home() / "kernels"
 
 
 def _cpu_flags() -> set[str]:

@@ -92,8 +92,8 @@ async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: d
     """Stream the answer over HTTP/3; return the last `infermesh` object and how the connection was made."""
     from urllib.parse import urlsplit
 
-    from mesh.h3client import H3Client, TicketStore
-    from mesh.model_store import home
+    from mesh.clients.http3 import H3Client, TicketStore
+    from mesh.models import home
 
     url = urlsplit(a.http3_url)
     # Tickets persist across runs, so the next `chat --http3` resumes and sends its request in 0-RTT.
@@ -116,19 +116,19 @@ async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: d
 
 
 def _cmd_model(a: argparse.Namespace) -> int:
-    from mesh import model_store
+    from mesh import models
 
     try:
         if a.action == "pull":
-            print(model_store.pull(a.name))
+            print(models.pull(a.name))
         elif a.action == "path":
-            print(model_store.path(a.name))
+            print(models.path(a.name))
         elif a.action == "register":
-            print(model_store.register(a.name, a.folder))
+            print(models.register(a.name, a.folder))
         else:
-            for entry in model_store.list_models():
+            for entry in models.list_models():
                 print(f"{entry['name']:<20} {'present' if entry['present'] else 'absent':<8} {entry['path']}")
-    except model_store.ModelError as exc:
+    except models.ModelError as exc:
         print(f"infermesh model: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from mesh import models
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from mesh import model_store
-
     try:
-        return model_store.path("default")
-    except model_store.ModelError as exc:
+        return models.path("default")
+    except models.ModelError as exc:
         pytest.fail(f"{exc} (run `make setup`)")

@@ -8,7 +8,7 @@ File layout (little-endian):
     metadata            JSON: model, version, hash (hex), dtype, shape, num_tokens, tenant
     payload             the block's KV bytes
 
-Writes go to a unique `*.tmp` file in the same folder, are fsynced, then renamed over the final
+Writes go through `mesh.files.write_atomic`: a unique `*.tmp` file in the same folder, fsynced, renamed over the final
 name, so a crash leaves either no file, a stray `*.tmp`, or a complete one (the rename itself
 may be lost: a miss, never a torn block).  A file is served only after its size, magic, key and
 checksum all check out; one that fails is deleted.  The startup scan checks structure (size,
@@ -26,10 +26,10 @@ import json
 import logging
 import os
 import struct
-import uuid
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
+from mesh.files import TMP_SUFFIX, write_atomic
 from services.cache.blocks import Block, BlockKey, BlockMeta, Tier, check_key
 from services.cache.eviction import EvictionPolicy
 
@@ -40,7 +40,7 @@ _FIXED = struct.Struct("<8sIQ")
 CHECKSUM_BYTES = 32
 HEADER_BYTES = _FIXED.size + CHECKSUM_BYTES
 MAX_META = 16 * 1024
-SUFFIX, TMP_SUFFIX = ".kvb", ".tmp"
+SUFFIX = ".kvb"
 
 
 class ScanReport(NamedTuple):
@@ -78,12 +78,6 @@ def file_name(key: BlockKey) -> str:
     h = hashlib.blake2b(key.model.encode(), digest_size=16)
     h.update(b"\0" + key.version.encode() + b"\0" + key.hash)
     return h.hexdigest()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def _decode(f: BinaryIO, size: int, max_data: int, with_data: bool) -> tuple[BlockKey, BlockMeta, bytes]:
@@ -125,24 +119,11 @@ class ColdTier(Tier):
     # --- file I/O: safe to run in a worker thread ---
 
     def write_file(self, block: Block, meta_bytes: bytes) -> None:
-        path = self.path(block.key)
-        path.parent.mkdir(exist_ok=True)
         fixed = _FIXED.pack(MAGIC, len(meta_bytes), block.nbytes)
         h = hashlib.blake2b(fixed, digest_size=CHECKSUM_BYTES)
         h.update(meta_bytes)
         h.update(block.data)
-        tmp = path.with_name(f"{path.stem}.{uuid.uuid4().hex}{TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(fd, fixed + h.digest() + meta_bytes)
-            _write_all(fd, block.data)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(tmp, path)
+        write_atomic(self.path(block.key), (fixed + h.digest() + meta_bytes, block.data))
 
     def read_file(self, key: BlockKey) -> Block:
         """The block, checksum verified.  FileNotFoundError if it was evicted meanwhile."""

