@@ -5,5 +5,5 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-TOKENS = Counter("infermesh_tokenizer_tokens_total", "Token ids produced, by method (chat_template, encode, "
-                 "encode_batch)", ["method"])
+TOKENS = Counter("infermesh_tokenizer_tokens_total", "Token ids produced, by method (chat_template, encode)",
+                 ["method"])

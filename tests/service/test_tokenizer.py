@@ -1,12 +1,15 @@
-"""The tokenizer service in-process over real gRPC: chat template, encode, streaming decode."""
+"""The tokenizer service in-process over real gRPC: chat template, encode, and the tokenizer JSON from
+which the router decodes streams."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
+from tokenizers import Tokenizer
 
 from mesh.chat import Message
 from mesh.detokenize import IncrementalDecoder
@@ -24,6 +27,12 @@ def tok(model_dir: Path) -> ModelTokenizer:
     return ModelTokenizer(NAME, model_dir)
 
 
+def json_decoder(tokenizer_json: str) -> Callable[[Sequence[int]], str]:
+    """ids -> text as the router builds it from GetTokenizerJson."""
+    decoder = Tokenizer.from_str(tokenizer_json)
+    return lambda ids: str(decoder.decode(list(ids), skip_special_tokens=True))
+
+
 def test_chat_template_is_chatml_with_default_system(tok: ModelTokenizer) -> None:
     text = tok.render_chat([Message("user", "Hi there")])
     assert text.startswith("<|im_start|>system\n")
@@ -38,12 +47,13 @@ def test_unknown_role_is_refused(tok: ModelTokenizer) -> None:
 
 
 @pytest.mark.parametrize("text", ["Hello, world!", "日本語とemoji 🚀🔥, accents: àéîõü", "tabs\tand\nnewlines  "])
-def test_streaming_decode_matches_full_decode(tok: ModelTokenizer, text: str) -> None:
+def test_streaming_decode_from_the_json_matches_full_decode(tok: ModelTokenizer, text: str) -> None:
     ids = tok.encode(text)
-    decoder = IncrementalDecoder(tok.decode)
+    decode = json_decoder(tok.json())
+    decoder = IncrementalDecoder(decode)
     pieces = [decoder.push([i], final=n == len(ids) - 1) for n, i in enumerate(ids)]
     assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) == tok.decode(ids) == text
+    assert "".join(pieces) == decode(ids) == tok.hf.decode(ids, skip_special_tokens=True) == text
 
 
 def test_service_over_grpc(tok: ModelTokenizer) -> None:
@@ -58,14 +68,12 @@ def test_service_over_grpc(tok: ModelTokenizer) -> None:
                     model="default", messages=[tokenizer_pb2.ChatMessage(role="user", content="Hi")],
                     add_generation_prompt=True))
                 assert list(enc.ids) == tok.encode(enc.text)
-                batch = await stub.EncodeBatch(tokenizer_pb2.EncodeBatchRequest(model=NAME, texts=["a b", "c"]))
-                assert [list(i.ids) for i in batch.items] == [tok.encode("a b"), tok.encode("c")]
+                enc = await stub.Encode(tokenizer_pb2.EncodeRequest(model=NAME, text="a b", add_special_tokens=True))
+                assert list(enc.ids) == tok.encode("a b", True) and enc.text == "a b"
+                spec = await stub.GetTokenizerJson(tokenizer_pb2.ModelInfoRequest(model="default"))
+                assert spec.model == NAME
                 ids = tok.encode("🚀 go")
-                step = await stub.DecodeIncremental(tokenizer_pb2.DecodeIncrementalRequest(
-                    model=NAME, ids=ids[:1], read_offset=0, skip_special_tokens=True))
-                assert "\ufffd" not in step.text
-                info = await stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(model=NAME))
-                assert 2 in info.eos_token_ids and info.has_chat_template
+                assert json_decoder(spec.tokenizer_json)(ids) == "🚀 go"
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Encode(tokenizer_pb2.EncodeRequest(model="nope", text="x"))
                 assert err.value.code() == grpc.StatusCode.NOT_FOUND
