@@ -76,8 +76,11 @@ async def serve_grpc(kind: str, config: Hosted, service: Service, *, port: int, 
     if ready:
         await service.ready()
     withdraw = await announce_self(kind, config, port, model=model, model_version=model_version, region=region)
-    await wait_for_signal(service.server.wait_for_termination())
+    # Shielded: cancelling a pending wait_for_termination() makes the server's shutdown raise CancelledError.
+    ended = asyncio.ensure_future(service.server.wait_for_termination())
+    await wait_for_signal(asyncio.shield(ended))
     await service.stop()
+    ended.cancel()
     await withdraw()
     if on_stop is not None:
         await on_stop()

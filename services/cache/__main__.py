@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce
+from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
-from mesh.grpcutil import Service, run_until_signalled, setup_logging
-from mesh.telemetry import setup_tracing, shutdown_tracing
+from mesh.grpcutil import Service
+from mesh.service import run_service, serve_grpc
+from services.cache.block_metrics import watch
 from services.cache.config import CacheConfig
 from services.cache.eviction import POLICIES
 from services.cache.server import CacheServicer, add_to
@@ -65,35 +65,17 @@ async def serve(config: CacheConfig) -> None:
     service = Service("meshpb.v1.Cache", config.host, config.port)
     add_to(service, CacheServicer(sessions, blocks))
     if config.metrics_port:
-        from prometheus_client import start_http_server
-
-        from services.cache.block_metrics import watch
-
-        watch(blocks, config.replica_id)
-        start_http_server(config.metrics_port, addr=config.host)
-    await service.start()
-    await service.ready()
-    withdraw = await announce(config.discovery, Endpoint("cache", config.replica_id,
-                                                         advertise_address(config.host, config.port, config.advertise)))
+        watch(blocks, config.replica_id)        # registered before /metrics is served
     log.info("cache %s serving on %s (KV blocks: %d MiB hot, %s, %s eviction)", config.replica_id, service.address,
              config.hot_mb, f"{config.cold_mb} MiB cold in {config.cold_dir}" if config.cold_dir else "no cold tier",
              config.eviction)
-
-    async def stop() -> None:
-        await withdraw()
-        await blocks.flush()
-
-    await run_until_signalled(service, on_stop=stop)
+    # Blocks still being written to the cold tier are finished before the process ends.
+    await serve_grpc("cache", config, service, port=config.port, metrics_port=config.metrics_port,
+                     on_stop=blocks.flush)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse(argv)
-    setup_logging("cache", config.replica_id)
-    setup_tracing("cache")
-    try:
-        asyncio.run(serve(config))
-    finally:
-        shutdown_tracing()
+    run_service("cache", parse(argv), serve)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from mesh import model_store
-from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce
+from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
-from mesh.grpcutil import Service, run_until_signalled, setup_logging
-from mesh.telemetry import serve_metrics, setup_tracing, shutdown_tracing
+from mesh.grpcutil import Service
+from mesh.models import served_model
+from mesh.service import run_service, serve_grpc
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import TokenizerServicer, add_to
 from services.tokenizer.tokenizer import ModelTokenizer
@@ -30,33 +29,21 @@ def parse(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     apply_env(p, "INFERMESH_TOKENIZER")
     a = p.parse_args(argv)
-    models = tuple(model_store.served_model(spec) for spec in (a.model or ["default"]))
+    models = tuple(served_model(spec) for spec in (a.model or ["default"]))
     return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models, discovery=a.discovery,
-                           metrics_port=a.metrics_port,
-                           advertise=a.advertise)
+                           metrics_port=a.metrics_port, advertise=a.advertise)
 
 
 async def serve(config: TokenizerConfig) -> None:
     tokenizers = {name: ModelTokenizer(name, folder) for name, folder in config.models}
     service = Service("meshpb.v1.Tokenizer", config.host, config.port)
     add_to(service, TokenizerServicer(tokenizers, default=config.models[0][0]))
-    await service.start()
-    serve_metrics(config.metrics_port, config.host)
-    await service.ready()
-    advertised = advertise_address(config.host, config.port, config.advertise)
-    withdraw = await announce(config.discovery, Endpoint("tokenizer", config.replica_id, advertised))
     log.info("tokenizer %s serving %s on %s", config.replica_id, ", ".join(tokenizers), service.address)
-    await run_until_signalled(service, on_stop=withdraw)
+    await serve_grpc("tokenizer", config, service, port=config.port, metrics_port=config.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse(argv)
-    setup_logging("tokenizer", config.replica_id)
-    setup_tracing("tokenizer")
-    try:
-        asyncio.run(serve(config))
-    finally:
-        shutdown_tracing()
+    run_service("tokenizer", parse(argv), serve)
 
 
 if __name__ == "__main__":
