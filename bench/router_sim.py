@@ -1,13 +1,15 @@
-"""Discrete-event simulation: the router's real balancing policies over 8 modelled engines.
+"""Discrete-event simulation: the router's real balancing policies over 8 simulated engines.
 
 Every policy serves the same seeded workload: chat sessions over a long tail (Zipf 0.8) of
 shared system prompts / documents, each turn extending the session's previous prompt and
-answer.  Engines are modelled on ours: continuous batching with a 512-token step budget
-(decode rows + prefill chunks), a paged KV cache with hash-chained prefix reuse and LRU
-eviction, preemption when blocks run out.  Step times are the ones measured on this 2-core
-CPU: 20 ms + 4.6 ms per decoding sequence + 3.2 ms per prefilled token.  The policies are
-services/router/policies, fed Replica state the way the router feeds it: in_flight at once,
-everything else from a LoadReport every --report-interval seconds.
+answer.  Each engine is the engine's own scheduling code, driven in simulated time: the real
+services/engine Scheduler (continuous batching, 512-token step budget, chunked prefill,
+preemption) over the real BlockManager (paged KV, hash-chained prefix reuse, LRU eviction).
+Only the model is replaced: a step takes the time a cost model gives, measured on this 2-core
+CPU (20 ms + 4.6 ms per decoding sequence + 3.2 ms per prefilled token), and "samples" the
+next token of the turn's scripted answer, so the next turn's prompt hits the blocks the answer
+filled.  The policies are services/router/policies, fed Replica state the way the router feeds
+it: in_flight at once, everything else from a LoadReport every --report-interval seconds.
 
 Arrivals are Poisson at --load times round-robin's saturated throughput (measured first, on
 the same workload), so the baseline runs loaded but stable and every gain comes from placement.
@@ -23,13 +25,16 @@ import math
 import random
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mesh.prefix import block_hash  # noqa: E402
+from services.engine.block_manager import BlockManager  # noqa: E402
+from services.engine.request import Request, SamplingParams  # noqa: E402
+from services.engine.scheduler import Batch, Scheduler, SchedulerConfig  # noqa: E402
 from services.router.policies import POLICIES, Policy, PolicyConfig, RouteRequest  # noqa: E402
 from services.router.replicas import LoadReport, Replica  # noqa: E402
 
@@ -46,7 +51,7 @@ class SimConfig:
     load: float = 0.8                 # offered load / round-robin's saturated throughput
     rate: float = 0.0                 # requests/s; overrides `load` when set
     replicas: int = 8
-    # engine model: services/engine defaults and step times measured here (bench/engine.py)
+    # engine: services/engine defaults; the cost model's step times measured here (bench/engine.py)
     step_s: float = 0.020
     decode_s: float = 0.0046          # per running sequence that decodes this step
     prefill_s: float = 0.0032         # per prompt token computed
@@ -69,10 +74,9 @@ class SimConfig:
 # -- workload -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Turn:
-    prompt_len: int
-    out_len: int
+    prompt_len: int                     # the prompt is the session's first prompt_len tokens
+    out_len: int                        # the answer, the out_len tokens after it
     prompt_hashes: tuple[bytes, ...]    # full blocks of the prompt: what the router sees
-    all_hashes: tuple[bytes, ...]       # full blocks of prompt + answer: what the engine caches
     think_s: float                      # pause before the next turn
 
 
@@ -80,6 +84,7 @@ class Turn:
 class Session:
     key: str
     start: float
+    tokens: tuple[int, ...]             # the whole conversation: every turn's prompt and answer
     turns: tuple[Turn, ...]
 
 
@@ -117,159 +122,94 @@ def workload(cfg: SimConfig, rate: float) -> list[Session]:
             out_len = rng.randint(*cfg.output_tokens)
             tokens += [rng.randrange(vocab) for _ in range(out_len)]
             _extend(hashes, tokens, cfg.block_size)
-            turns.append(Turn(prompt_len, out_len, prompt_hashes, tuple(hashes), rng.expovariate(1 / cfg.think_s)))
-        sessions.append(Session(f"session-{s}", t, tuple(turns)))
+            turns.append(Turn(prompt_len, out_len, prompt_hashes, rng.expovariate(1 / cfg.think_s)))
+        sessions.append(Session(f"session-{s}", t, tuple(tokens), tuple(turns)))
     return sessions
 
 
 # -- one engine --------------------------------------------------------------------------------
-class Job:
-    """One request's life in the simulation (the engine's Request plus the router's timestamps)."""
+SAMPLING = SamplingParams()     # never read: the cost model stands in for the model and the sampler
 
-    __slots__ = ("turn", "session", "index", "route", "arrival", "first_token", "finished", "engine", "seq",
-                 "generated", "computed", "blocks", "committed", "cached", "admitted")
+
+class Job:
+    """One request's life in the simulation, as the router sees it (the engine holds its Request)."""
+
+    __slots__ = ("session", "index", "turn", "route", "arrival", "first_token", "finished", "engine", "cached",
+                 "generated")
 
     def __init__(self, session: Session, index: int, arrival: float, route: RouteRequest):
         self.session, self.index, self.turn, self.route = session, index, session.turns[index], route
         self.arrival, self.first_token, self.finished = arrival, -1.0, -1.0
-        self.engine, self.seq = -1, 0
-        self.generated = self.computed = self.committed = self.cached = 0
-        self.blocks: list[bytes | None] = []     # per KV block: its registered hash, or None (private)
-        self.admitted = False
+        self.engine = -1
+        self.cached = self.generated = 0        # at the end: prompt tokens the prefix cache served, tokens made
 
-    @property
-    def tokens(self) -> int:
-        return self.turn.prompt_len + self.generated
+    def answer(self, i: int) -> int:
+        """The answer's i-th token: what the model "samples"."""
+        return self.session.tokens[self.turn.prompt_len + i]
 
 
-class Engine:
-    """Scheduler + block manager of services/engine, reduced to counts and block hashes."""
+class SimEngine:
+    """The engine's Scheduler and BlockManager (services/engine), stepped in simulated time.
+
+    start_step() schedules a batch and returns how long the model would take on it; end_step()
+    is the rest of Engine.step() once that time has passed: commit the batch's KV, append each
+    sampled row's next token, finish requests whose answer is complete."""
 
     def __init__(self, cfg: SimConfig, replica: Replica):
         self.cfg, self.replica = cfg, replica
-        self.waiting: deque[Job] = deque()
-        self.running: list[Job] = []
-        self.ref: dict[bytes, int] = {}                      # registered blocks in use
-        self.evictable: OrderedDict[bytes, None] = OrderedDict()   # registered, unused: LRU first
-        self.private = 0                                     # in-use blocks without a registered hash
-        self.batch: list[tuple[Job, int]] = []
+        self.blocks = BlockManager(cfg.kv_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(max_batched_tokens=cfg.step_tokens,
+                                                                max_running=cfg.max_running))
+        self.jobs: dict[str, Job] = {}
+        self.batch: Batch | None = None
         self.busy_s = 0.0
         self.preemptions = 0
-        self._arrivals = 0
         self.done: deque[tuple[float, float]] = deque()      # (finished at, latency s), last 10 s
-        self.made: deque[tuple[float, int]] = deque()        # (step end, tokens sampled)
-
-    @property
-    def free(self) -> int:      # free or evictable, as BlockManager.num_free_blocks
-        return self.cfg.kv_blocks - len(self.ref) - self.private
+        self.made: deque[tuple[float, int]] = deque()        # (step end, tokens sampled), last 10 s
+        self.made_total = 0                                   # their sum
 
     def add(self, job: Job) -> None:
-        job.seq = self._arrivals
-        self._arrivals += 1
-        self.waiting.append(job)
+        request_id = f"{job.session.key}/{job.index}"
+        self.jobs[request_id] = job
+        self.scheduler.add(Request(request_id, list(job.session.tokens[:job.turn.prompt_len]), SAMPLING,
+                                   max_tokens=job.turn.out_len))
 
-    def _hit(self, job: Job) -> int:
-        usable = (job.tokens - 1) // self.cfg.block_size      # the last token is never served from cache
-        n = 0
-        for h in job.turn.all_hashes[:usable]:
-            if h not in self.ref and h not in self.evictable:
-                break
-            n += 1
-        return n
+    def step_seconds(self, batch: Batch) -> float:
+        """The cost model: a fixed cost, one per decoding row, one per other token computed."""
+        decodes = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids))
+        return self.cfg.step_s + self.cfg.decode_s * decodes + self.cfg.prefill_s * (batch.num_tokens - decodes)
 
-    def _new_blocks(self, job: Job, k: int) -> None:
-        job.blocks.extend([None] * k)
-        self.private += k
-        while len(self.ref) + self.private + len(self.evictable) > self.cfg.kv_blocks:
-            self.evictable.popitem(last=False)
+    def start_step(self) -> float:
+        """Schedule the next batch; returns its duration, 0 when there is nothing to run."""
+        batch = self.scheduler.schedule()
+        self.preemptions += len(batch.preempted)
+        self.batch = batch if batch.chunks else None
+        return self.step_seconds(batch) if batch.chunks else 0.0
 
-    def _release(self, job: Job) -> None:
-        for h in reversed(job.blocks):     # tail first, so the LRU evicts tails first
-            if h is None:
-                self.private -= 1
-            elif self.ref[h] == 1:
-                del self.ref[h]
-                self.evictable[h] = None
-            else:
-                self.ref[h] -= 1
-        job.blocks, job.computed, job.committed = [], 0, 0
-
-    def schedule(self) -> float:
-        """Form the next batch (Scheduler.schedule); returns the step's duration, 0 if idle."""
-        cfg, budget, batch, preempted = self.cfg, self.cfg.step_tokens, [], False
-        self.running.sort(key=lambda j: j.seq)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            job = self.running[i]
-            n = min(job.tokens - job.computed, budget)
-            need = -(-(job.computed + n) // cfg.block_size) - len(job.blocks)
-            while need > self.free:
-                victim = self.running.pop()
-                self._release(victim)
-                self.waiting.appendleft(victim)
-                self.preemptions += 1
-                preempted = True
-                if victim is job:
-                    break
-            if preempted and job not in self.running:
-                break
-            if need > 0:
-                self._new_blocks(job, need)
-            batch.append((job, n))
-            budget -= n
-            i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_running:
-            job = self.waiting[0]
-            hit = self._hit(job)
-            revived = sum(1 for h in job.turn.all_hashes[:hit] if h in self.evictable)
-            needed = -(-job.tokens // cfg.block_size) - hit
-            if self.free - revived - needed < 0:
-                break   # head-of-line, as the engine: keep arrival order rather than starve long prompts
-            self.waiting.popleft()
-            for h in job.turn.all_hashes[:hit]:
-                if h in self.evictable:
-                    del self.evictable[h]
-                self.ref[h] = self.ref.get(h, 0) + 1
-            job.blocks = list(job.turn.all_hashes[:hit])
-            self._new_blocks(job, needed)
-            job.computed = job.committed = hit * cfg.block_size
-            if not job.admitted:
-                job.admitted, job.cached = True, min(job.computed, job.turn.prompt_len)
-            self.running.append(job)
-            n = min(job.tokens - job.computed, budget)
-            batch.append((job, n))
-            budget -= n
-        self.batch = batch
-        decodes = sum(1 for job, n in batch if n == 1 and job.computed >= job.turn.prompt_len)
-        prefill = sum(n for job, n in batch) - decodes
-        return cfg.step_s + cfg.decode_s * decodes + cfg.prefill_s * prefill if batch else 0.0
-
-    def commit(self, now: float) -> list[Job]:
-        """The step ran: its KV is computed, full blocks registered, next tokens sampled."""
-        finished, sampled, bs = [], 0, self.cfg.block_size
-        for job, n in self.batch:
-            job.computed += n
-            full = min(job.computed // bs, len(job.turn.all_hashes))
-            for b in range(job.committed // bs, full):
-                h = job.turn.all_hashes[b]
-                if job.blocks[b] is None and h not in self.ref and h not in self.evictable:
-                    job.blocks[b] = h
-                    self.ref[h] = 1
-                    self.private -= 1
-            job.committed = max(job.committed, full * bs)
-            if job.computed == job.tokens:
-                job.generated += 1
-                sampled += 1
-                if job.generated == 1:
-                    job.first_token = now
-                if job.generated == job.turn.out_len:
-                    job.finished = now
-                    self.running.remove(job)
-                    self._release(job)
-                    self.done.append((now, now - job.arrival))
-                    finished.append(job)
+    def end_step(self, now: float) -> list[Job]:
+        """The step's model run is over at `now`; returns the jobs it finished."""
+        assert self.batch is not None
+        self.scheduler.commit(self.batch)
+        finished: list[Job] = []
+        sampled = 0
+        for chunk in self.batch.chunks:
+            if not chunk.sample:
+                continue
+            req = chunk.request
+            job = self.jobs[req.request_id]
+            req.append(job.answer(req.num_generated))
+            sampled += 1
+            if req.num_generated == 1:
+                job.first_token = now
+            if req.num_generated == req.max_tokens:
+                self.scheduler.finish(req)
+                del self.jobs[req.request_id]
+                job.cached, job.generated, job.finished = req.num_cached_tokens, req.num_generated, now
+                self.done.append((now, now - job.arrival))
+                finished.append(job)
         self.made.append((now, sampled))
-        self.batch = []
+        self.made_total += sampled
+        self.batch = None
         return finished
 
     def report(self, now: float, window: float = 10.0) -> LoadReport:
@@ -277,15 +217,20 @@ class Engine:
         while self.done and self.done[0][0] <= now - window:
             self.done.popleft()
         while self.made and self.made[0][0] <= now - window:
-            self.made.popleft()
+            self.made_total -= self.made.popleft()[1]
         lat = sorted(s for _, s in self.done)
 
         def pct(p: float) -> float:
             return 1000.0 * lat[min(len(lat) - 1, int(p * len(lat)))] if lat else 0.0
 
-        return LoadReport(running=len(self.running), waiting=len(self.waiting), kv_blocks_total=self.cfg.kv_blocks,
-                          kv_blocks_free=self.free, qps=len(lat) / window, p50_latency_ms=pct(0.5),
-                          p99_latency_ms=pct(0.99), tokens_per_second=sum(n for _, n in self.made) / window)
+        return LoadReport(running=len(self.scheduler.running), waiting=self.scheduler.num_waiting,
+                          kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free_blocks,
+                          qps=len(lat) / window, p50_latency_ms=pct(0.5), p99_latency_ms=pct(0.99),
+                          tokens_per_second=self.made_total / window)
+
+    def idle_and_empty(self) -> bool:
+        """Nothing queued or running, and every KV block free or merely cached (no references)."""
+        return not self.scheduler.has_work() and not self.jobs and self.blocks.num_used_blocks == 0
 
 
 # -- the cluster and the router ---------------------------------------------------------------
@@ -340,7 +285,7 @@ def simulate(cfg: SimConfig, sessions: Sequence[Session], policy_name: str, user
     N users at once, each starting the next unstarted session when its last one ends."""
     policy = make(policy_name)
     replicas = [Replica(f"engine-{i}", "sim", model="m", healthy=True) for i in range(cfg.replicas)]
-    engines = [Engine(cfg, r) for r in replicas]
+    engines = [SimEngine(cfg, r) for r in replicas]
     # (time, tiebreak, kind, session, index): index is the turn for ARRIVE, the engine for STEP.
     events: list[tuple[float, int, int, Session | None, int]] = []
     ARRIVE, STEP, REPORT, SAMPLE = 0, 1, 2, 3
@@ -352,7 +297,7 @@ def simulate(cfg: SimConfig, sessions: Sequence[Session], policy_name: str, user
         heapq.heappush(events, (t, counter, kind, session, index))
 
     def step(e: int, now: float) -> None:
-        duration = engines[e].schedule()
+        duration = engines[e].start_step()
         if duration:
             engines[e].busy_s += duration
             push(now + duration, STEP, None, e)
@@ -388,7 +333,7 @@ def simulate(cfg: SimConfig, sessions: Sequence[Session], policy_name: str, user
                 step(e, now)
         elif kind == STEP:
             e = index
-            for job in engines[e].commit(now):
+            for job in engines[e].end_step(now):
                 replicas[e].in_flight -= 1
                 policy.on_finish(replicas[e], job.route, now, now - job.arrival, True)
                 if job.index + 1 < len(job.session.turns):
@@ -396,7 +341,7 @@ def simulate(cfg: SimConfig, sessions: Sequence[Session], policy_name: str, user
                 elif pending:
                     push(now, ARRIVE, pending.popleft(), 0)
             step(e, now)
-            stepping[e] = bool(engines[e].batch)
+            stepping[e] = engines[e].batch is not None
         elif len(jobs) < total or any(stepping):    # periodic events stop once all is done
             if kind == REPORT:
                 for r, eng in zip(replicas, engines, strict=True):
@@ -406,7 +351,7 @@ def simulate(cfg: SimConfig, sessions: Sequence[Session], policy_name: str, user
                 entropy.append(policy.load_entropy(now))
                 push(now + 1.0, SAMPLE)
     for eng in engines:    # conservation: everything admitted ran to the end and gave its blocks back
-        if eng.running or eng.waiting or eng.private or eng.ref:
+        if not eng.idle_and_empty():
             raise RuntimeError(f"{eng.replica.replica_id} ended holding work or KV blocks")
     if len(jobs) != total or any(j.finished < 0 for j in jobs) or any(r.in_flight for r in replicas):
         raise RuntimeError("a request was lost")

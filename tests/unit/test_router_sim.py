@@ -1,4 +1,5 @@
-"""bench/router_sim.py: a quick run completes, repeats itself for a seed, and loses nothing."""
+"""bench/router_sim.py (the real engine Scheduler and BlockManager in simulated time, the router's real
+policies): a quick run completes, repeats itself for a seed, and loses nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from mesh.prefix import block_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("round_robin", "balancing+prefix+session")
@@ -52,10 +55,12 @@ def test_the_same_seed_gives_the_same_results(sim: ModuleType, quick: tuple) -> 
 
 
 def test_sessions_extend_their_previous_turn(quick: tuple) -> None:
-    _, sessions, _ = quick
+    cfg, sessions, _ = quick
     multi = next(s for s in sessions if len(s.turns) > 1)
     first, second = multi.turns[:2]
-    assert second.prompt_hashes[:len(first.all_hashes)] == first.all_hashes   # history, answer included
+    history = block_hashes(multi.tokens[:first.prompt_len + first.out_len], cfg.block_size)   # answer included
+    assert second.prompt_hashes[:len(history)] == tuple(history)
+    assert first.prompt_hashes == tuple(block_hashes(multi.tokens[:first.prompt_len], cfg.block_size))
     assert second.prompt_len > first.prompt_len + first.out_len
 
 
