@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce, load_endpoints, parse_endpoint
+from mesh.discovery import BACKENDS, load_endpoints, parse_endpoint
 from mesh.envargs import apply_env
-from mesh.grpcutil import Service, run_until_signalled, setup_logging
-from mesh.telemetry import setup_tracing, shutdown_tracing
+from mesh.grpcutil import Service
+from mesh.service import run_service, serve_grpc
 from meshpb.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.policies import POLICIES
@@ -80,47 +79,16 @@ async def serve(config: RouterConfig) -> None:
     service = Service("meshpb.v1.Router", config.host, config.port)
     servicer = RouterServicer(config)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
-    await service.start()
-    if config.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.metrics_port, addr=config.host)
-    await servicer.probe_all()
-    watcher = asyncio.create_task(servicer.watch())
-    follower = asyncio.create_task(servicer.follow_discovery())
-
-    async def follow_readiness() -> None:
-        # Serving only while at least one engine is: the edge's /health reflects the mesh.
-        while True:
-            await service.ready(servicer.ready())
-            await asyncio.sleep(config.probe_interval_s)
-
-    readiness = asyncio.create_task(follow_readiness())
+    # The router sets its own readiness: SERVING only while the tokenizer and an engine are healthy.
+    await servicer.start(report_ready=service.ready)
     log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,
              len(config.engines), config.policy)
-
-    withdraw = await announce(config.discovery, Endpoint("router", config.replica_id,
-                                                         advertise_address(config.host, config.port, config.advertise),
-                                                         region=config.region))
-
-    async def stop_tasks() -> None:
-        await withdraw()
-        watcher.cancel()
-        readiness.cancel()
-        follower.cancel()
-        await servicer.close()
-
-    await run_until_signalled(service, on_stop=stop_tasks)
+    await serve_grpc("router", config, service, port=config.port, metrics_port=config.metrics_port, ready=False,
+                     on_stop=servicer.close, region=config.region)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse(argv)
-    setup_logging("router", config.replica_id)
-    setup_tracing("router")
-    try:
-        asyncio.run(serve(config))
-    finally:
-        shutdown_tracing()
+    run_service("router", parse(argv), serve)
 
 
 if __name__ == "__main__":

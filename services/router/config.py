@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.discovery import Endpoint
+from services.router.failover import BreakerConfig, FailoverConfig
 from services.router.policies import POLICIES
 
 
@@ -43,6 +44,10 @@ class RouterConfig:
             raise ValueError("probe_interval_s must be positive")
         if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("stall/first-token timeouts must be positive and max_attempts at least 1")
-        from services.router.failover import FailoverConfig
+        self.failover()                    # raises on a fallback cycle or a bad confidence
 
-        FailoverConfig(fallbacks={m: (n, c) for m, n, c in self.fallbacks})   # raises on cycles, bad confidence
+    def failover(self) -> FailoverConfig:
+        """The failover knobs these flags set (the rest keep FailoverConfig's defaults)."""
+        p99_target_s = self.p99_target_ms / 1000 if self.p99_target_ms else None
+        return FailoverConfig(fallbacks={m: (n, c) for m, n, c in self.fallbacks}, max_attempts=self.max_attempts,
+                              replica=BreakerConfig(p99_target_s=p99_target_s))

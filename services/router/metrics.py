@@ -1,7 +1,8 @@
 """Prometheus metrics of the router (served on --metrics-port).
 
-Counters are bumped by server.py as requests go; the replica table and the breakers are read at
-scrape time (ReplicaCollector), so those gauges are never stale and cost nothing between scrapes.
+Counters are bumped by dispatch.py and server.py as requests go; the replica table and the
+breakers are read at scrape time (ReplicaCollector, fed by admin.py's snapshot), so those gauges
+are never stale and cost nothing between scrapes.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from mesh.discovery import Endpoint
 
 @dataclass(frozen=True)
 class LoadReport:
-    """An engine's view of its own load: meshpb.v1.LoadReport as plain values (server.py converts)."""
+    """An engine's view of its own load: meshpb.v1.LoadReport as plain values (engines.py converts)."""
 
     running: int = 0
     waiting: int = 0
@@ -58,9 +58,11 @@ class Replica:
         self.unix_ms = report.unix_ms
         self.load_at = now
 
-    def load_age(self, now: float) -> float:
-        """Seconds since the last load report; infinite before the first."""
-        return float("inf") if self.load_at is None else now - self.load_at
+    @property
+    def load(self) -> LoadReport:
+        """The last load report applied (all zeros before the first)."""
+        return LoadReport(self.running, self.waiting, self.kv_blocks_total, self.kv_blocks_free, self.qps,
+                          self.p50_latency_ms, self.p99_latency_ms, self.tokens_per_second, self.unix_ms)
 
     @property
     def mem_ratio(self) -> float:
@@ -90,17 +92,7 @@ class Replica:
 class ReplicaTable:
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
-
-    def upsert(self, replica: Replica) -> Replica:
-        existing = self._replicas.get(replica.replica_id)
-        if existing is None:
-            self._replicas[replica.replica_id] = replica
-            return replica
-        existing.address = replica.address
-        return existing
-
-    def remove(self, replica_id: str) -> Replica | None:
-        return self._replicas.pop(replica_id, None)
+        self.block_size = 16       # the engines' KV block size (GetInfo), which prefix hashes are cut by
 
     def get(self, replica_id: str) -> Replica | None:
         return self._replicas.get(replica_id)
@@ -129,18 +121,6 @@ class ReplicaTable:
             if known is None or known.address != e.address:
                 if known is not None:
                     removed.append(known)
-                added.append(self.upsert_new(Replica(e.replica_id, e.address, region=e.region)))
+                replica = self._replicas[e.replica_id] = Replica(e.replica_id, e.address, region=e.region)
+                added.append(replica)
         return added, removed
-
-    def upsert_new(self, replica: Replica) -> Replica:
-        """Insert `replica`, replacing any entry with its id (a replica that moved address)."""
-        self._replicas[replica.replica_id] = replica
-        return replica
-
-    def apply_load(self, replica_id: str, report: LoadReport, now: float) -> bool:
-        """False when the replica is unknown (a report that raced its removal)."""
-        replica = self._replicas.get(replica_id)
-        if replica is None:
-            return False
-        replica.apply_load(report, now)
-        return True

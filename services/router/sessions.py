@@ -2,7 +2,7 @@
 
 A client that names a session (`x-session-id` or the OpenAI `user` field) may send either the
 whole conversation, OpenAI style, or only what is new; the router keeps the history in the
-cache service's session store.  Pure code: the server fetches and appends.
+cache service's session store.  Pure code: the dispatcher fetches and appends (upstream.Sessions).
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ A request may pin a version (`model@version` or the `x-infermesh-model-version` 
 Otherwise a stable hash of the request's key (its session, else its id) picks the share, so
 one session stays on one version while a canary runs.  Switching the default only affects
 requests routed afterwards: an in-flight request keeps the replica, so the version, it
-started on.  Pure code; the admin API in the server calls set().
+started on.  Pure code; the admin API (admin.py) calls set().
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from mesh.errors import InvalidArgument, NotFound, Unavailable
@@ -21,6 +21,18 @@ from mesh.errors import InvalidArgument, NotFound, Unavailable
 def version_key(version: str) -> tuple[tuple[int, int | str], ...]:
     """Natural order: "2" < "10", "1.9" < "1.10"; non-numeric parts compare as text after numbers."""
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"[.\-_]", version))
+
+
+def resolve_model(model: str, version: str, default_model: str, served: Collection[str]) -> tuple[str, str]:
+    """A request's `name`, `name@version` or "" / "default" (the default model), and its pinned
+    version -> (name, pinned version or "").  served: the models that have a replica."""
+    name, _, at_version = model.partition("@")
+    if at_version and version and at_version != version:
+        raise InvalidArgument(f"model {model!r} names version {at_version!r} but the request pins {version!r}")
+    name = name if name and name != "default" else default_model
+    if name not in served:
+        raise NotFound(f"model {name!r} is not served; available: {', '.join(served) or 'none yet'}")
+    return name, at_version or version
 
 
 def unit_interval(key: str) -> float:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from mesh.discovery import Endpoint
 from services.router.policies import Balancing, LeastLoad, LoadEntropy, NoReplica, PolicyConfig, RoundRobin
 from services.router.policies.policy import RouteRequest
 from services.router.replicas import LoadReport, Replica, ReplicaTable
@@ -29,23 +30,31 @@ def ids(policy: RoundRobin | LeastLoad | Balancing, pool: list[Replica], n: int)
 # -- replica state ----------------------------------------------------------------------
 def test_apply_load_copies_the_report_and_stamps_the_time() -> None:
     r = Replica("a", "a:1")
-    assert r.mem_ratio == 0.0 and r.load_age(5.0) == math.inf
+    assert r.mem_ratio == 0.0 and r.load_at is None and r.load == LoadReport()
     r.in_flight = 7
-    r.apply_load(LoadReport(running=3, waiting=2, kv_blocks_total=200, kv_blocks_free=50, qps=1.5,
-                            p50_latency_ms=10, p99_latency_ms=90, tokens_per_second=300, unix_ms=123), now=4.0)
+    report = LoadReport(running=3, waiting=2, kv_blocks_total=200, kv_blocks_free=50, qps=1.5,
+                        p50_latency_ms=10, p99_latency_ms=90, tokens_per_second=300, unix_ms=123)
+    r.apply_load(report, now=4.0)
     assert (r.running, r.waiting, r.qps, r.p99_latency_ms, r.unix_ms, r.load_at) == (3, 2, 1.5, 90, 123, 4.0)
-    assert r.mem_ratio == 0.75 and r.load_age(5.5) == 1.5
+    assert r.load == report            # what ListReplicas reports back
+    assert r.mem_ratio == 0.75
     assert r.outstanding == 9          # in_flight + waiting
     assert r.queued == 4               # in_flight - running beats the stale waiting=2
 
 
-def test_table_applies_reports_by_id_and_removes() -> None:
+def test_table_follows_discovery_adds_moves_and_removes() -> None:
     table = ReplicaTable()
-    table.upsert(Replica("a", "a:1"))
-    assert table.apply_load("a", LoadReport(waiting=5), now=1.0)
-    assert table.all()[0].waiting == 5
-    assert not table.apply_load("zz", LoadReport(), now=1.0)
-    assert table.remove("a") is not None and table.all() == []
+    added, removed = table.sync([Endpoint("engine", "a", "a:1"), Endpoint("engine", "b", "b:1", region="eu")])
+    assert [r.replica_id for r in added] == ["a", "b"] and removed == []
+    a, b = table.get("a"), table.get("b")
+    assert a is not None and not a.healthy and b is not None and b.region == "eu"
+    assert table.sync([Endpoint("engine", "a", "a:1"), Endpoint("engine", "b", "b:1", region="eu")]) == ([], [])
+    # b moved address: a fresh replica; c is new; a left.
+    added, removed = table.sync([Endpoint("engine", "b", "b:2"), Endpoint("engine", "c", "c:1")])
+    assert sorted(r.replica_id for r in added) == ["b", "c"]
+    assert sorted((r.replica_id, r.address) for r in removed) == [("a", "a:1"), ("b", "b:1")]
+    assert [(r.replica_id, r.address) for r in table.all()] == [("b", "b:2"), ("c", "c:1")]
+    assert table.get("a") is None and table.models() == []
 
 
 # -- empty pools ------------------------------------------------------------------------

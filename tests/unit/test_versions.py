@@ -1,7 +1,7 @@
 import pytest
 
 from mesh.errors import InvalidArgument, NotFound, Unavailable
-from services.router.versions import ModelVersions, unit_interval, version_key
+from services.router.versions import ModelVersions, resolve_model, unit_interval, version_key
 
 
 def test_natural_version_order() -> None:
@@ -66,3 +66,18 @@ def test_set_validates_before_changing_anything() -> None:
     assert routing.default == "1" and routing.canary == {"2": 0.5}
     v.set("m", {"1", "2"}, default="2", canary={"2": 0.0})
     assert v.routing("m", {"1", "2"}).canary == {}
+
+
+def test_resolve_model_names_versions_and_the_default() -> None:
+    served = ["m", "other"]
+    assert resolve_model("", "", "m", served) == ("m", "")
+    assert resolve_model("default", "", "m", served) == ("m", "")
+    assert resolve_model("other@2", "", "m", served) == ("other", "2")
+    assert resolve_model("other", "3", "m", served) == ("other", "3")
+    assert resolve_model("other@2", "2", "m", served) == ("other", "2")
+    with pytest.raises(InvalidArgument, match="names version '2' but the request pins '3'"):
+        resolve_model("other@2", "3", "m", served)
+    with pytest.raises(NotFound, match="model 'nope' is not served; available: m, other"):
+        resolve_model("nope", "", "m", served)
+    with pytest.raises(NotFound, match="available: none yet"):
+        resolve_model("", "", "m", [])

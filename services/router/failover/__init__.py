@@ -6,7 +6,8 @@ that takes `now`, does no I/O and is tested with a fake clock.
     budget.py   RetryBudget: retries shared by all requests, at most ~20% on top of them
     chain.py    FallbackChain: model -> next model, confidence multiplying along the chain
     levels.py   Failover: L1 isolation, L2 admission, L3 plan over the chain; Saturated
-    call.py     Call: one request's attempts, retries and model outcome: what server.py uses
+    call.py     Call: one request's attempts, retries and model outcome: what dispatch.py uses
+    probes.py   ProbeVerdicts: a replica's health from its probes (isolated after misses in a row)
     config.py   BreakerConfig, FailoverConfig
 """
 
@@ -27,10 +28,11 @@ from services.router.failover.levels import (
     Plan,
     Saturated,
 )
+from services.router.failover.probes import ProbeVerdicts
 from services.router.failover.window import OutcomeWindow, p99
 
 __all__ = [
     "CAUSES", "EXCLUDED", "ISOLATED", "OPEN", "PROBING", "SATURATED", "UNHEALTHY",
     "Attempt", "Breaker", "BreakerConfig", "BreakerState", "Call", "Failover", "FailoverConfig", "FallbackChain",
-    "OutcomeWindow", "Pass", "Plan", "RetryBudget", "Saturated", "Step", "p99",
+    "OutcomeWindow", "Pass", "Plan", "ProbeVerdicts", "RetryBudget", "Saturated", "Step", "p99",
 ]

@@ -12,7 +12,7 @@
         Retry-After from the soonest recovery.
 
 `plan` only reads; passes are taken by `start` (replica breakers) and by Call (model
-breakers), and the server uses a Call per request (call.py) rather than these directly.
+breakers), and the dispatcher uses a Call per request (call.py) rather than these directly.
 """
 
 from __future__ import annotations

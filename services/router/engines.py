@@ -1,0 +1,63 @@
+"""The router's client of the engines: one channel per address, their info and load reports.
+
+Protobuf stops here for what the router keeps: GetInfo becomes EngineInfo, each load report
+the plain LoadReport of replicas.py, and `load_to_pb` is the way back (ListReplicas).  The
+Generate stream itself is relayed by relay.py on `stub()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, fields
+from typing import NamedTuple
+
+from mesh.grpcutil import channel
+from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.router.replicas import LoadReport
+
+
+class EngineInfo(NamedTuple):
+    """What the router needs of an engine's GetInfo."""
+
+    model: str
+    model_version: str
+    region: str
+    max_context: int
+    block_size: int
+
+
+def load_from_pb(report: common_pb2.LoadReport) -> LoadReport:
+    """meshpb.v1.LoadReport -> LoadReport (field names are the same on both sides)."""
+    return LoadReport(**{f.name: getattr(report, f.name) for f in fields(LoadReport)})
+
+
+def load_to_pb(replica_id: str, load: LoadReport) -> common_pb2.LoadReport:
+    """LoadReport -> meshpb.v1.LoadReport, naming the replica it describes."""
+    return common_pb2.LoadReport(replica_id=replica_id, **asdict(load))
+
+
+class Engines:
+    def __init__(self) -> None:
+        self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
+
+    def stub(self, address: str) -> engine_pb2_grpc.EngineStub:
+        """The engine at `address`; one channel per address, kept for the router's life."""
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel(address))
+        return stub
+
+    async def info(self, address: str, timeout: float = 2.0) -> EngineInfo:
+        """Raises grpc.aio.AioRpcError when the engine does not answer."""
+        info = await self.stub(address).GetInfo(engine_pb2.EngineInfoRequest(), timeout=timeout)
+        return EngineInfo(info.model, info.model_version, info.region, info.max_context, info.block_size)
+
+    async def loads(self, address: str, interval_ms: int) -> AsyncIterator[LoadReport]:
+        """The engine's load reports as it sends them (WatchLoad), until the stream fails
+        (grpc.aio.AioRpcError) or the caller stops reading."""
+        call = self.stub(address).WatchLoad(engine_pb2.LoadRequest(interval_ms=interval_ms))
+        try:
+            async for report in call:
+                yield load_from_pb(report)
+        finally:
+            call.cancel()

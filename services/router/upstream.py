@@ -1,0 +1,151 @@
+"""The router's single-replica dependencies: the tokenizer and the session store.
+
+Each sits behind the `circuitbreaker` package's breaker (consecutive failures, fixed recovery
+time: all they need): when one is down, requests fail fast (tokenizer) or go on without history
+(session store) instead of each waiting out a timeout.  Engines need more (windows, probes, a
+fake clock in tests): services/router/failover.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+from circuitbreaker import CircuitBreaker, CircuitBreakerError
+from tokenizers import Tokenizer as Vocabulary
+
+from mesh.chat import Message
+from mesh.errors import InvalidArgument, MeshError, Unavailable
+from mesh.grpcutil import channel
+from mesh.telemetry import client_span, outgoing_metadata
+from meshpb.v1 import cache_pb2, cache_pb2_grpc, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# What the dependency breakers count: the service failing, not a request it refused.
+_DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.UNKNOWN)
+
+
+def _dependency_down(kind: type[BaseException], err: BaseException) -> bool:
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() in _DOWN_CODES
+
+
+def within(deadline_s: float | None, cap: float) -> float:
+    """A hop's timeout: its own cap, or less when the client's deadline comes sooner."""
+    return cap if deadline_s is None else max(0.001, min(cap, deadline_s))
+
+
+def relay_error(hop: str, err: grpc.aio.AioRpcError) -> MeshError:
+    """Keep a downstream status that the caller can act on; name the hop that failed."""
+    exc = MeshError(f"{hop}: {err.details()}")
+    exc.code = err.code() if err.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL
+    return exc
+
+
+def _chat(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage]:
+    return [tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in messages]
+
+
+class Tokenizer:
+    """Token ids from the tokenizer service; text from ids in process (`decoder`)."""
+
+    def __init__(self, address: str, name: str):
+        self.address = address
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(channel(address))
+        self.breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=5, expected_exception=_dependency_down,
+                                      name=name)
+        self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
+
+    async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message],
+                       deadline_s: float | None = None) -> list[int]:
+        """The prompt's ids: the chat template over `conversation`, or the raw prompt encoded."""
+        kind = request.WhichOneof("input")
+        if kind not in ("chat", "prompt"):
+            raise InvalidArgument("the request has neither chat messages nor a prompt")
+        timeout = within(deadline_s, 30.0)
+        try:
+            with client_span("router.tokenize", model=model, input=kind) as span:
+                if kind == "chat":
+                    enc = await self.breaker.call_async(
+                        self.stub.ApplyChatTemplate, tokenizer_pb2.ChatTemplateRequest(
+                            model=model, messages=_chat(conversation), add_generation_prompt=True),
+                        metadata=outgoing_metadata(), timeout=timeout)
+                else:
+                    enc = await self.breaker.call_async(
+                        self.stub.Encode,
+                        tokenizer_pb2.EncodeRequest(model=model, text=request.prompt, add_special_tokens=True),
+                        metadata=outgoing_metadata(), timeout=timeout)
+                span.set_attribute("prompt_tokens", len(enc.ids))
+        except CircuitBreakerError:
+            wait = max(1, self.breaker.open_remaining)
+            raise Unavailable(f"tokenizer {self.address} is failing: not called again for {wait} s "
+                              "(circuit open)", retry_after_s=wait) from None
+        except grpc.aio.AioRpcError as err:
+            raise relay_error("tokenizer", err) from None
+        return list(enc.ids)
+
+    async def decoder(self, model: str) -> Callable[[Sequence[int]], str]:
+        """ids -> text for `model`, from the tokenizer service's `tokenizers` JSON, fetched once.
+
+        Streams are detokenized here, in process: a round trip to the tokenizer per token
+        cost more CPU than the decode itself on a busy machine."""
+        decode = self._decoders.get(model)
+        if decode is None:
+            try:
+                with client_span("router.tokenizer_json", model=model):
+                    spec = await self.stub.GetTokenizerJson(tokenizer_pb2.ModelInfoRequest(model=model),
+                                                            metadata=outgoing_metadata(), timeout=30.0)
+            except grpc.aio.AioRpcError as err:
+                raise relay_error("tokenizer", err) from None
+            vocabulary = Vocabulary.from_str(spec.tokenizer_json)
+
+            def decode(ids: Sequence[int]) -> str:
+                return str(vocabulary.decode(list(ids), skip_special_tokens=True))
+
+            self._decoders[model] = decode
+        return decode
+
+
+class Sessions:
+    """The cache service's session store; address "": none (every request stands alone)."""
+
+    def __init__(self, address: str, name: str):
+        self.stub = cache_pb2_grpc.CacheStub(channel(address)) if address else None
+        self.breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=10, expected_exception=_dependency_down,
+                                      name=name)
+
+    async def history(self, session_id: str) -> list[Message]:
+        """The stored conversation, or [] (no session store, no such session, or the store is
+        down: the request then goes on with the messages it carries, and a warning is logged)."""
+        if self.stub is None or not session_id:
+            return []
+        try:
+            with client_span("router.session_lookup", session_id=session_id) as span:
+                found = await self.breaker.call_async(
+                    self.stub.GetSession, cache_pb2.SessionRequest(session_id=session_id),
+                    metadata=outgoing_metadata(), timeout=5.0)
+                span.set_attributes({"found": found.found, "messages": len(found.messages)})
+        except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
+            log.warning("session store unavailable (%s); session %s goes on without its history",
+                        _why(err), session_id)
+            return []
+        return [Message(m.role, m.content, m.name) for m in found.messages]
+
+    async def remember(self, session_id: str, messages: list[Message]) -> None:
+        """Append the turn; a store that is down costs the session this turn, not the request."""
+        if self.stub is None or not session_id or not messages:
+            return
+        try:
+            with client_span("router.session_store", session_id=session_id, messages=len(messages)):
+                await self.breaker.call_async(
+                    self.stub.AppendSession,
+                    cache_pb2.AppendSessionRequest(session_id=session_id, messages=_chat(messages)),
+                    metadata=outgoing_metadata(), timeout=5.0)
+        except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
+            log.warning("session %s: could not store the turn (%s)", session_id, _why(err))
+
+
+def _why(err: grpc.aio.AioRpcError | CircuitBreakerError) -> str:
+    return err.code().name if isinstance(err, grpc.aio.AioRpcError) else "circuit open"
