@@ -1,7 +1,7 @@
 """Clients of the mesh for users and for the services themselves.
 
 `RouterClient` speaks gRPC to the router and yields plain dataclasses, so the edge and the
-CLI never touch protobuf.  The HTTP/3 client lives in mesh/h3client.py.
+CLI never touch protobuf.  The HTTP/3 client lives in mesh/clients/http3.py.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                   for a in ("--engine", f"{e.name}={e.health}"))],
                    f"127.0.0.1:{router_port}")
     http_port = config.port(HTTP_PORT)
-    edge = Child("edge-0", [*py, "mesh.edge", "--replica-id", "edge-0", "--host", config.host,
+    edge = Child("edge-0", [*py, "services.edge", "--replica-id", "edge-0", "--host", config.host,
                             "--http-port", str(http_port), "--http3-port", str(config.port(HTTP3_PORT)),
                             "--router", router.health, *discovery],
                  f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")

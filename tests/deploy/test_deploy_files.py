@@ -40,7 +40,7 @@ KUBERNETES_VERSION = "1.31.0"        # the oldest we promise; mixed-protocol Loa
 # The module each service runs (ENTRYPOINT is `python -m`), and its variable prefix.
 PREFIXES = {"services.cache": "INFERMESH_CACHE", "services.tokenizer": "INFERMESH_TOKENIZER",
             "services.engine": "INFERMESH_ENGINE", "services.router": "INFERMESH_ROUTER",
-            "mesh.edge": "INFERMESH_EDGE"}
+            "services.edge": "INFERMESH_EDGE"}
 # Variables read outside the parsers (auth, model store, discovery client, OpenTelemetry).
 OTHER_VARIABLES = {"INFERMESH_HOME", "INFERMESH_API_KEYS", "INFERMESH_API_KEYS_FILE", "INFERMESH_ADMIN_KEYS",
                    "INFERMESH_ADMIN_KEYS_FILE", "INFERMESH_RATE_LIMIT", "CONSUL_HTTP_ADDR", "CONSUL_HTTP_TOKEN",
@@ -246,7 +246,7 @@ def test_compose_services_use_real_flags_and_the_launchers_ports(compose: dict[s
         service = services[name]
         check = service["healthcheck"]["test"]
         assert check[:4] == ["CMD", "python", "-m", "mesh.healthcheck"], f"{name}: healthcheck"
-        if module == "mesh.edge":
+        if module == "services.edge":
             assert (a.http_port, a.http3_port) == (launcher.HTTP_PORT, launcher.HTTP3_PORT)
             assert a.host == "0.0.0.0"
             assert check[4] == f"http://127.0.0.1:{a.http_port}/health"
@@ -292,7 +292,7 @@ def test_compose_observability_files_exist_and_are_scraped(compose: dict[str, An
                for t in sc["targets"]}
     for name, module, argv, env in compose_infermesh(compose):
         a = effective(module, argv, env, name)
-        port = a.http_port if module == "mesh.edge" else a.metrics_port
+        port = a.http_port if module == "services.edge" else a.metrics_port
         assert f"127.0.0.1:{port}" in targets, f"compose/prometheus.yml does not scrape {name} (127.0.0.1:{port})"
     collector = " ".join(services["otel-collector"]["command"])
     assert "0.0.0.0:4317" in collector and "jaeger:4317" in collector
@@ -384,7 +384,7 @@ def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, A
             resources = container.get("resources", {})
             assert {"cpu", "memory"} <= set(resources.get("requests", {})), f"{where}: resource requests"
             assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-            if module == "mesh.edge":
+            if module == "services.edge":
                 assert a.host == "0.0.0.0" and a.router == f"router:{launcher.ROUTER_PORT}"
                 assert (a.http_port, a.http3_port) == (launcher.HTTP_PORT, launcher.HTTP3_PORT)
                 assert ports["http"]["containerPort"] == a.http_port

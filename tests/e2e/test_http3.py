@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from mesh.h3client import H3Client, TicketStore
+from mesh.clients.http3 import H3Client
+from mesh.clients.tickets import TicketStore
 from tests.e2e.conftest import Mesh
 
 pytestmark = pytest.mark.e2e

@@ -222,7 +222,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
                 "--tokenizer", f"{a('tokenizer')}:50052", "--cache", f"{a('cache')}:50053", "--region", "a",
                 "--discovery-file", str(logs / "engines.json"), "--metrics-port", "9180")
         wait_ready(h, {"router": f"{a('router')}:50051"})
-        h.start("edge", "mesh.edge", "--replica-id", "edge-0", "--host", a("edge"), "--http-port", "8000",
+        h.start("edge", "services.edge", "--replica-id", "edge-0", "--host", a("edge"), "--http-port", "8000",
                 "--http3-port", "8443", "--router", f"{a('router')}:50051", "--cert-dir", str(logs / "tls"),
                 env={"INFERMESH_API_KEYS": API_KEY})
         wait_ready(h, {"edge": f"http://{a('edge')}:8000/health"})

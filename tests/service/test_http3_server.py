@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from mesh.edge.http3 import ensure_self_signed_cert, serve_http3
-from mesh.h3client import H3Client
+from mesh.clients.http3 import H3Client
+from services.edge.http3 import serve_http3
+from services.edge.tls import ensure_self_signed_cert
 
 SSE_CHUNKS = 5
 SSE_GAP = 0.05

@@ -19,8 +19,10 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
-from mesh.edge.http3 import SessionTicketStore, ensure_self_signed_cert, replay_tolerable
-from mesh.h3client import H3Client, TicketStore
+from mesh.clients.http3 import H3Client
+from mesh.clients.tickets import TicketStore
+from services.edge.tls import ensure_self_signed_cert
+from services.edge.zero_rtt import SessionTicketStore, replay_tolerable
 from tests.service.test_http3_server import read_body, run_with_server
 
 CHAT = "/v1/chat/completions"

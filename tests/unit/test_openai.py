@@ -6,13 +6,14 @@ from typing import Any
 import pytest
 
 from mesh.client import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
-from mesh.edge import openai
-from mesh.edge.app import EdgeApp
-from mesh.edge.auth import digest
-from mesh.edge.config import EdgeConfig
-from mesh.edge.openai import BadRequest
-from mesh.edge.openapi import document
-from mesh.edge.ratelimit import Rate
+from services.edge import openai, responses
+from services.edge.app import EdgeApp
+from services.edge.auth import digest
+from services.edge.config import EdgeConfig
+from services.edge.errors import ApiError
+from services.edge.fields import parse_json
+from services.edge.openapi import document
+from services.edge.ratelimit import Rate
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -51,47 +52,45 @@ def test_header_session_wins_over_user() -> None:
     ({"presence_penalty": 1.0}, "presence_penalty"),
 ])
 def test_bad_chat_requests_name_the_field(patch: dict[str, object], param: str) -> None:
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(ApiError) as err:
         openai.parse_chat({**CHAT, **patch})
     assert err.value.status == 400 and err.value.param == param
 
 
 def test_stream_options_need_stream() -> None:
     assert openai.stream_options({"stream": True, "stream_options": {"include_usage": True}}) == (True, True)
-    with pytest.raises(BadRequest):
+    with pytest.raises(ApiError):
         openai.stream_options({"stream_options": {"include_usage": True}})
 
 
 def test_completion_prompt() -> None:
     spec = openai.parse_completion({"model": "m", "prompt": ["once upon"], "max_tokens": 3})
     assert spec.prompt == "once upon" and spec.sampling.max_tokens == 3
-    with pytest.raises(BadRequest):
+    with pytest.raises(ApiError):
         openai.parse_completion({"model": "m", "prompt": ["a", "b"]})
 
 
 def test_response_shapes_carry_infermesh_metadata() -> None:
     final = Delta("", "stop", 5, 2, served_by=ServedBy("engine-0", "m", "1", "local", False, 1.0))
-    body = openai.completion_body(True, "chatcmpl-1", "m", "hi", final)
+    body = responses.completion_body(True, "chatcmpl-1", "m", "hi", final)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["infermesh"] == {"replica": "engine-0", "model_version": "1", "region": "local",
                                  "degraded": False, "confidence": 1.0}
-    chunk = openai.chunk_body(True, "chatcmpl-1", "m", "", "stop", final=final)
+    chunk = responses.chunk_body(True, "chatcmpl-1", "m", "", "stop", final=final)
     assert chunk["choices"][0]["delta"] == {} and chunk["infermesh"]["replica"] == "engine-0"
 
 
 def test_model_routing_body_is_checked() -> None:
-    from mesh.edge.openai import parse_model_routing
-
-    assert parse_model_routing({"default_version": "2"}) == ("2", None)
-    assert parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25})
-    assert parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {})
+    assert openai.parse_model_routing({"default_version": "2"}) == ("2", None)
+    assert openai.parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25})
+    assert openai.parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {})
     for body, match in [({}, "default_version and/or canary"), ({"canary": [1]}, "object of version"),
                         ({"canary": {"2": 2}}, r"in \[0, 1\]"), ({"canary": {"2": True}}, r"in \[0, 1\]"),
                         ({"weights": {}}, "unrecognized field")]:
-        with pytest.raises(BadRequest, match=match):
-            parse_model_routing(body)
+        with pytest.raises(ApiError, match=match):
+            openai.parse_model_routing(body)
 
 
 # -- logprobs, limits and hostile input -------------------------------------------------
@@ -131,7 +130,7 @@ def test_completion_logprobs_is_top_n() -> None:
     ({"model": "m" * 257}, "model", "invalid_value"),
 ])
 def test_bad_fields_get_precise_errors(patch: dict[str, object], param: str, code: str) -> None:
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(ApiError) as err:
         body = {**CHAT, **patch}
         openai.parse_chat(body)
         openai.stream_options(body)
@@ -151,7 +150,7 @@ def test_echoed_assistant_messages_and_negative_seeds_are_accepted() -> None:
 @pytest.mark.parametrize("patch", [{"echo": True}, {"echo": 0}, {"suffix": "x"}, {"best_of": 2},
                                    {"best_of": True}, {"logprobs": 6}, {"logprobs": True}, {"top_logprobs": 1}])
 def test_bad_completion_fields(patch: dict[str, object]) -> None:
-    with pytest.raises(BadRequest) as err:
+    with pytest.raises(ApiError) as err:
         openai.parse_completion({"model": "m", "prompt": "a", **patch})
     assert err.value.status == 400 and err.value.param == next(iter(patch))
 
@@ -161,7 +160,7 @@ def _lp(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
 
 
 def test_chat_logprobs_shape() -> None:
-    fmt = openai.LogprobFormatter(chat=True)
+    fmt = responses.LogprobFormatter(chat=True)
     out = fmt.format([_lp("Hé", -0.5, ("Hé", -0.5), ("Hi", -1.5)), _lp("!", float("-inf"))])
     assert out == {"refusal": None, "content": [
         {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169],
@@ -171,7 +170,7 @@ def test_chat_logprobs_shape() -> None:
 
 
 def test_completion_logprobs_shape_and_offsets_run_across_chunks() -> None:
-    fmt = openai.LogprobFormatter(chat=False, prompt_chars=5)
+    fmt = responses.LogprobFormatter(chat=False, prompt_chars=5)
     first = fmt.format([_lp(" Paris", -0.1, (" Paris", -0.1), (" Lyon", -3.0))])
     second = fmt.format([_lp(".", -0.7, (",", -0.2))])
     assert first == {"tokens": [" Paris"], "token_logprobs": [-0.1], "text_offset": [5],
@@ -191,13 +190,13 @@ def test_completion_logprobs_shape_and_offsets_run_across_chunks() -> None:
     (b'{"model": "\\ud800"}', "surrogate"),
 ])
 def test_hostile_bodies_get_400(raw: bytes, match: str) -> None:
-    with pytest.raises(BadRequest, match=match) as err:
-        openai.parse_json(raw)
+    with pytest.raises(ApiError, match=match) as err:
+        parse_json(raw)
     assert err.value.status == 400
 
 
 def test_paired_surrogate_escapes_are_fine() -> None:
-    assert openai.parse_json(b'{"model": "\\ud83d\\ude00"}') == {"model": "\U0001f600"}
+    assert parse_json(b'{"model": "\\ud83d\\ude00"}') == {"model": "\U0001f600"}
 
 
 # -- the ASGI app, with a fake router ---------------------------------------------------------
@@ -271,7 +270,7 @@ def test_keys_rates_and_limits_answer_before_the_router() -> None:
         assert json.loads(body)["error"] == {"message": json.loads(body)["error"]["message"], "type": "requests",
                                              "param": None, "code": "rate_limit_exceeded"}
         assert router.calls == []
-        app.request_limit = None
+        app.admission.request_limit = None
         status, _, body = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, KEY)
         assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "Hi!"
         status, _, body = await asgi(app, "GET", "/openapi.json")
@@ -302,11 +301,11 @@ def test_requests_in_flight_are_bounded() -> None:
 def test_tokens_are_reserved_then_settled() -> None:
     async def main() -> None:
         app = _app(token_limit=Rate(100, 60))
-        assert app.token_limit is not None
+        assert app.admission.token_limit is not None
         big = json.dumps({**CHAT, "max_tokens": 90}).encode()
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", big)
         assert status == 200      # reserved 1 + 90, used 7 + 2: the rest is refunded
-        assert app.token_limit.bucket("127.0.0.1", 0).level == pytest.approx(91, abs=0.5)
+        assert app.admission.token_limit.bucket("127.0.0.1", 0).level == pytest.approx(91, abs=0.5)
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", big)
         assert status == 200
         status, headers, body = await asgi(app, "POST", "/v1/chat/completions", json.dumps(

@@ -1,6 +1,6 @@
 """The edge's OpenAPI 3.1 document, served at GET /openapi.json without auth.
 
-It states the same rules mesh/edge/openai.py enforces (required fields, types, ranges, no unknown
+It states the same rules services/edge/openai.py enforces (required fields, types, ranges, no unknown
 fields), so a schema-driven fuzzer can tell a valid request from an invalid one: where the two
 could differ, the schema is the more permissive (the server may still refuse, with a 4xx, what
 only the router can judge: an unknown model, a prompt over the context).
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mesh.edge import openai
-from mesh.edge.config import EdgeConfig
+from mesh.chat import ROLES
+from services.edge import openai
+from services.edge.config import EdgeConfig
+from services.edge.fields import MAX_NAME_CHARS
 
 JSON = "application/json"
 
@@ -28,7 +30,7 @@ def _common_fields() -> dict[str, Any]:
     stop_string = {"type": "string", "maxLength": openai.MAX_STOP_CHARS}
     lo, hi = openai.SEED_RANGE
     return {
-        "model": {"type": "string", "maxLength": openai.MAX_NAME_CHARS,
+        "model": {"type": "string", "maxLength": MAX_NAME_CHARS,
                   "description": "a served model (GET /v1/models), `NAME@VERSION` to pin a version; '' is the default"},
         "stream": _nullable("boolean"),
         "stream_options": {"type": ["object", "null"], "additionalProperties": False,
@@ -42,7 +44,7 @@ def _common_fields() -> dict[str, Any]:
         "stop": {"anyOf": [{"type": "null"}, stop_string,
                            {"type": "array", "maxItems": openai.MAX_STOP, "items": stop_string}]},
         "n": _nullable("integer", minimum=1, maximum=1),
-        "user": _nullable("string", maxLength=openai.MAX_NAME_CHARS, description="names a session"),
+        "user": _nullable("string", maxLength=MAX_NAME_CHARS, description="names a session"),
         "ignore_eos": _nullable("boolean", description="generate to max_tokens (extension)"),
         "frequency_penalty": _nullable("number", minimum=0, maximum=0, description="only 0 is supported"),
         "presence_penalty": _nullable("number", minimum=0, maximum=0, description="only 0 is supported"),
@@ -56,10 +58,10 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
     text_part = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     # content is null only for assistant messages, hence two shapes.
-    fields = {"name": _nullable("string", maxLength=openai.MAX_NAME_CHARS),
+    fields = {"name": _nullable("string", maxLength=MAX_NAME_CHARS),
               **{name: empty for name in openai.MESSAGE_EMPTY_FIELDS}}
     text = [{"type": "string"}, {"type": "array", "items": text_part}]
-    roles = [*(r for r in openai.ROLES if r != "assistant"), "developer"]
+    roles = [*(r for r in ROLES if r != "assistant"), "developer"]
     message = {"oneOf": [
         {"type": "object", "additionalProperties": False, "required": ["role", "content"],
          "properties": {"role": {"enum": roles}, "content": {"anyOf": text}, **fields}},

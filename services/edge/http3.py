@@ -4,32 +4,18 @@ Each request stream becomes one ASGI task. Response DATA is transmitted as soon 
 app sends it, because the edge streams tokens over SSE and any buffering here shows up
 directly as inter-token latency.
 
-0-RTT. Every handshake issues a session ticket; a client that comes back with one may send
-its request in the first flight (TLS early data), which saves a round trip to the first
-token. Early data can be replayed by anyone who captured that flight, so:
-- tickets are single use (`SessionTicketStore.pop`): a replayed ClientHello finds no ticket,
-  falls back to a full handshake and its early data is discarded. An on-path attacker who
-  races the genuine flight can still get one copy served, so a request runs at most twice;
-  the store lives in this process's memory, so tickets die with it and are never shared.
-- a request received in early data runs at once only if `early_data_policy` says replaying
-  it is harmless (default `replay_tolerable`: reads, and completions that name no session,
-  whose replay costs compute but changes no state). Anything else waits until the handshake
-  completes, which a replayed flight never does (RFC 8470 section 3, without a 425 round trip).
-- a request the app sees before the handshake completed carries `early-data: 1`
-  (RFC 8470 section 5.1), so the app can refine the policy; clients cannot forge it.
+0-RTT: a request that arrives in TLS early data runs at once only if the early-data policy
+(services/edge/zero_rtt.py) says a replay of it is harmless; otherwise it waits for the handshake.
+It reaches the app with `early-data: 1` (RFC 8470 section 5.1).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import fcntl
 import functools
-import ipaddress
 import json
 import logging
-import os
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -46,16 +32,11 @@ from aioquic.quic.events import (
     StopSendingReceived,
     StreamReset,
 )
-from aioquic.tls import SessionTicket
+
+from services.edge.asgi import ASGIApp, Message, Scope
+from services.edge.zero_rtt import EarlyDataPolicy, SessionTicketStore, replay_tolerable
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-EarlyDataPolicy = Callable[[Scope, bytes], bool]  # (scope, whole body) -> may run before the handshake
 
 # Connection-specific headers are forbidden in HTTP/3 (RFC 9114 4.2); peers treat them
 # as a malformed message, so drop them rather than let an HTTP/1.1-minded app break H3.
@@ -69,53 +50,6 @@ def _error_body(status: int, message: str, kind: str) -> bytes:
 
 _ERROR_500 = _error_body(500, "internal error", "server_error")
 _ERROR_400 = _error_body(400, "bad request", "invalid_request_error")
-
-
-_SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-_COMPLETION_PATHS = {"/v1/chat/completions", "/v1/completions"}
-
-
-def replay_tolerable(scope: Scope, body: bytes) -> bool:
-    """Default 0-RTT policy: may this request run before the handshake proves it is no replay?
-
-    Reads, yes. Completions, yes, unless they name a session (`x-session-id`, or the OpenAI
-    `user` field): a session turn is appended to the stored history, so a replay would
-    duplicate it. A replayed plain completion costs one more generation and changes nothing.
-    Any other write waits for the handshake.
-    """
-    if scope["method"] in _SAFE_METHODS:
-        return True
-    if scope["method"] != "POST" or scope["path"] not in _COMPLETION_PATHS:
-        return False
-    if any(name == b"x-session-id" for name, _ in scope["headers"]):
-        return False
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return True  # the app rejects it with a 400 either way; nothing to replay
-    return not (isinstance(payload, dict) and payload.get("user"))
-
-
-class SessionTicketStore:
-    """In-memory TLS session tickets, so returning clients resume and send 0-RTT early data.
-
-    Tickets are popped on use: a ticket resumes (and carries early data) once, which is what
-    stops a captured first flight from being replayed (see the module docstring).
-    """
-
-    def __init__(self, max_tickets: int = 10_000) -> None:
-        self._tickets: dict[bytes, SessionTicket] = {}
-        self._max = max_tickets
-
-    def add(self, ticket: SessionTicket) -> None:
-        # Every handshake issues a ticket; cap the store so a busy edge can't grow without
-        # bound. dicts keep insertion order, so the first key is the oldest ticket.
-        while len(self._tickets) >= self._max:
-            self._tickets.pop(next(iter(self._tickets)))
-        self._tickets[ticket.ticket] = ticket
-
-    def pop(self, label: bytes) -> SessionTicket | None:
-        return self._tickets.pop(label, None)
 
 
 class _RequestStream:
@@ -403,53 +337,3 @@ async def serve_http3(
         session_ticket_fetcher=store.pop,
         session_ticket_handler=store.add,
     )
-
-
-def ensure_self_signed_cert(directory: str) -> tuple[str, str]:
-    """Create (once) a self-signed localhost cert/key in `directory`; return their paths."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    os.makedirs(directory, exist_ok=True)
-    certfile, keyfile = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
-    # Several services may start at once; the lock stops them writing mismatched pairs.
-    with open(os.path.join(directory, ".cert.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(certfile) and os.path.exists(keyfile):
-            return certfile, keyfile
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-        now = datetime.datetime.now(datetime.UTC)
-        san = x509.SubjectAlternativeName([
-            x509.DNSName("localhost"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("::1")),
-        ])
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))  # tolerate clock skew
-            .not_valid_after(now + datetime.timedelta(days=365))
-            .add_extension(san, critical=False)
-            .sign(key, hashes.SHA256())
-        )
-        key_pem = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        _write_atomic(keyfile, key_pem, 0o600)
-        _write_atomic(certfile, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    return certfile, keyfile
-
-
-def _write_atomic(path: str, data: bytes, mode: int) -> None:
-    # Create with the final mode (never briefly world-readable), then rename into place.
-    tmp = f"{path}.tmp{os.getpid()}"
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)  # umask may have stripped bits from os.open's mode
-    os.replace(tmp, path)

@@ -1,0 +1,7 @@
+"""Clients of the mesh for users, tests and benchmarks.
+
+    http3.py    H3Client: HTTP/3 (QUIC) to the edge, with 0-RTT resumption
+    tickets.py  TicketStore: TLS session tickets kept in memory or a file, for that resumption
+
+Nothing is imported here, so `import mesh.clients.tickets` does not pull in the QUIC stack's client.
+"""

@@ -1,0 +1,118 @@
+"""`python -m services.edge --replica-id ID [--host ADDR] [--http-port P] [--http3-port P] --router ADDR [limits]`
+
+Every flag can also come from INFERMESH_EDGE_<FLAG> (mesh/envargs.py; `infermesh up` passes its
+environment on), e.g. INFERMESH_EDGE_MAX_CONCURRENT=64; the rate limits also read the shorter
+INFERMESH_RATE_LIMIT and INFERMESH_TOKEN_LIMIT.  A flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from mesh.client import RouterClient
+from mesh.discovery import BACKENDS, HealthCheck, advertise_address
+from mesh.envargs import apply_env
+from mesh.models import home
+from mesh.service import announce_self, run_service, wait_for_signal
+from services.edge.app import EdgeApp
+from services.edge.auth import load_keys
+from services.edge.config import EdgeConfig
+from services.edge.http1 import http_server
+from services.edge.http3 import serve_http3
+from services.edge.ratelimit import parse_rate
+from services.edge.tls import ensure_self_signed_cert
+
+log = logging.getLogger("edge")
+
+
+def parse(argv: list[str] | None = None) -> EdgeConfig:
+    p = argparse.ArgumentParser(prog="python -m services.edge")
+    p.add_argument("--replica-id", default="edge-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--http3-port", type=int, default=8443, help="0 disables HTTP/3")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--cert-dir", default="", help="default: <infermesh home>/tls")
+    p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+    p.add_argument("--max-messages", type=int, default=1000, help="longer chat `messages` get 400")
+    p.add_argument("--rate-limit", default=os.environ.get("INFERMESH_RATE_LIMIT", ""),
+                   help="requests per API key (per address without keys): 5/s, 300/m; '' or 0: off")
+    p.add_argument("--token-limit", default=os.environ.get("INFERMESH_TOKEN_LIMIT", ""),
+                   help="prompt + completion tokens per minute per API key (60000, or 1000/s); '' or 0: off")
+    p.add_argument("--max-concurrent", type=int, default=256,
+                   help="completions in flight across all callers; the excess gets 503 + Retry-After")
+    p.add_argument("--max-connections", type=int, default=4096, help="HTTP/1.1 connections; past it uvicorn's 503")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds for a request head to arrive (slow clients get 408)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds for a request body to arrive (slow clients get 408)")
+    apply_env(p, "INFERMESH_EDGE")
+    a = p.parse_args(argv)
+    try:
+        rate_limit, token_limit = parse_rate(a.rate_limit), parse_rate(a.token_limit, default_unit="m")
+    except ValueError as exc:
+        p.error(str(exc))
+    return EdgeConfig(replica_id=a.replica_id, host=a.host, http_port=a.http_port, http3_port=a.http3_port,
+                      router=a.router, cert_dir=a.cert_dir or str(home() / "tls"),
+                      api_key_digests=load_keys(),
+                      admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), max_body_bytes=a.max_body_bytes,
+                      max_messages=a.max_messages, discovery=a.discovery, rate_limit=rate_limit,
+                      token_limit=token_limit, max_concurrent=a.max_concurrent, max_connections=a.max_connections,
+                      header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise)
+
+
+async def serve(config: EdgeConfig) -> None:
+    """Both transports on one app until SIGINT/SIGTERM (or the HTTP/1.1 server's own end); announced
+    only once HTTP/1.1 answers, since the registry's HTTP check probes /health; on the way out the
+    replica is withdrawn first, then both transports stop, then the router channel closes."""
+    router = RouterClient(config.router)
+    app = EdgeApp(config, router)
+    http = http_server(app, config)
+    http3 = None
+    if config.http3_port:
+        Path(config.cert_dir).mkdir(parents=True, exist_ok=True)
+        cert, key = ensure_self_signed_cert(config.cert_dir)
+        http3 = await serve_http3(app, config.host, config.http3_port, cert, key)
+        log.info("HTTP/3 on udp %s:%d (self-signed certificate: %s)", config.host, config.http3_port, cert)
+    if not app.admission.keys.enabled:
+        log.warning("no API keys configured (INFERMESH_API_KEYS): serving loopback only, without auth")
+    log.info("limits: requests %s, tokens %s per caller; %d in flight; bodies up to %d bytes",
+             config.rate_limit or "unlimited", config.token_limit or "unlimited", config.max_concurrent,
+             config.max_body_bytes)
+    http_task = asyncio.create_task(http.serve())
+    log.info("HTTP/1.1 on tcp %s:%d", config.host, config.http_port)
+    # Listening for signals from here on, during startup too; shielded, because wait_for_signal
+    # cancels what it waits on and uvicorn must stop through should_exit, finishing its requests.
+    stopped = asyncio.create_task(wait_for_signal(asyncio.shield(http_task)))
+    withdraw = None
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.05)
+    if http.started:
+        address = advertise_address(config.host, config.http_port, config.advertise)
+        withdraw = await announce_self("edge", config, config.http_port,
+                                       check=HealthCheck.http(f"http://{address}/health"))
+    await stopped
+    if withdraw is not None:
+        await withdraw()
+    http.should_exit = True
+    if http3 is not None:
+        http3.close()
+    await asyncio.gather(http_task, return_exceptions=True)
+    await router.close()
+    if not http.started:
+        raise SystemExit(f"edge: cannot listen on {config.host}:{config.http_port}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("edge", parse(argv), serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The edge's ASGI application: one app behind both HTTP/1.1 and HTTP/3.
+
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+GET|PUT /admin/models/{model}/routing (admin keys only), GET /metrics, GET /openapi.json.
+Bad requests are answered here, in OpenAI's error shape, and never reach the router.
+
+Admission, in order: API key (401), request rate per caller (429), body size (413) and read time
+(408), parsing (400), requests in flight across all callers (503), token rate per caller (429);
+only then the router (services/edge/completions.py).  Slow request heads are cut off by the
+HTTP/1.1 protocol (services/edge/http1.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mesh.client import RouterClient
+from services.edge import openai, openapi
+from services.edge.admission import Admission
+from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
+from services.edge.completions import Completions
+from services.edge.config import EdgeConfig
+from services.edge.errors import ApiError, error_body, from_grpc
+from services.edge.fields import parse_json
+from services.edge.metrics import REQUESTS
+
+log = logging.getLogger(__name__)
+
+# A route: (scope, lower-cased headers, receive, send) -> the status it answered.
+Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[int]]
+
+ADMIN_PREFIX = "/admin/models/"
+PUBLIC = ("/health", "/metrics", "/openapi.json")      # no API key needed
+ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions")
+
+
+class EdgeApp:
+    def __init__(self, config: EdgeConfig, router: RouterClient):
+        self.config = config
+        self.router = router
+        self.admission = Admission(config)
+        self.completions = Completions(config, router, self.admission)
+        self.openapi = json.dumps(openapi.document(config)).encode()
+        self._health_cache: tuple[float, bool] = (0.0, False)
+        self.routes: dict[tuple[str, str], Route] = {
+            ("GET", "/health"): self.health,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/metrics"): self.metrics,
+            ("GET", "/openapi.json"): self.openapi_json,
+            ("POST", "/v1/chat/completions"): self.completions.chat,
+            ("POST", "/v1/completions"): self.completions.completions,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        method, path = scope["method"], scope["path"]
+        route = self.routes.get((method, path))
+        admin = path.startswith(ADMIN_PREFIX)
+        if admin and method in ("GET", "PUT"):
+            route = self.admin
+        status = 500
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            if route is None:
+                if path in ROUTES or admin:
+                    raise ApiError(405, f"method {method} is not allowed on {path}", code="method_not_allowed")
+                raise ApiError(404, f"no route {method} {path}", kind="not_found_error", code=None)
+            if admin:
+                self.admission.check_admin(headers)
+            elif path not in PUBLIC:
+                scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
+                self.admission.limit_requests(caller)
+            status = await route(scope, headers, receive, tracked_send)
+        except ApiError as exc:
+            status = exc.status
+            if not started:
+                await send_json(tracked_send, exc.status, exc.body(), exc.retry_after_s, exc.close)
+        except Exception:
+            log.exception("%s %s failed", method, path)
+            if not started:
+                await send_json(tracked_send, 500, error_body("internal error", "server_error", None))
+        finally:
+            REQUESTS.labels("/admin" if admin else path if route else "other", str(status)).inc()
+
+    # -- simple routes -----------------------------------------------------------------
+    async def health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        checked_at, ok = self._health_cache
+        if time.monotonic() - checked_at > 0.5:
+            ok = await self.router.healthy()
+            self._health_cache = (time.monotonic(), ok)
+        status = 200 if ok else 503
+        await send_json(send, status, {"status": "ok" if ok else "unavailable"})
+        return status
+
+    async def models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        try:
+            cards = await self.router.models()
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        data = [{"id": c.name, "object": "model", "created": 0, "owned_by": "infermesh",
+                 "version": c.version, "versions": list(c.versions), "replicas": c.replicas,
+                 "max_context": c.max_context} for c in cards]
+        await send_json(send, 200, {"object": "list", "data": data})
+        return 200
+
+    async def metrics(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
+        await send({"type": "http.response.body", "body": generate_latest()})
+        return 200
+
+    async def openapi_json(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*JSON_HEADERS, (b"content-length", str(len(self.openapi)).encode())]})
+        await send({"type": "http.response.body", "body": self.openapi})
+        return 200
+
+    # -- admin: model versions ---------------------------------------------------------
+    async def admin(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        """GET|PUT /admin/models/{model}/routing: the default version and canary shares.
+
+        PUT body: {"default_version": "2"} and/or {"canary": {"3": 0.1}} (replaces the shares;
+        {} ends a canary).  Requests already streaming finish on the version they started on."""
+        model, _, tail = scope["path"][len(ADMIN_PREFIX):].partition("/")
+        if not model or tail != "routing":
+            raise ApiError(404, f"no admin route {scope['path']}; use {ADMIN_PREFIX}MODEL/routing",
+                           kind="not_found_error", code=None)
+        try:
+            if scope["method"] == "GET":
+                routing = await self.router.model_routing(model)
+            else:
+                body = await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s)
+                default, canary = openai.parse_model_routing(parse_json(body))
+                routing = await self.router.set_model_routing(model, default, canary)
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        await send_json(send, 200, routing.as_dict())
+        return 200

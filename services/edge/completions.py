@@ -1,0 +1,155 @@
+"""POST /v1/chat/completions and /v1/completions: parse, admit, call the router, answer whole or as SSE.
+
+A request reaches the router only once it parsed (400), found a place in flight (503) and its
+tokens (429).  Streaming answers pull the first delta before the 200, so an error the router
+reports at once is still a proper 4xx/5xx; later errors arrive as an `error` event before
+`[DONE]`.  A client that goes away mid-stream cancels the gRPC call, which aborts the engine's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from mesh.client import Delta, GenerateSpec, RouterClient, TokenLogprob
+from mesh.errors import http_status
+from mesh.telemetry import headers_context, tracer
+from services.edge import openai, responses
+from services.edge.admission import Admission, Charge
+from services.edge.asgi import Receive, Scope, Send, read_body, send_json, wait_disconnect
+from services.edge.config import EdgeConfig
+from services.edge.errors import ApiError, error_body, from_grpc
+from services.edge.fields import parse_json
+from services.edge.metrics import COMPLETION_TOKENS, DURATION, TTFT
+from services.edge.responses import LogprobFormatter
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class Completions:
+    def __init__(self, config: EdgeConfig, router: RouterClient, admission: Admission):
+        self.config = config
+        self.router = router
+        self.admission = admission
+
+    async def read_json(self, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
+        return parse_json(await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s))
+
+    async def chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        body = await self.read_json(receive, headers)
+        spec = openai.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
+                                 self.config.max_messages)
+        return await self.complete(True, body, spec, scope, headers, receive, send)
+
+    async def completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        body = await self.read_json(receive, headers)
+        spec = openai.parse_completion(body, headers.get("x-session-id", ""),
+                                       headers.get("x-infermesh-replica", ""))
+        return await self.complete(False, body, spec, scope, headers, receive, send)
+
+    async def complete(self, chat: bool, body: dict[str, Any], spec: GenerateSpec, scope: Scope,
+                       headers: dict[str, str], receive: Receive, send: Send) -> int:
+        stream, include_usage = openai.stream_options(body)
+        charge = self.admission.enter(scope.get("infermesh.caller", ""), spec)
+        rid = responses.new_id(chat)
+        spec = dataclasses.replace(spec, request_id=rid,
+                                   model_version=headers.get("x-infermesh-model-version", "").strip())
+        lp = LogprobFormatter(chat, len(spec.prompt or "")) if spec.sampling.logprobs else None
+        parent = headers_context(headers)
+        try:
+            with tracer().start_as_current_span("edge.request", context=parent, kind=trace.SpanKind.SERVER,
+                                                attributes={"request_id": rid, "stream": stream}):
+                deltas = self.router.generate(spec, timeout=self.config.request_timeout_s)
+                if stream:
+                    return await self._stream(chat, rid, deltas, include_usage, lp, charge, receive, send)
+                return await self._whole(chat, rid, deltas, lp, charge, send)
+        finally:
+            self.admission.leave(charge)
+
+    async def _whole(self, chat: bool, rid: str, deltas: AsyncIterator[Delta], lp: LogprobFormatter | None,
+                     charge: Charge, send: Send) -> int:
+        started = time.monotonic()
+        parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        final: Delta | None = None
+        try:
+            async for d in deltas:
+                charge.started = True
+                parts.append(d.text)
+                logprobs.extend(d.logprobs)
+                if d.finish_reason is not None:
+                    final = d
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        if final is None:
+            raise ApiError(502, "the stream ended without a final message", kind="server_error", code=None)
+        charge.used = final.prompt_tokens + final.completion_tokens
+        DURATION.observe(time.monotonic() - started)
+        COMPLETION_TOKENS.inc(final.completion_tokens)
+        model = final.served_by.model if final.served_by else ""
+        await send_json(send, 200, responses.completion_body(chat, rid, model, "".join(parts), final,
+                                                             lp.format(logprobs) if lp else None))
+        return 200
+
+    async def _stream(self, chat: bool, rid: str, deltas: AsyncIterator[Delta], include_usage: bool,
+                      lp: LogprobFormatter | None, charge: Charge, receive: Receive, send: Send) -> int:
+        started = time.monotonic()
+        # Pull the first delta before answering, so an early error is still a proper 4xx/5xx.
+        try:
+            first = await anext(deltas)
+            charge.started = True
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        except StopAsyncIteration:
+            raise ApiError(502, "the stream ended without a final message", kind="server_error",
+                           code=None) from None
+        TTFT.observe(time.monotonic() - started)
+        model = first.served_by.model if first.served_by else ""
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        relay = asyncio.ensure_future(self._relay(chat, rid, model, first, deltas, include_usage, lp, charge, send))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if relay not in done:
+            relay.cancel()  # the client left: cancelling the gRPC call aborts the engine's work
+            await asyncio.gather(relay, return_exceptions=True)
+            return 499
+        gone.cancel()
+        relay.result()
+        DURATION.observe(time.monotonic() - started)
+        return 200
+
+    async def _relay(self, chat: bool, rid: str, model: str, first: Delta, deltas: AsyncIterator[Delta],
+                     include_usage: bool, lp: LogprobFormatter | None, charge: Charge, send: Send) -> None:
+        async def emit(obj: dict[str, Any]) -> None:
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+                        "more_body": True})
+
+        d: Delta | None = first
+        is_first = True
+        try:
+            while d is not None:
+                # A delta's logprobs ride on its text chunk (the stop matcher may hold text back, so a
+                # chunk can carry tokens and no text yet).
+                logprobs = lp.format(d.logprobs) if lp and d.logprobs else None
+                if d.text or is_first or logprobs:
+                    await emit(responses.chunk_body(chat, rid, model, d.text, first=is_first, logprobs=logprobs))
+                    is_first = False
+                if d.finish_reason is not None:
+                    charge.used = d.prompt_tokens + d.completion_tokens
+                    await emit(responses.chunk_body(chat, rid, model, "", d.finish_reason, final=d))
+                    if include_usage:
+                        await emit(responses.usage_chunk(chat, rid, model, d))
+                    COMPLETION_TOKENS.inc(d.completion_tokens)
+                    break
+                d = await anext(deltas, None)
+        except grpc.aio.AioRpcError as err:
+            status, kind = http_status(err.code())
+            await emit(error_body(err.details() or "generation failed", kind, status))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})

@@ -1,0 +1,48 @@
+"""ApiError: every refusal the edge answers, with its HTTP status and OpenAI's error shape.
+
+Clients see `{"error": {"message", "type", "param", "code"}}` (OpenAI's envelope); `type` is
+OpenAI's error type (`invalid_request_error`, `authentication_error`, ...) or, for the rate
+limits, the limit that refused (`requests`, `tokens`), as OpenAI's own 429s say.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from mesh.errors import http_status
+
+
+class ApiError(Exception):
+    """A request the edge answers with `status` instead of a completion."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, *,
+                 kind: str = "invalid_request_error", code: str | None = "invalid_value",
+                 retry_after_s: int = 0, close: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.retry_after_s = retry_after_s      # > 0: sent as a Retry-After header (429, 503)
+        self.close = close                      # the request was not read to its end: close the connection
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.code, self.param)
+
+
+def error_body(message: str, kind: str, code: str | int | None = None, param: str | None = None
+               ) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
+    """The router's gRPC status as the client's HTTP answer; its `retry-after` trailer is kept, and
+    429/503 always carry one (1 s when the router named none)."""
+    status, kind = http_status(err.code())
+    retry_after = 0
+    for key, value in err.trailing_metadata() or ():
+        if key == "retry-after" and str(value).isdigit():
+            retry_after = int(value)
+    if status in (429, 503) and not retry_after:
+        retry_after = 1
+    return ApiError(status, err.details() or err.code().name, kind=kind, code=err.code().name.lower(),
+                    retry_after_s=retry_after)

@@ -1,0 +1,199 @@
+"""OpenAI requests: a parsed JSON body -> GenerateSpec.  Pure; every rejection is an ApiError(400)
+naming the field.
+
+Field names, defaults and error wording follow the OpenAI API, so the `openai` package and
+curl users see what they expect.  services/edge/openapi.py describes the same rules as a schema;
+keep the two in step.  The response shapes are in services/edge/responses.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mesh.chat import ROLES, Message
+from mesh.client import GenerateSpec, Sampling
+from services.edge.errors import ApiError
+from services.edge.fields import boolean, integer, no_unknown, number, string
+
+MAX_STOP = 4
+MAX_STOP_CHARS = 256            # the router's stop matcher holds back up to this much text
+MAX_MESSAGES = 1_000            # default; the edge's --max-messages
+MAX_TOKENS = 1 << 20
+MAX_TOP_LOGPROBS = 20           # chat top_logprobs; the engine's own limit (services/engine/request.py)
+MAX_COMPLETION_LOGPROBS = 5     # completions `logprobs`, as in OpenAI
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)    # int64 as OpenAI documents it, and the engine's uint64
+
+# Accepted for compatibility when they are neutral; any other value is refused (they change nothing here).
+_NEUTRAL_ZERO = ("frequency_penalty", "presence_penalty")
+IGNORED_FIELDS = ("logit_bias", "store", "metadata", "service_tier", "parallel_tool_calls")
+_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens",
+           "stop", "n", "user", "ignore_eos", *_NEUTRAL_ZERO, *IGNORED_FIELDS}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
+MESSAGE_FIELDS = {"role", "content", "name"}
+# What clients echo back from an assistant reply (`message.model_dump()`): accepted when null or empty.
+MESSAGE_EMPTY_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id")
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    no_unknown(body, allowed)
+    for name in _NEUTRAL_ZERO:
+        if body.get(name) is not None:
+            number(body, name, 0.0, -2.0, 2.0)
+            if body[name] != 0:
+                raise ApiError(400, f"'{name}' is not supported; leave it at 0", name)
+    n = integer(body, "n", 1, 128)
+    if n not in (None, 1):
+        raise ApiError(400, "'n' must be 1: one choice per request is supported", "n")
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop", code="invalid_type")
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"'stop' holds at most {MAX_STOP} sequences", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"each 'stop' sequence is at most {MAX_STOP_CHARS} characters", "stop")
+    return stops
+
+
+def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logprobs: bool = False,
+              top_logprobs: int = 0) -> Sampling:
+    # chat: max_completion_tokens, or the older max_tokens; both are checked whichever is used
+    max_tokens = integer(body, max_tokens_field, 1, MAX_TOKENS)
+    legacy = integer(body, "max_tokens", 1, MAX_TOKENS)
+    max_tokens = legacy if max_tokens is None else max_tokens
+    seed = integer(body, "seed", *SEED_RANGE)
+    return Sampling(
+        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=integer(body, "top_k", 0, MAX_TOKENS) or 0,
+        seed=None if seed is None else seed % (1 << 64),    # the engine's seed is uint64; same seed, same map
+        max_tokens=max_tokens or 0,
+        ignore_eos=boolean(body, "ignore_eos"),
+        stop=_stops(body),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage)"""
+    stream = boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options", code="invalid_type")
+    if not stream:
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
+    no_unknown(options, {"include_usage"}, "stream_options.")
+    return stream, boolean(options, "include_usage")
+
+
+def _content(message: dict[str, Any], i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if (not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
+                    or len(part) != 2):
+                raise ApiError(400, f"messages[{i}].content[{j}] must be a text part {{\"type\": \"text\", \"text\": "
+                               "STRING}; only text is supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   f"messages[{i}].content", code="invalid_type")
+
+
+def _message(m: Any, i: int) -> Message:
+    if not isinstance(m, dict):
+        raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]", code="invalid_type")
+    no_unknown(m, MESSAGE_FIELDS | set(MESSAGE_EMPTY_FIELDS), f"messages[{i}].")
+    for name in MESSAGE_EMPTY_FIELDS:
+        if m.get(name) is not None and m[name] != []:
+            raise ApiError(400, f"messages[{i}].{name} is not supported; only text messages are",
+                           f"messages[{i}].{name}")
+    role = m.get("role")
+    if role == "developer":
+        role = "system"
+    if not isinstance(role, str) or role not in ROLES:
+        raise ApiError(400, f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)} (or developer)",
+                       f"messages[{i}].role")
+    return Message(role, _content(m, i), string(m, "name") if "name" in m else "")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
+    logprobs = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return logprobs, top or 0
+
+
+def parse_chat(body: dict[str, Any], session_id: str = "", pinned: str = "",
+               max_messages: int = MAX_MESSAGES) -> GenerateSpec:
+    _check_fields(body, CHAT_FIELDS)
+    model = string(body, "model", required=True)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    if len(raw) > max_messages:
+        raise ApiError(400, f"'messages' holds at most {max_messages} messages, got {len(raw)}", "messages")
+    messages = tuple(_message(m, i) for i, m in enumerate(raw))
+    logprobs, top = _chat_logprobs(body)
+    return GenerateSpec(model=model, sampling=_sampling(body, "max_completion_tokens", logprobs, top),
+                        messages=messages, session_id=session_id or string(body, "user"), pinned_replica=pinned)
+
+
+def parse_completion(body: dict[str, Any], session_id: str = "", pinned: str = "") -> GenerateSpec:
+    _check_fields(body, COMPLETION_FIELDS)
+    model = string(body, "model", required=True)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    for name, neutral in (("echo", False), ("suffix", ""), ("best_of", 1)):
+        value = body.get(name)
+        if value is not None and (value != neutral or type(value) is not type(neutral)):
+            raise ApiError(400, f"'{name}' is not supported; leave it at {neutral!r}", name)
+    top = integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    return GenerateSpec(model=model, sampling=_sampling(body, logprobs=top is not None, top_logprobs=top or 0),
+                        prompt=prompt, session_id=session_id or string(body, "user"), pinned_replica=pinned)
+
+
+def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | None]:
+    """The admin API's PUT body -> (default version or "", canary shares or None to keep them)."""
+    unknown = sorted(set(body) - {"default_version", "canary"})
+    if unknown:
+        raise ApiError(400, f"unrecognized field(s): {', '.join(unknown)}; use default_version and/or canary",
+                       unknown[0], code="unknown_parameter")
+    default = string(body, "default_version", max_len=64)
+    canary = body.get("canary")
+    if canary is None:
+        if not default:
+            raise ApiError(400, "give default_version and/or canary", "default_version",
+                           code="missing_required_parameter")
+        return default, None
+    if not isinstance(canary, dict):
+        raise ApiError(400, "'canary' must be an object of version -> share, e.g. {\"2\": 0.1}", "canary",
+                       code="invalid_type")
+    shares = {}
+    for version, share in canary.items():
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise ApiError(400, f"canary share for version {version!r} must be a number in [0, 1], got {share!r}",
+                           "canary")
+        shares[str(version)] = float(share)
+    return default, shares

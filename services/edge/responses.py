@@ -1,0 +1,98 @@
+"""OpenAI response shapes: a completion, its stream chunks, usage and logprobs.  Pure: deltas in, JSON out.
+
+Every completion (the last chunk when streaming) carries an `infermesh` object: which replica,
+model version and region served it, whether it was degraded, and a confidence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from mesh.client import Delta, ServedBy, TokenLogprob
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(final: Delta) -> dict[str, Any]:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+
+
+def _meta(served: ServedBy | None) -> dict[str, object] | None:
+    return served.as_dict() if served else None
+
+
+def _lp(value: float) -> float:
+    # JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0.
+    return value if math.isfinite(value) else -9999.0
+
+
+class LogprobFormatter:
+    """OpenAI's `logprobs` object for one choice, delta by delta.
+
+    chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+    "refusal": null}.  completions: {"tokens", "token_logprobs", "top_logprobs" (one dict per token: the
+    top alternatives and the chosen token), "text_offset"}; offsets count characters from the start of
+    the prompt, as OpenAI's do, and run on across a stream's chunks.  A token's text is its own
+    decoding, so a token that is part of a multi-byte character shows as U+FFFD."""
+
+    def __init__(self, chat: bool, prompt_chars: int = 0):
+        self.chat = chat
+        self.offset = prompt_chars
+
+    def format(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [{"token": e.token, "logprob": _lp(e.logprob), "bytes": list(e.token.encode()),
+                                 "top_logprobs": [{"token": t.token, "logprob": _lp(t.logprob),
+                                                   "bytes": list(t.token.encode())} for t in e.top]}
+                                for e in entries], "refusal": None}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            top = {t.token: _lp(t.logprob) for t in e.top}
+            top.setdefault(e.token, _lp(e.logprob))
+            out["tokens"].append(e.token)
+            out["token_logprobs"].append(_lp(e.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(e.token)
+        return out
+
+
+def completion_body(chat: bool, rid: str, model: str, text: str, final: Delta,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason, "logprobs": logprobs}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(final), "infermesh": _meta(final.served_by)}
+
+
+def chunk_body(chat: bool, rid: str, model: str, text: str, finish: str | None = None,
+               first: bool = False, final: Delta | None = None, logprobs: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+    if chat:
+        choice["delta"] = ({"role": "assistant", "content": text} if first else
+                           {"content": text} if text or finish is None else {})
+    else:
+        choice["text"] = text
+    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": int(time.time()), "model": model, "choices": [choice]}
+    if final is not None:
+        body["infermesh"] = _meta(final.served_by)
+    return body
+
+
+def usage_chunk(chat: bool, rid: str, model: str, final: Delta) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [], "usage": usage(final),
+            "infermesh": _meta(final.served_by)}
