@@ -98,9 +98,9 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     if config.fallback_engines:
         # Level 3: the same weights quantized to int8 under a name of their own, a cheaper model
         # the router turns to (degraded, confidence 0.8) when the primary has no usable replica.
-        from mesh import model_store
+        from mesh.models import served_model
 
-        name, folder = model_store.served_model(config.models[0])
+        name, folder = served_model(config.models[0])
         fallback = [f"{name}-int8={folder}", f"{name}={name}-int8:{FALLBACK_CONFIDENCE}"]
         models += ["--model", fallback[0]]
     for i in range(config.engines):
@@ -154,10 +154,9 @@ def plan(config: MeshConfig) -> list[list[Child]]:
 
 def served_name(model: str) -> str:
     """The name clients use for `--model` (NAME, `default`, or NAME=FOLDER)."""
-    from mesh import model_store
+    from mesh.models import canonical
 
-    name = model.partition("=")[0]
-    return model_store.canonical(name)
+    return canonical(model.partition("=")[0])
 
 
 async def _relay_logs(child: Child) -> None:
