@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from mesh.models import SUPPORTED_MODEL_TYPES
 from services.engine.models.llama import LlamaConfig, LlamaModel
 
-ARCHITECTURES = {"llama": (LlamaConfig, LlamaModel), "mistral": (LlamaConfig, LlamaModel),
-                 "qwen2": (LlamaConfig, LlamaModel)}
+# The supported types are listed once, in mesh/models/catalog.py (the CLI checks folders against it
+# without importing torch); each is run by the Llama-family forward.
+ARCHITECTURES = {model_type: (LlamaConfig, LlamaModel) for model_type in SUPPORTED_MODEL_TYPES}
