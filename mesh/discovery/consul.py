@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import consul
 import requests
 
-from mesh.discovery import Discovery, DiscoveryError, Endpoint, HealthCheck, join_address, split_address
+from mesh.discovery.backend import Discovery, DiscoveryError
+from mesh.discovery.endpoint import Endpoint, HealthCheck, join_address, split_address
 
 log = logging.getLogger(__name__)
 

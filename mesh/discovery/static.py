@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from mesh.discovery import Discovery, Endpoint, HealthCheck
+from mesh.discovery.backend import Discovery
+from mesh.discovery.endpoint import Endpoint, HealthCheck
 
 
 class StaticDiscovery(Discovery):
