@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from mesh.client import RouterClient
+from mesh.clients.router import RouterClient
 from mesh.discovery import BACKENDS, HealthCheck, advertise_address
 from mesh.envargs import apply_env
 from mesh.models import home

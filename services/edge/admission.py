@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Hashable
 
-from mesh.client import GenerateSpec
+from mesh.clients.router import GenerateSpec
 from services.edge.asgi import Scope
 from services.edge.auth import ApiKeys
 from services.edge.config import EdgeConfig

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mesh.client import RouterClient
+from mesh.clients.router import RouterClient
 from services.edge import openai, openapi
 from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from mesh.client import Delta, GenerateSpec, RouterClient, TokenLogprob
+from mesh.clients.router import Delta, GenerateSpec, RouterClient, TokenLogprob
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
 from services.edge import openai, responses

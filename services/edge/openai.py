@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.chat import ROLES, Message
-from mesh.client import GenerateSpec, Sampling
+from mesh.clients.router import GenerateSpec, Sampling
 from services.edge.errors import ApiError
 from services.edge.fields import boolean, integer, no_unknown, number, string
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from mesh.client import Delta, GenerateSpec
+from mesh.clients.router import Delta, GenerateSpec
 from services.edge.auth import digest
 from services.edge.errors import ApiError, from_grpc
 from tests.unit.test_openai import CHAT_JSON, FakeRouter, _app, asgi

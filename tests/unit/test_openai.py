@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from mesh.client import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
+from mesh.clients.router import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
 from services.edge import openai, responses
 from services.edge.app import EdgeApp
 from services.edge.auth import digest
