@@ -10,6 +10,10 @@ The engine's fast (non-"exact") forward calls them through `torch.ops.infermesh.
   slots (T,), num_heads)`: rotates q and k in place and stores k and v at `slots`.
 - `silu_and_mul(gate_up (T, 2I))` -> (T, I): silu(gate) * up.
 
+Their torch references, with the same signatures, are kernels/torch_ops.py (the norm, RoPE and SiLU
+ops) and paged_attention.decode() / _reference() (decode attention); tests/unit/test_cpu_ops.py
+compares against them.
+
 The library is a plain shared object (no Python module) written against torch's stable C++ API,
 whose headers compile in seconds (about 7 s in all here, against 17 s with <torch/library.h>).  It
 is built with the system's g++ into `$INFERMESH_HOME/kernels/<hash>/` (else `~/.cache/infermesh/...`);

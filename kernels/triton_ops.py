@@ -14,7 +14,8 @@ model's fused forward runs on either:
 Per decoder layer that is 3 launches where the torch ops take about 20 elementwise kernels: on a
 GPU, a small model's decode step is launch-bound even inside a CUDA graph.  Every launch takes
 its grid from tensor shapes only (no host sync; capturable).  On CPU they run under
-TRITON_INTERPRET=1, which is how tests/unit/test_triton_ops.py checks them against the torch ops.
+TRITON_INTERPRET=1, which is how tests/unit/test_triton_ops.py checks them against their torch
+references, kernels/torch_ops.py.
 """
 
 from __future__ import annotations

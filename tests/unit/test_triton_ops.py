@@ -1,5 +1,5 @@
 """kernels/triton_ops.py (the CUDA fused forward's norm, RoPE + KV write and SiLU kernels) against the
-torch ops they replace, run by Triton's interpreter on this CPU, in float32 and bfloat16."""
+torch ops they replace, kernels/torch_ops.py, run by Triton's interpreter on this CPU, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -9,17 +9,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # read when the kernels are def
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kernels import paged_attention, triton_ops
+from kernels import torch_ops, triton_ops
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
@@ -29,15 +22,16 @@ def test_add_rms_norm_adds_in_place_and_normalizes(dtype: torch.dtype, tol: floa
     x = torch.randn(5, hidden, generator=g).to(dtype)
     r = torch.randn(5, hidden, generator=g).to(dtype)
     w = torch.randn(hidden, generator=g).to(dtype)
-    want_x = x + r
-    want = rms_norm(want_x, w, 1e-5)
+    want_x = x.clone()
+    want = torch_ops.add_rms_norm(want_x, r, w, 1e-5)
     got = triton_ops.add_rms_norm(x, r, w, 1e-5)
     # The residual stream, rounded as torch rounds it (on CUDA; Triton's interpreter truncates to bf16, so
     # allow one bf16 step there).
     torch.testing.assert_close(x, want_x, rtol=0 if dtype == torch.float32 else 1e-2, atol=0)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     before = x.clone()
-    torch.testing.assert_close(triton_ops.add_rms_norm(x, None, w, 1e-5), rms_norm(x, w, 1e-5), rtol=tol, atol=tol)
+    want = torch_ops.add_rms_norm(x.clone(), None, w, 1e-5)
+    torch.testing.assert_close(triton_ops.add_rms_norm(x, None, w, 1e-5), want, rtol=tol, atol=tol)
     assert torch.equal(x, before)                         # no residual: x untouched
     assert triton_ops.add_rms_norm(x[:0], None, w, 1e-5).shape == (0, hidden)
 
@@ -54,13 +48,10 @@ def test_rope_and_write_kv_matches_the_torch_ops(dtype: torch.dtype, tol: float)
     positions = torch.tensor([0, 7, 8, 30, 63])
     slots = torch.tensor([3, 9, 10, 17, 0])
     k_cache, v_cache = torch.zeros(6, bs, kv_heads, d, dtype=dtype), torch.zeros(6, bs, kv_heads, d, dtype=dtype)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    # The torch path in services/engine/models/llama.py: rotate q and k, then write k and v.
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    x = qkv[:, : heads + kv_heads].float()
-    rotated = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
-    want_qk = (x * c.float() + rotated * s.float()).to(dtype)
-    paged_attention.write_kv(want_k, want_v, slots, want_qk[:, heads:], qkv[:, heads + kv_heads:])
+    # The torch reference in float32, rounded once at the end as the kernel rounds.
+    want, want_k, want_v = (t.to(torch.float32, copy=True) for t in (qkv, k_cache, v_cache))
+    torch_ops.rope_and_write_kv(want, positions, cos.float(), sin.float(), want_k, want_v, slots, heads)
+    want_qk, want_k, want_v = want[:, : heads + kv_heads].to(dtype), want_k.to(dtype), want_v.to(dtype)
     got = qkv.clone()
     triton_ops.rope_and_write_kv(got, positions, cos, sin, k_cache, v_cache, slots, heads)
     torch.testing.assert_close(got[:, : heads + kv_heads], want_qk, rtol=tol, atol=tol)
@@ -74,8 +65,7 @@ def test_rope_and_write_kv_matches_the_torch_ops(dtype: torch.dtype, tol: float)
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_silu_and_mul(dtype: torch.dtype, tol: float) -> None:
     gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(dtype)   # 2 column blocks
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), rtol=tol, atol=tol)
 
 
 def test_bad_shapes_are_refused_with_a_message() -> None:
