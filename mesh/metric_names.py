@@ -69,7 +69,7 @@ METRICS: tuple[Metric, ...] = (
        "Model circuit breaker: 0 closed, 1 half-open, 2 open"),
     # -- tokenizer -------------------------------------------------------------------------
     _m("infermesh_tokenizer_tokens_total", "counter", "tokenizer", "method",
-       "Token ids produced (chat_template, encode, encode_batch)"),
+       "Token ids produced (chat_template, encode)"),
     # -- engine ----------------------------------------------------------------------------
     _m("infermesh_engine_requests_total", "counter", "engine", "replica finish_reason",
        "Generate requests ended: stop, length, abort, error, cancelled, rejected"),
@@ -98,6 +98,8 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),
     _m("infermesh_engine_generated_tokens_total", "counter", "engine", "replica",
        "Tokens generated; rate() gives tokens/s"),
+    _m("infermesh_engine_plan_info", "gauge", "engine", "replica device dtype matmul attention ops graphs",
+       "Always 1: the replica's execution plan (device, dtype, matmul kind, kernels, graph mode) as labels"),
     # -- cache -----------------------------------------------------------------------------
     _m("infermesh_cache_session_lookups_total", "counter", "cache", "result", "Session lookups: hit or miss"),
     _m("infermesh_cache_sessions", "gauge", "cache", "", "Live session contexts held"),

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
+import torch
+
 from mesh import model_store
-from mesh.discovery import BACKENDS, Endpoint, advertise_address, announce
+from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
-from mesh.grpcutil import Service, run_until_signalled, setup_logging
-from mesh.telemetry import setup_tracing, shutdown_tracing
-from services.engine import kv_transfer
-from services.engine.config import CUDA_GRAPHS, DEVICES, DTYPES, EngineConfig
+from mesh.grpcutil import Service
+from mesh.service import run_service, serve_grpc
+from services.engine import kv_transfer, plan
+from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, EngineConfig
 from services.engine.engine import Engine
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
@@ -40,9 +41,10 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
-    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default="auto",
+    p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="auto",
                    help="auto: on a GPU, capture pure-decode steps as CUDA graphs for batch sizes up to "
-                        "--max-running; off: launch every kernel from Python")
+                        "--max-running (cuda), else off; off: launch every kernel from Python; eager: the "
+                        "graphs' padded buffers without capture")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
     p.add_argument("--cache", default="", metavar="HOST:PORT",
@@ -68,56 +70,37 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
 
 async def serve(config: EngineConfig) -> None:
     if config.threads:
-        import torch
-
         torch.set_num_threads(config.threads)
-    runner = ModelRunner(config.model_path, config.resolved_dtype(), config.resolved_device(),
-                         kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
-                         matmul=config.resolved_matmul(), graphs=config.cuda_graphs,
-                         max_batch=config.max_running)
-    service = Service("meshpb.v1.Engine", config.host, config.port)
+    execution = plan.for_config(config)
+    log.info("engine %s runs %s", config.replica_id, execution)
+    runner = ModelRunner(config.model_path, execution, kv_cache_bytes=config.kv_cache_mb << 20,
+                         block_size=config.block_size, max_batch=config.max_running)
+    remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
-    remote: RemoteCache | None = None
-    outbox: Outbox | None = None
-    if config.cache:
-        kv_layout = kv_transfer.layout(runner.kv)
-        remote = RemoteCache(config.cache, config.model, kv_version(config.model_version, kv_layout, runner.matmul),
-                             kv_layout, config.cache_tenant, config.cache_timeout_s,
-                             pin=runner.device.type == "cuda")
-        outbox = Outbox(config.cache_outbox_mb << 20)
     servicer = EngineServicer(Engine(runner, config.max_waiting, limits, outbox), config, remote)
+    service = Service("meshpb.v1.Engine", config.host, config.port)
     add_to(service, servicer)
-    await service.start()
     servicer.start()
-    if config.metrics_port:
-        from prometheus_client import start_http_server
+    log.info("engine %s serving %s (%d KV blocks of %d tokens) at %s%s", config.replica_id, config.model,
+             runner.num_blocks, runner.block_size, service.address,
+             f"; shared KV cache {remote.address} as {config.model}@{remote.version}" if remote is not None else "")
+    await serve_grpc("engine", config, service, port=config.port, metrics_port=config.metrics_port,
+                     on_stop=servicer.close, model=config.model, model_version=config.model_version,
+                     region=config.region)
 
-        start_http_server(config.metrics_port, addr=config.host)
-    await service.ready()
-    log.info("engine %s serving %s (%s, %s matmuls, on %s; %d KV blocks of %d tokens) at %s%s", config.replica_id,
-             config.model, runner.dtype, runner.matmul, runner.device, runner.num_blocks, runner.block_size,
-             service.address, f"; shared KV cache {remote.address} as {config.model}@{remote.version}"
-             if remote is not None else "")
-    withdraw = await announce(config.discovery, Endpoint(
-        "engine", config.replica_id, advertise_address(config.host, config.port, config.advertise),
-        model=config.model, model_version=config.model_version,
-        region=config.region))
 
-    async def stop() -> None:
-        await withdraw()
-        await servicer.close()
-
-    await run_until_signalled(service, on_stop=stop)
+def shared_cache(config: EngineConfig, runner: ModelRunner) -> tuple[RemoteCache | None, Outbox | None]:
+    """The client of the shared KV cache and the outbox of computed blocks for it; (None, None) without one."""
+    if not config.cache:
+        return None, None
+    kv_layout = kv_transfer.layout(runner.kv)
+    remote = RemoteCache(config.cache, config.model, kv_version(config.model_version, kv_layout, runner.matmul),
+                         kv_layout, config.cache_tenant, config.cache_timeout_s, pin=runner.device.type == "cuda")
+    return remote, Outbox(config.cache_outbox_mb << 20)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse(argv)
-    setup_logging("engine", config.replica_id)
-    setup_tracing("engine")
-    try:
-        asyncio.run(serve(config))
-    finally:
-        shutdown_tracing()
+    run_service("engine", parse(argv), serve)
 
 
 if __name__ == "__main__":

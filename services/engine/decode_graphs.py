@@ -19,20 +19,19 @@ one shared memory pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from services.engine.models.llama import AttentionPlan
-
-if TYPE_CHECKING:
-    from services.engine.model_runner import ModelRunner
+from kernels import paged_attention
+from services.engine.kv_transfer import int64_parts
+from services.engine.models.attention import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 class DecodeModel(Protocol):
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -96,12 +95,10 @@ class DecodeGraphs:
         tables, lens = self.tables[:size], self.lens[:size]
         mask = None
         if self.model.needs_decode_mask:
-            from kernels import paged_attention
-
             mask = paged_attention.decode_mask(tables, lens, self.block_size, self.kv[0][0].dtype)
-        plan = AttentionPlan(slots=self.slots[:size], decode_rows=self.rows[:size], decode_tables=tables,
-                             decode_lens=lens, decode_mask=mask, prefills=())
-        hidden = self.model.forward(self.ids[:size], self.positions[:size], plan, self.kv, self.rows[:size])
+        meta = AttentionMetadata(slots=self.slots[:size], decode_rows=self.rows[:size], decode_tables=tables,
+                                 decode_lens=lens, decode_mask=mask, prefills=())
+        hidden = self.model.forward(self.ids[:size], self.positions[:size], meta, self.kv, self.rows[:size])
         logits = self.model.logits(hidden)
         return logits, logits.argmax(dim=-1)
 
@@ -124,31 +121,31 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def _load(self, runner: ModelRunner, size: int, ids: Sequence[int], positions: Sequence[int],
-              slots: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+    def _load(self, size: int, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+              tables: Sequence[Sequence[int]]) -> None:
         """One host-to-device copy of the step's integers, padding included, then device-side copies
         into the static buffers (those are what the graphs read)."""
         n = len(ids)
         pad = size - n
         width = max(len(t) for t in tables)
         flat_tables = padded_tables(tables, width) + [self.scratch_block] * (pad * width)
-        d_ids, d_positions, d_slots, d_lens, d_tables = runner.upload(
-            [*ids, *(0,) * pad], [*positions, *(0,) * pad],
-            [*slots, *(self.scratch_block * self.block_size,) * pad],
-            [*(p + 1 for p in positions), *(1,) * pad], flat_tables)
+        d_ids, d_positions, d_slots, d_lens, d_tables = int64_parts(
+            self.device, [*ids, *(0,) * pad], [*positions, *(0,) * pad],
+            [*slots, *(self.scratch_block * self.block_size,) * pad], [*(p + 1 for p in positions), *(1,) * pad],
+            flat_tables)
         self.ids[:size].copy_(d_ids)
         self.positions[:size].copy_(d_positions)
         self.slots[:size].copy_(d_slots)
         self.lens[:size].copy_(d_lens)
         self.tables[:size, :width].copy_(d_tables.view(size, width))
 
-    def launch(self, runner: ModelRunner, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+    def launch(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                tables: Sequence[Sequence[int]], greedy: bool) -> torch.Tensor:
         """Queue one decode step for len(ids) rows: (n,) token ids with greedy, else (n, V) float32 logits,
         on the device (views of the graph's outputs: read them before the next step)."""
         n = len(ids)
         size = self.bucket(n)
-        self._load(runner, size, ids, positions, slots, tables)
+        self._load(size, ids, positions, slots, tables)
         if size in self.graphs:
             self.graphs[size].replay()
             logits, tokens = self.outputs[size]

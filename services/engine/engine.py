@@ -2,20 +2,22 @@
 
 add() and abort() are called from the event loop while step() runs in a worker thread:
 they only append to thread-safe inboxes, which step() drains, so the scheduler and the
-block manager are touched by one thread only.
+block manager are touched by one thread only.  What a step measures is kept in `stats`
+(services/engine/stats.py).
 
-With a shared KV cache, step() also copies in the KV the scheduler imported (fetched by the
-server before add) and, after the model ran, copies out the prompt blocks it just computed
-into `outbox`, which the server's publisher drains.
+With a shared KV cache, running a batch also copies in the KV the scheduler imported (fetched
+by the server before add) and, after the model ran, copies out the prompt blocks it just
+computed into `outbox`, which the server's publisher drains.
+
+A step that raises (a model failure) leaves the engine usable: the server calls fail_all(),
+which ends every request the engine holds with FinishReason.ERROR.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -32,23 +34,7 @@ from services.engine.request import (
     TokenLogprob,
 )
 from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
-
-# Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
-MAX_TIMINGS = 4096
-
-
-@dataclass
-class Timing:
-    """Wall-clock readings (time.time_ns()) of one request's phases, for its trace spans; 0: not yet.
-
-    queue: arrival -> scheduled; prefill: scheduled -> first_token; decode: first_token -> finished.
-    Written by the step thread, read by the server once the request is over (pop_timing)."""
-
-    arrival_ns: int = 0
-    scheduled_ns: int = 0          # the first step that ran any of its tokens began
-    first_token_ns: int = 0        # the step that sampled its first token ended
-    finished_ns: int = 0
-
+from services.engine.stats import EngineStats, Timing
 
 
 class Engine:
@@ -63,11 +49,7 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._requests: dict[str, Request] = {}
         self._lock = threading.Lock()
-        self.last_step_s = 0.0
-        self.last_step_tokens = 0
-        self.last_batch_size = 0
-        self.preemptions = 0
-        self._timings: dict[str, Timing] = {}
+        self.stats = EngineStats()
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -107,10 +89,8 @@ class Engine:
         with self._lock:
             if len(self._inbox) + self.scheduler.num_waiting >= self.max_waiting:
                 raise ResourceExhausted(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
+            self.stats.arrived(request.request_id)
             self._inbox.append(request)
-            self._timings[request.request_id] = Timing(arrival_ns=time.time_ns())
-            if len(self._timings) > MAX_TIMINGS:
-                del self._timings[next(iter(self._timings))]
 
     def uncached_prefix(self, tokens: Sequence[int]) -> tuple[int, list[bytes]]:
         """(i, hashes): the chained hashes of the usable prompt blocks from block i, the first not cached
@@ -124,8 +104,7 @@ class Engine:
 
     def pop_timing(self, request_id: str) -> Timing | None:
         """The request's phase timings (once: the entry is dropped)."""
-        with self._lock:
-            return self._timings.pop(request_id, None)
+        return self.stats.pop_timing(request_id)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -146,43 +125,18 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """schedule -> run the model -> postprocess: each running request's new token, or its end."""
         outputs = self._drain()
-        self.last_step_tokens = self.last_batch_size = 0
         batch = self.scheduler.schedule()
-        self.preemptions += len(batch.preempted)
-        if not batch.chunks:
-            return outputs
-        started = time.perf_counter()
-        kv_transfer.import_blocks(self.runner.kv, batch.imports)
-        scheduled_ns = time.time_ns()
-        for chunk in batch.chunks:
-            timing = self._timings.get(chunk.request.request_id)
-            if timing is not None and not timing.scheduled_ns:
-                timing.scheduled_ns = scheduled_ns
-        sampled = [c.request.sampling for c in batch.chunks if c.sample]
-        greedy = all(p.greedy and not p.logprobs for p in sampled)
-        logits = self.runner.run(batch.chunks, greedy=greedy)
-        self.scheduler.commit(batch)
-        if self.outbox is not None:
-            self._publish(batch, self.outbox)
-        outputs.extend(self._postprocess(batch, logits))
-        self.last_step_s = time.perf_counter() - started
-        self.last_step_tokens = batch.num_tokens
-        self.last_batch_size = len(batch.chunks)
-        sampled_ns = time.time_ns()
-        for chunk in batch.chunks:
-            timing = self._timings.get(chunk.request.request_id)
-            if chunk.sample and timing is not None and not timing.first_token_ns:
-                timing.first_token_ns = sampled_ns
+        with self.stats.step(batch):
+            if batch.chunks:
+                outputs += self._postprocess(batch, self._run(batch))
         return outputs
 
-    def fail_all(self) -> list[str]:
-        """After a model failure: drop every request (their callers get an error), keep serving."""
-        failed = list(self._requests)
-        for req in list(self._requests.values()):
-            self.scheduler.finish(req)
-        self._requests.clear()
-        return failed
+    def fail_all(self) -> list[StepOutput]:
+        """After a model failure: end every request the engine holds with FinishReason.ERROR (the server
+        fails their calls) and keep serving.  The failed step may have left any of them half-computed."""
+        return [self._finish(req, FinishReason.ERROR, None, ()) for req in list(self._requests.values())]
 
     def _drain(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -199,11 +153,22 @@ class Engine:
                 outputs.append(self._finish(aborted, FinishReason.ABORT, None, ()))
         return outputs
 
-    def _publish(self, batch: Batch, outbox: Outbox) -> None:
+    def _run(self, batch: Batch) -> torch.Tensor:
+        """The model on the batch: (S, V) logits of its sampled rows, or (S,) token ids if all are greedy."""
+        kv_transfer.import_blocks(self.runner.kv, batch.imports)     # what the shared cache had for them
+        sampled = [c.request.sampling for c in batch.chunks if c.sample]
+        logits = self.runner.run(batch.chunks, greedy=all(p.greedy and not p.logprobs for p in sampled))
+        self.scheduler.commit(batch)
+        self._publish(batch)
+        return logits
+
+    def _publish(self, batch: Batch) -> None:
         """Copy out the prompt blocks this step filled (after commit registered them) for the shared cache.
 
         Local hits and imports are never in a chunk, so they are not sent back; a block that merely
         duplicates one another request registered first is skipped too."""
+        if self.outbox is None:
+            return
         bs = self.blocks.block_size
         ids: list[int] = []
         hashes: list[bytes] = []
@@ -217,7 +182,7 @@ class Engine:
                     hashes.append(h)
         if ids:
             exported = kv_transfer.export_blocks_async(self.runner.kv, ids)   # the publisher waits for it
-            outbox.put(hashes, exported.kv, exported.ready)
+            self.outbox.put(hashes, exported.kv, exported.ready)
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy."""
@@ -249,9 +214,7 @@ class Engine:
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         req.finish_reason = reason
-        timing = self._timings.get(req.request_id)
-        if timing is not None:
-            timing.finished_ns = time.time_ns()
+        self.stats.finished(req.request_id)
         return StepOutput(req.request_id, () if token is None else (token,), logprobs, reason,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
                           cached_tokens=req.num_cached_tokens)

@@ -67,6 +67,17 @@ def int64_on(device: torch.device, values: Sequence[int]) -> torch.Tensor:
     return ids.to(device)
 
 
+def int64_parts(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
+    """Integer lists as int64 tensors on `device`, with one host-to-device copy that does not wait for
+    the GPU (int64_on); the tensors are views of it.  A step's inputs go to the device this way."""
+    flat = int64_on(device, [v for part in parts for v in part])
+    out, at = [], 0
+    for part in parts:
+        out.append(flat[at:at + len(part)])
+        at += len(part)
+    return out
+
+
 @torch.inference_mode()
 def export_blocks_async(kv: KVCache, block_ids: Sequence[int]) -> Exported:
     """Copy the blocks out; on a GPU into pinned host memory without waiting for it.
@@ -86,11 +97,6 @@ def export_blocks_async(kv: KVCache, block_ids: Sequence[int]) -> Exported:
     ready = torch.cuda.Event()
     ready.record()
     return Exported(host, ready)
-
-
-def export_blocks(kv: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
-    """A CPU copy of the blocks: (n, layers, 2, block_size, kv_heads, head_dim), contiguous."""
-    return export_blocks_async(kv, block_ids).wait()
 
 
 @torch.inference_mode()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from services.engine.plan import ExecutionPlan  # only named here: the metrics need no torch
 
 LABELS = ["replica"]
 RUNNING = Gauge("infermesh_engine_requests_running", "Requests in the running batch", LABELS)
@@ -32,6 +35,9 @@ REQUESTS = Counter("infermesh_engine_requests_total",
                    ["replica", "finish_reason"])
 TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
+PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs")
+PLAN = Gauge("infermesh_engine_plan_info", "The replica's execution plan (services/engine/plan.py) as labels; 1",
+             ["replica", *PLAN_LABELS])
 
 
 SHARED_CACHE_EVENTS = ("fetched", "rejected", "published", "dropped")
@@ -86,6 +92,7 @@ class ReplicaMetrics:
         self.queue_wait, self.batch = QUEUE_WAIT.labels(replica), BATCH.labels(replica)
         self.replica = replica
         self._seen = (0, 0, 0)  # prefix queries, prefix hits, preemptions already counted
+        self._plan: tuple[str, ...] = ()
 
     def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
                      preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0) -> None:
@@ -111,5 +118,14 @@ class ReplicaMetrics:
         """Export this replica's shared-cache counters (remote: RemoteCache, outbox: its Outbox) until close()."""
         SHARED_CACHE.sources[self.replica] = (remote, outbox)
 
+    def set_plan(self, plan: ExecutionPlan) -> None:
+        """Export the replica's ExecutionPlan as infermesh_engine_plan_info{replica, device, ...} = 1."""
+        labels = plan.labels()
+        self._plan = (self.replica, *(labels[name] for name in PLAN_LABELS))
+        PLAN.labels(*self._plan).set(1)
+
     def close(self) -> None:
         SHARED_CACHE.sources.pop(self.replica, None)
+        if self._plan:
+            PLAN.remove(*self._plan)
+            self._plan = ()

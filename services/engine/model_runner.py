@@ -21,41 +21,33 @@ from mesh import model_store
 from services.engine import kv_transfer
 from services.engine.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.models import ARCHITECTURES
-from services.engine.models.llama import AttentionPlan, load_weights
+from services.engine.models.attention import AttentionMetadata
+from services.engine.models.llama import load_weights
+from services.engine.plan import ExecutionPlan
 from services.engine.scheduler import Chunk
-
-GRAPH_MODES = ("auto", "off", "eager", "cuda")
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, folder: str | Path, dtype: str = "float32", device: str = "cpu",
-                 kv_cache_bytes: int = 1 << 30, block_size: int = 16, matmul: str = "exact",
-                 attention: str = "auto", graphs: str = "auto", max_batch: int = 256,
-                 weights: dict[str, torch.Tensor] | None = None):
-        """graphs: how pure-decode steps run.  "cuda": replayed from CUDA graphs captured now;
-        "eager": the same padded static buffers without capture (the graphs' logic, testable on
-        CPU); "off": like any other step; "auto": "cuda" on a GPU, else "off".
-        weights: the model's tensors by their Hugging Face names, instead of the folder's files
-        (the folder still gives config.json and the end-of-sequence ids)."""
+    def __init__(self, folder: str | Path, plan: ExecutionPlan, kv_cache_bytes: int = 1 << 30, block_size: int = 16,
+                 max_batch: int = 256, weights: dict[str, torch.Tensor] | None = None):
+        """Follows `plan` (services/engine/plan.py): the device, dtype, matmul kind and kernels the model
+        runs, and how pure-decode steps run (graphs "cuda": replayed from CUDA graphs captured now, for
+        batches up to max_batch; "eager": the same padded static buffers without capture; "off": like
+        any other step).  weights: the model's tensors by their Hugging Face names, instead of the
+        folder's files (the folder still gives config.json and the end-of-sequence ids)."""
         self.folder = Path(folder)
-        self.device = torch.device(device)
-        self.dtype: torch.dtype = getattr(torch, dtype)
-        if graphs not in GRAPH_MODES:
-            raise ValueError(f"graphs {graphs!r} is not one of {GRAPH_MODES}")
-        if graphs == "auto":
-            graphs = "cuda" if self.device.type == "cuda" else "off"
-        if graphs == "cuda" and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need --device cuda")
+        self.plan = plan
+        self.device = torch.device(plan.device)
+        self.dtype: torch.dtype = plan.torch_dtype
+        self.matmul = plan.matmul
         model_type = json.loads((self.folder / "config.json").read_text()).get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(f"{self.folder}: model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}")
         config_cls, model_cls = ARCHITECTURES[model_type]
         self.config = config_cls.from_folder(self.folder)
-        self.matmul = matmul
-        self.model = model_cls(self.config, weights if weights is not None else load_weights(self.folder),
-                               self.dtype, self.device, matmul, attention)
+        self.model = model_cls(self.config, weights if weights is not None else load_weights(self.folder), plan)
         self.max_context = self.config.max_position
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = model_store.eos_token_ids(self.folder)
@@ -69,12 +61,12 @@ class ModelRunner:
         self.kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                     torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
         self.graphs: DecodeGraphs | None = None
-        if graphs != "off":
+        if plan.graphs != "off":
             try:
                 self.graphs = DecodeGraphs(self.model, self.kv, block_size, self.max_context, self.scratch_block,
-                                           max_batch, self.device, capture=graphs == "cuda")
+                                           max_batch, self.device, capture=plan.graphs == "cuda")
             except RuntimeError as exc:
-                if graphs != "cuda":
+                if plan.graphs != "cuda":
                     raise
                 # Slower, still right: serve with every kernel launched from Python rather than not at all.
                 log.warning("CUDA graph capture failed (%s); decode steps launch their kernels one by one", exc)
@@ -87,16 +79,6 @@ class ModelRunner:
     def _decode_table(self, blocks: Sequence[int], start: int) -> Sequence[int]:
         """The blocks a decode row at position `start` attends: those holding positions 0 .. start."""
         return blocks[: -(-(start + 1) // self.block_size)]
-
-    def upload(self, *parts: Sequence[int]) -> list[torch.Tensor]:
-        """Integer lists as int64 tensors on the device, with one host-to-device copy that does not
-        wait for the GPU (kv_transfer.int64_on); the tensors are views of it."""
-        flat = kv_transfer.int64_on(self.device, [v for part in parts for v in part])
-        out, at = [], 0
-        for part in parts:
-            out.append(flat[at:at + len(part)])
-            at += len(part)
-        return out
 
     def run(self, chunks: Sequence[Chunk], greedy: bool = False) -> torch.Tensor:
         """Compute every chunk.  For the chunks with sample=True, in order, return (S, V) float32
@@ -138,21 +120,21 @@ class ModelRunner:
                 logits_rows.append(row + n - 1)
         width = max((len(t) for t in decode_tables), default=0)
         flat_tables = padded_tables(decode_tables, width)
-        t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = self.upload(
-            ids, positions, slots, logits_rows, decode_rows, decode_lens, flat_tables, *prefill_tables)
+        t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = kv_transfer.int64_parts(
+            self.device, ids, positions, slots, logits_rows, decode_rows, decode_lens, flat_tables, *prefill_tables)
         tables = lens = mask = None
         if decode_rows:
             tables = t_dtables.view(len(decode_rows), width)
             lens = t_dlens
             if self.model.needs_decode_mask:
                 mask = paged_attention.decode_mask(tables, lens, self.block_size, self.dtype)
-        plan = AttentionPlan(
+        meta = AttentionMetadata(
             slots=t_slots, decode_rows=t_drows if decode_rows else None, decode_tables=tables, decode_lens=lens,
             decode_mask=mask,
             prefills=tuple((row, n, start, table) for (row, n, start), table in zip(prefill_spans, t_ptables,
                                                                                     strict=True)),
         )
-        hidden = self.model.forward(t_ids, t_positions, plan, self.kv, t_rows)
+        hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows)
         if greedy and hidden.shape[0]:
             tokens = self.model.greedy(hidden)
             if tokens is None and self.device.type != "cpu":
@@ -170,4 +152,4 @@ class ModelRunner:
             positions.append(start)
             slots.extend(self._slots(req.table.blocks, start, 1))
             tables.append(self._decode_table(req.table.blocks, start))
-        return self.graphs.launch(self, ids, positions, slots, tables, greedy)
+        return self.graphs.launch(ids, positions, slots, tables, greedy)

@@ -17,6 +17,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"       # the model failed while running the request (the server fails the call)
 
 
 class RequestStatus(enum.Enum):

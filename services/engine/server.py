@@ -1,5 +1,9 @@
 """Engine gRPC servicer: pb <-> engine types, the Generate stream, Abort, load and info.
 
+One loop task runs engine.step() in the step thread whenever there is work and hands each output
+to its request's queue.  A step that raises fails every request the engine holds
+(engine.fail_all(): FinishReason.ERROR, which Generate turns into INTERNAL) and the loop goes on.
+
 With a shared KV cache (`remote`), Generate fetches the prompt blocks this engine lacks before
 adding the request, and a publisher task sends the blocks the engine computed; neither is ever
 on the step thread, and neither can fail a request (services/engine/remote_cache.py)."""
@@ -80,6 +84,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
         self.metrics = metrics.ReplicaMetrics(config.replica_id)
+        self.metrics.set_plan(engine.runner.plan)
         if remote is not None:
             self.metrics.watch_shared_cache(remote, engine.outbox)
 
@@ -107,11 +112,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 except Exception:
                     # A model failure must not kill the loop: fail the requests in flight, keep serving.
                     log.exception("engine step failed")
-                    for request_id in self.engine.fail_all():
-                        queue = self.queues.get(request_id)
-                        if queue is not None:
-                            queue.put_nowait(StepOutput(request_id, (), (), None))
-                    continue
+                    outputs = self.engine.fail_all()
                 now = time.monotonic()
                 self._observe_step()
                 if self.engine.outbox:
@@ -123,10 +124,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         queue.put_nowait(out)
 
     def _observe_step(self) -> None:
-        engine, blocks = self.engine, self.engine.blocks
+        engine, blocks, stats = self.engine, self.engine.blocks, self.engine.stats
         self.metrics.observe_step(engine.num_running, engine.num_waiting, blocks.num_used_blocks,
-                                  blocks.num_free_blocks, blocks.queries, blocks.hits, engine.preemptions,
-                                  engine.last_step_s, engine.last_step_tokens, engine.last_batch_size)
+                                  blocks.num_free_blocks, blocks.queries, blocks.hits, stats.preemptions,
+                                  stats.last_step_s, stats.last_step_tokens, stats.last_batch_size)
 
     @rpc_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -160,7 +161,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         if not first_token_at:
                             first_token_at = time.monotonic()
                             self.metrics.ttft.observe(first_token_at - started)
-                    if not out.new_ids and out.finish_reason is None:
+                    if out.finish_reason is FinishReason.ERROR:
                         outcome = "error"
                         await context.abort(grpc.StatusCode.INTERNAL,
                                             f"engine {self.config.replica_id} failed while running the model")
@@ -258,11 +259,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
     @rpc_errors
-    async def GetLoad(self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
-                      ) -> common_pb2.LoadReport:
-        return self.load_report()
-
-    @rpc_errors
     async def WatchLoad(self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[common_pb2.LoadReport]:
         interval = max(request.interval_ms, 50) / 1000.0
@@ -274,17 +270,20 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetInfo(self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
                       ) -> engine_pb2.EngineInfo:
         runner = self.engine.runner
+        plan = runner.plan
         return engine_pb2.EngineInfo(
             replica_id=self.config.replica_id,
             model=self.config.model,
             model_version=self.config.model_version,
             region=self.config.region,
-            dtype=str(runner.dtype).removeprefix("torch."),
-            device=str(runner.device),
+            dtype=plan.dtype,
+            device=plan.device,
             max_context=runner.max_context,
             block_size=runner.block_size,
             kv_blocks_total=runner.num_blocks,
             max_batch=self.engine.scheduler.config.max_running,
+            plan=engine_pb2.ExecutionPlan(device=plan.device, dtype=plan.dtype, matmul=plan.matmul,
+                                          attention=plan.attention, ops=plan.ops, graphs=plan.graphs),
         )
 
 

@@ -19,6 +19,7 @@ pytestmark = [
 from services.engine import kv_transfer  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.engine.model_runner import ModelRunner  # noqa: E402
+from services.engine.plan import decide  # noqa: E402
 from services.engine.request import SamplingParams  # noqa: E402
 from services.engine.scheduler import SchedulerConfig  # noqa: E402
 
@@ -39,8 +40,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torc
 
 def runner(tiny: tuple[Path, dict[str, torch.Tensor]], graphs: str, dtype: str = "float32") -> ModelRunner:
     folder, weights = tiny
-    return ModelRunner(folder, dtype, "cuda", kv_cache_bytes=32 << 20, block_size=16, matmul="exact",
-                       graphs=graphs, max_batch=8, weights=weights)
+    return ModelRunner(folder, decide(device="cuda", dtype=dtype, graphs=graphs, matmul="exact"),
+                       kv_cache_bytes=32 << 20, block_size=16, max_batch=8, weights=weights)
 
 
 def generate(r: ModelRunner, prompts: list[list[int]], n: int) -> dict[str, list[int]]:

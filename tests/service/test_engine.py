@@ -10,15 +10,17 @@ import torch
 from mesh.errors import InvalidArgument, ResourceExhausted
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
+from services.engine.plan import decide
 from services.engine.request import FinishReason, SamplingParams, StepOutput
 from services.engine.scheduler import SchedulerConfig
 
+EXACT = decide(device="cpu", dtype="float32")       # --dtype float32: transformers' math, bit for bit
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
 @pytest.fixture(scope="module")
 def runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(model_dir, "float32", "cpu")
+    return ModelRunner(model_dir, EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +155,7 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
     """The fast paths (auto on CPU) differ from transformers only slightly: greedy tokens
     agree on these prompts and the logprobs are close."""
     model, tokenizer = hf
-    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul=matmul)
+    fast = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul=matmul), kv_cache_bytes=64 << 20)
     engine = Engine(fast)
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
@@ -168,7 +170,7 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
 
 
 def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:
-    tiny = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=2 << 20)   # 2 blocks of 16 tokens
+    tiny = ModelRunner(model_dir, EXACT, kv_cache_bytes=2 << 20)   # 2 blocks of 16 tokens
     engine = Engine(tiny)
     assert tiny.num_blocks == 2
     with pytest.raises(InvalidArgument, match="can never fit this engine's KV cache of 32 tokens"):
@@ -185,10 +187,10 @@ def test_preemption_under_kv_pressure_loses_nothing(model_dir: Path, runner: Mod
     plenty = Engine(runner)
     expected = run(plenty, *(plenty.make_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)))
     blocks_each = -(-(max(map(len, prompts)) + 24) // runner.block_size)
-    scarce_runner = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=(blocks_each + 2) * runner.block_bytes)
+    scarce_runner = ModelRunner(model_dir, EXACT, kv_cache_bytes=(blocks_each + 2) * runner.block_bytes)
     scarce = Engine(scarce_runner)
     got = run(scarce, *(scarce.make_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)))
-    assert scarce.preemptions > 0
+    assert scarce.stats.preemptions > 0
     assert {rid: tokens(o) for rid, o in got.items()} == {rid: tokens(o) for rid, o in expected.items()}
     assert scarce.blocks.num_free_blocks == scarce.blocks.num_blocks
 
@@ -197,7 +199,7 @@ def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # typ
     """Fast modes pick greedy tokens from an int8 ranking rescored in fp32: the same tokens as
     the full fp32 vocabulary argmax, on real hidden states and on transformers' output."""
     model, tokenizer = hf
-    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w")
+    fast = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="fp16w"), kv_cache_bytes=64 << 20)
     hidden = torch.randn(256, fast.config.hidden_size, generator=torch.Generator().manual_seed(0))
     shortcut = fast.model.greedy(hidden)
     assert shortcut is not None
@@ -215,13 +217,14 @@ def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRu
     """The fast modes' fused CPU ops (kernels/cpu_ops.cpp) give the tokens the same mode gives with
     the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks
     (chunked prefill and joins mid-run); the exact mode never uses them."""
-    assert runner.model.attention != "fused" and runner.model.ops is None
-    fast = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w")
-    if fast.model.attention != "fused":
+    assert (runner.plan.attention, runner.plan.ops) == ("torch", "torch")
+    fast = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="fp16w"), kv_cache_bytes=64 << 20)
+    if fast.plan.attention != "fused":
         pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built")
     # The same mode with the torch ops throughout (norms, RoPE, KV write, SiLU and decode attention).
-    torch_ops = ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=64 << 20, matmul="fp16w", attention="torch")
-    assert torch_ops.model.ops is None
+    torch_ops = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="fp16w", attention="torch"),
+                            kv_cache_bytes=64 << 20)
+    assert (fast.plan.ops, torch_ops.plan.ops) == ("cpu", "torch")
     _, tokenizer = hf
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS + ["Explain photosynthesis step by step. " * 4, "Hi"]]
 

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from mesh import model_store
+from mesh.models import eos_token_ids
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
+from services.engine.plan import decide
 from services.engine.request import FinishReason, Request, SamplingParams, StepOutput
 from services.engine.scheduler import SchedulerConfig
 from tests.service.test_engine import run, tokens
@@ -59,8 +60,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 
 
 def runner(tiny: Tiny, attention: str, graphs: str, **kwargs: object) -> ModelRunner:
-    r = ModelRunner(tiny.folder, "float32", "cpu", kv_cache_bytes=KV_BLOCKS * BLOCK_BYTES, block_size=BLOCK,
-                    attention=attention, graphs=graphs, **kwargs)  # type: ignore[arg-type]
+    r = ModelRunner(tiny.folder, decide(device="cpu", dtype="float32", attention=attention, graphs=graphs),
+                    kv_cache_bytes=KV_BLOCKS * BLOCK_BYTES, block_size=BLOCK, **kwargs)  # type: ignore[arg-type]
     assert r.block_bytes == BLOCK_BYTES and r.num_blocks == KV_BLOCKS
     return r
 
@@ -170,8 +171,9 @@ def hf_tokens(tiny: Tiny) -> dict[str, list[int]]:
 
 
 def test_folder_declares_its_end_of_sequence_ids(tiny: Tiny) -> None:
-    assert model_store.eos_token_ids(tiny.folder) == frozenset(EOS)
-    assert ModelRunner(tiny.folder, graphs="off", kv_cache_bytes=1 << 16).eos_token_ids == frozenset(EOS)
+    assert eos_token_ids(tiny.folder) == frozenset(EOS)
+    plan = decide(device="cpu", dtype="float32", graphs="off")
+    assert ModelRunner(tiny.folder, plan, kv_cache_bytes=1 << 16).eos_token_ids == frozenset(EOS)
 
 
 def test_greedy_tokens_equal_torch_path_and_transformers(graph_run: GraphRun, torch_tokens: dict[str, list[int]],
@@ -240,8 +242,8 @@ def test_weights_from_a_state_dict_equal_the_folders(tiny: Tiny, tmp_path: Path,
     for name in ("config.json", "generation_config.json"):
         shutil.copy(tiny.folder / name, tmp_path / name)
     weights = {name: t.detach().clone() for name, t in tiny.model.state_dict().items()}
-    r = ModelRunner(tmp_path, "float32", "cpu", kv_cache_bytes=KV_BLOCKS * BLOCK_BYTES, block_size=BLOCK,
-                    attention="torch", graphs="off", weights=weights)
+    r = ModelRunner(tmp_path, decide(device="cpu", dtype="float32", attention="torch", graphs="off"),
+                    kv_cache_bytes=KV_BLOCKS * BLOCK_BYTES, block_size=BLOCK, weights=weights)
     assert r.eos_token_ids == frozenset(EOS)
     engine = Engine(r)
     assert {rid: tokens(outs) for rid, outs in drive(engine, requests(engine)).items()} == torch_tokens

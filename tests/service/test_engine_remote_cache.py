@@ -22,6 +22,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
+from services.engine.plan import decide
 from services.engine.remote_cache import RemoteCache, kv_version
 from services.engine.request import SamplingParams, StepOutput
 from tests.service.test_engine import chat_ids, tokens
@@ -32,8 +33,8 @@ KV_BYTES = 48 << 20          # 68 blocks of 737,280 bytes (fp32): plenty for one
 
 @pytest.fixture(scope="module")
 def runners(model_dir: Path) -> tuple[ModelRunner, ModelRunner]:
-    return (ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=KV_BYTES),
-            ModelRunner(model_dir, "float32", "cpu", kv_cache_bytes=KV_BYTES))
+    plan = decide(device="cpu", dtype="float32")
+    return ModelRunner(model_dir, plan, kv_cache_bytes=KV_BYTES), ModelRunner(model_dir, plan, kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_engine_b_imports_what_engine_a_published_and_generates_the_same(
         assert cache_b.stats.fetched_blocks == usable
         b.add(req)
         first = b.step()
-        assert b.last_step_tokens == len(prompt) - usable * bs       # only the tail was computed
+        assert b.stats.last_step_tokens == len(prompt) - usable * bs       # only the tail was computed
         outs = first
         while b.has_work():
             outs.extend(b.step())

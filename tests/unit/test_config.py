@@ -40,22 +40,6 @@ def test_non_loopback_edge_with_keys_is_allowed() -> None:
     assert EdgeConfig(host="0.0.0.0", api_key_digests=(digest("k"),)).host == "0.0.0.0"
 
 
-def test_engine_auto_dtype_is_fp32_on_cpu() -> None:
-    auto = EngineConfig(model_path="/m", device="cpu")
-    assert auto.resolved_dtype() == "float32" and auto.resolved_matmul() == "fp16w"
-    exact = EngineConfig(model_path="/m", device="cpu", dtype="float32")
-    assert exact.resolved_dtype() == "float32" and exact.resolved_matmul() == "exact"
-
-
-def test_engine_on_cuda_is_bf16_with_fused_gemms_and_graphs() -> None:
-    gpu = EngineConfig(model_path="/m", device="cuda")
-    assert (gpu.resolved_dtype(), gpu.resolved_matmul(), gpu.cuda_graphs) == ("bfloat16", "fused", "auto")
-    exact = EngineConfig(model_path="/m", device="cuda", dtype="float32")
-    assert (exact.resolved_dtype(), exact.resolved_matmul()) == ("float32", "exact")
-    with pytest.raises(ValueError, match="CPU only"):
-        EngineConfig(model_path="/m", device="cuda", dtype="int8").resolved_matmul()
-
-
 def test_engine_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from services.engine.__main__ import parse
 

@@ -1,17 +1,13 @@
-"""Decode-graph bookkeeping: the batch-size buckets, the bucket a batch lands in, and the
-graph modes the model runner accepts."""
+"""Decode-graph bookkeeping: the batch-size buckets, the bucket a batch lands in, and the static
+buffers' padding.  (Which graph mode runs is the ExecutionPlan's: tests/unit/test_plan.py.)"""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from services.engine import decode_graphs
 from services.engine.decode_graphs import DecodeGraphs
-from services.engine.model_runner import ModelRunner
 
 
 @pytest.mark.parametrize("max_batch,expected", [
@@ -63,21 +59,3 @@ def test_static_buffers_start_as_padding() -> None:
 def test_max_batch_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         graphs(0)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Only config.json: the graph mode is checked before any weight is read."""
-    folder = tmp_path_factory.mktemp("cfg")
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return folder
-
-
-def test_cuda_graphs_need_a_cuda_device(tiny_folder: Path) -> None:
-    with pytest.raises(ValueError, match="need --device cuda"):
-        ModelRunner(tiny_folder, device="cpu", graphs="cuda")
-
-
-def test_unknown_graph_mode_is_refused(tiny_folder: Path) -> None:
-    with pytest.raises(ValueError, match="'bogus' is not one of"):
-        ModelRunner(tiny_folder, device="cpu", graphs="bogus")

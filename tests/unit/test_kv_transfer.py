@@ -25,16 +25,24 @@ def test_layout_names_the_block_shape_and_size() -> None:
 
 def test_export_gathers_blocks_layer_by_layer_k_then_v() -> None:
     kv = paged_kv()
-    out = kv_transfer.export_blocks(kv, [4, 1])
+    exported = kv_transfer.export_blocks_async(kv, [4, 1])
+    assert exported.ready is None                   # on the CPU the copy is complete at once
+    out = exported.wait()
     assert out.shape == (2, 3, 2, 4, 2, 8) and out.is_contiguous() and out.device.type == "cpu"
     for layer, (k, v) in enumerate(kv):
         assert torch.equal(out[0, layer, 0], k[4]) and torch.equal(out[1, layer, 1], v[1])
 
 
+def test_int64_parts_are_views_of_one_upload() -> None:
+    ids, empty, slots = kv_transfer.int64_parts(torch.device("cpu"), [5, 6, 7], [], [40, 41])
+    assert (ids.tolist(), empty.tolist(), slots.tolist()) == ([5, 6, 7], [], [40, 41])
+    assert ids.dtype == torch.int64 and ids.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_survive_bytes_and_import_into_other_block_ids(dtype: torch.dtype) -> None:
     src, dst = paged_kv(dtype=dtype), [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in paged_kv(dtype=dtype)]
-    exported = kv_transfer.export_blocks(src, [0, 5])
+    exported = kv_transfer.export_blocks_async(src, [0, 5]).wait()
     lay = kv_transfer.layout(src)
     wire = [kv_transfer.to_bytes(block) for block in exported]
     assert [len(b) for b in wire] == [lay.block_bytes] * 2

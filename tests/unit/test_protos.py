@@ -14,9 +14,8 @@ def test_generated_modules_import(name: str) -> None:
 
 
 @pytest.mark.parametrize("service,rpcs", [
-    ("tokenizer", {"ApplyChatTemplate", "Encode", "EncodeBatch", "Decode", "DecodeIncremental", "GetModelInfo",
-                   "GetTokenizerJson"}),
-    ("engine", {"Generate", "Abort", "GetLoad", "WatchLoad", "GetInfo"}),
+    ("tokenizer", {"ApplyChatTemplate", "Encode", "GetTokenizerJson"}),
+    ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo"}),
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
                "DeleteSession"}),

@@ -1,0 +1,93 @@
+"""Attention over the paged KV cache for one ragged batch, as the model's layers call it.
+
+AttentionMetadata says how the flat batch's rows attend; the model runner builds it once per step
+(the decode graphs over their static buffers).  Decode rows attend together in one paged call of
+the plan's decode kind; each prefill chunk attends its own prefix with torch's SDPA.
+
+Decode kinds (ExecutionPlan.attention), a dict registry:
+- torch: gather the blocks, then SDPA with a length mask (kernels/paged_attention.py);
+- fused: the CPU library's paged_decode_attention, no gathered copies (kernels/cpu_ops.cpp);
+- triton: the Triton paged kernel (kernels/paged_attention_triton.py; on CPU under its interpreter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels import cpu_ops, paged_attention
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """How the flat batch's rows attend.  Built by the model runner from the scheduled chunks."""
+
+    slots: torch.Tensor                                   # (T,) cache slot of every row
+    decode_rows: torch.Tensor | None                      # (B,) rows that are single decode tokens
+    decode_tables: torch.Tensor | None                    # (B, max_blocks)
+    decode_lens: torch.Tensor | None                      # (B,) keys per decode row
+    decode_mask: torch.Tensor | None                      # paged_attention.decode_mask() of the above; only
+                                                          # the torch decode kind needs it
+    prefills: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first row, rows, start position, block table)
+
+
+def _torch_decode() -> Callable[..., torch.Tensor]:
+    return paged_attention.decode
+
+
+def _fused_decode() -> Callable[..., torch.Tensor]:
+    if not cpu_ops.load():
+        raise ValueError("decode attention 'fused' needs kernels/cpu_ops built")
+    return torch.ops.infermesh.paged_decode_attention  # type: ignore[no-any-return]
+
+
+def _triton_decode() -> Callable[..., torch.Tensor]:
+    # Imported when chosen: Triton is needed only where this kind runs (CUDA, or tests under its interpreter).
+    from kernels import paged_attention_triton
+
+    return paged_attention_triton.decode
+
+
+# decode(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale) -> (B, H, D)
+DECODE: dict[str, Callable[[], Callable[..., Any]]] = {"torch": _torch_decode, "fused": _fused_decode,
+                                                       "triton": _triton_decode}
+
+
+class Attention:
+    """One layer's attention for a ragged batch, with the plan's decode kind."""
+
+    def __init__(self, kind: str, scale: float):
+        self.kind = kind
+        self.scale = scale
+        self._decode = DECODE[kind]()
+        # The torch kind masks the padding of the gathered keys; the kernels mask by length.
+        self.needs_decode_mask = kind == "torch"
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The decode rows' attention.  q: (B, H, D) -> (B, H, D)."""
+        assert meta.decode_tables is not None and meta.decode_lens is not None
+        if self.needs_decode_mask:
+            return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale,
+                                meta.decode_mask)
+        return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: (T, heads, D), k and v: (T, kv_heads, D), already written to the cache -> (T, heads, D)."""
+        if meta.decode_rows is not None and not meta.prefills:
+            # Pure decode step (the common case): every row is a decode row, in order.
+            return self.decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self.decode(q[meta.decode_rows], k_cache, v_cache, meta)
+        for first, rows, start, table in meta.prefills:
+            sl = slice(first, first + rows)
+            if start == 0:
+                out[sl] = paged_attention.causal(q[sl], k[sl], v[sl], self.scale)
+            else:
+                out[sl] = paged_attention.prefill(q[sl], k_cache, v_cache, table, start, self.scale)
+        return out

@@ -1,0 +1,123 @@
+"""The ExecutionPlan: which device, dtype, matmul kind, kernels and graph mode an engine runs.
+
+The config says what was asked for (mostly `auto`); decide() turns that into one frozen plan for
+this machine, once, at start.  The model runner and the model only follow it; the engine logs it,
+GetInfo reports it and /metrics exports it (infermesh_engine_plan_info).  Nothing else chooses a
+fast path.
+
+What `auto` means today:
+- CPU: float32; matmul `fp16w` with FBGEMM (`packed` with oneDNN only, else `exact`).  Decode
+  attention and the norm/RoPE/SiLU ops are the fused CPU library (kernels/cpu_ops.cpp) when it
+  builds, else torch's.  No graphs.  An explicit --dtype float32 is the bit-exact mode: `exact`
+  matmuls and the torch ops (transformers' own math); --dtype int8 quantizes the weights.
+- CUDA: bfloat16, `fused` GEMMs (q/k/v and gate/up one call each), Triton decode attention and
+  Triton norm/RoPE/SiLU ops, pure-decode steps replayed from CUDA graphs.  --dtype float32 keeps
+  `exact` GEMMs and the torch ops, with Triton decode attention.
+
+The names each field takes are the keys of the registries that carry them out:
+models/linear.py (matmul), models/attention.py (attention), models/ops.py (ops),
+decode_graphs.py (graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kernels import cpu_ops
+from services.engine.config import EngineConfig
+
+MATMULS = ("exact", "fused", "packed", "fp16w", "int8")
+ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
+OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
+GRAPHS = ("off", "eager", "cuda")           # pure-decode steps: like any step, static buffers, CUDA graphs
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    device: str          # cpu | cuda
+    dtype: str           # float32 | bfloat16: activations and the KV cache (int8 weights run in float32)
+    matmul: str          # MATMULS
+    attention: str       # ATTENTIONS
+    ops: str             # OPS
+    graphs: str          # GRAPHS: "eager" runs the graphs' padded buffers without capture (tests)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("device", ("cpu", "cuda")), ("dtype", ("float32", "bfloat16")), ("matmul", MATMULS),
+                              ("attention", ATTENTIONS), ("ops", OPS), ("graphs", GRAPHS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {allowed}")
+        if self.graphs == "cuda" and self.device != "cuda":
+            raise ValueError("CUDA graphs need --device cuda")
+        if self.matmul == "int8" and self.device != "cpu":
+            raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
+        if (self.attention == "fused" or self.ops == "cpu") and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError("the fused CPU ops run float32 on the CPU only")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def labels(self) -> dict[str, str]:
+        """The plan as names, for the log line, GetInfo and the info metric."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"{self.device} {self.dtype}, {self.matmul} matmuls, {self.attention} decode attention, "
+                f"{self.ops} ops, graphs {self.graphs}")
+
+
+def for_config(config: EngineConfig) -> ExecutionPlan:
+    return decide(config.device, config.dtype, config.cuda_graphs)
+
+
+def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matmul: str = "auto",
+           attention: str = "auto") -> ExecutionPlan:
+    """The plan for this machine.  device, dtype and graphs as the engine's flags take them; matmul and
+    attention are `auto` but for tests and benchmarks that pin one."""
+    device = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "int8" and device != "cpu":
+        raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
+    if dtype == "int8":
+        compute = "float32"                        # int8 weights, float32 activations and KV cache
+    elif dtype != "auto":
+        compute = dtype
+    else:
+        # Measured on the 2-core AVX2 CPU here: bf16 GEMMs run at ~18 GFLOP/s against 50-120 for
+        # fp32 (no native bf16), so auto means fp32 on CPU and bf16 on CUDA.
+        compute = "bfloat16" if device == "cuda" else "float32"
+    if matmul == "auto":
+        matmul = _matmul(device, dtype)
+    # The fused CPU ops agree with the torch ops to rounding, not bit for bit: "exact" keeps the torch ops.
+    cpu_fusable = matmul != "exact" and device == "cpu" and compute == "float32"
+    if attention == "auto":
+        attention = "triton" if device == "cuda" else "fused" if cpu_fusable and cpu_ops.load() else "torch"
+    elif attention == "fused" and not (cpu_fusable and cpu_ops.load()):
+        raise ValueError("attention 'fused' needs the fused CPU ops: a CPU float32 model, matmul other than "
+                         "'exact', and kernels/cpu_ops built")
+    # The norm/RoPE/SiLU ops come with the attention kernels' family; "exact" keeps transformers' torch ops.
+    ops = "cpu" if attention == "fused" else "triton" if attention == "triton" and matmul != "exact" else "torch"
+    if graphs == "auto":
+        graphs = "cuda" if device == "cuda" else "off"
+    return ExecutionPlan(device, compute, matmul, attention, ops, graphs)
+
+
+def _matmul(device: str, dtype: str) -> str:
+    if dtype == "int8":
+        return "int8"
+    if dtype == "auto" and device == "cpu":
+        return _cpu_matmul()
+    if device == "cuda" and dtype != "float32":
+        return "fused"
+    return "exact"                                 # an explicit float32 (or bfloat16 on the CPU)
+
+
+def _cpu_matmul() -> str:
+    """The CPU's default GEMM kind, by what this torch build has: fp16-weight GEMMs with FBGEMM (1.6-2x
+    packed fp32 for decode on this AVX2 CPU, greedy output still float32's on the tested prompts),
+    else oneDNN's packed fp32.  The seam for measuring: here the engine will time the candidates on
+    this machine, once, and cache the fastest."""
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        return "fp16w"
+    return "packed" if torch.backends.mkldnn.is_available() else "exact"

@@ -1,0 +1,80 @@
+"""What the engine's loop measures, kept out of it: each request's phase timings and each step's figures.
+
+The step thread writes (one `step()` block per step, `finished()` as requests end); the server
+reads: the step figures after every step (for Prometheus), a request's timings once it is over
+(for its trace spans).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from services.engine.scheduler import Batch
+
+# Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
+MAX_TIMINGS = 4096
+
+
+@dataclass
+class Timing:
+    """Wall-clock readings (time.time_ns()) of one request's phases, for its trace spans; 0: not yet.
+
+    queue: arrival -> scheduled; prefill: scheduled -> first_token; decode: first_token -> finished."""
+
+    arrival_ns: int = 0
+    scheduled_ns: int = 0          # the first step that ran any of its tokens began
+    first_token_ns: int = 0        # the step that sampled its first token ended
+    finished_ns: int = 0
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.last_step_s = 0.0          # the last step that ran the model: its duration,
+        self.last_step_tokens = 0       # tokens computed and sequences run (0 after an idle step)
+        self.last_batch_size = 0
+        self.preemptions = 0            # since start
+        self._timings: dict[str, Timing] = {}
+        self._lock = threading.Lock()
+
+    def arrived(self, request_id: str) -> None:
+        with self._lock:
+            self._timings[request_id] = Timing(arrival_ns=time.time_ns())
+            if len(self._timings) > MAX_TIMINGS:
+                del self._timings[next(iter(self._timings))]
+
+    def finished(self, request_id: str) -> None:
+        timing = self._timings.get(request_id)
+        if timing is not None:
+            timing.finished_ns = time.time_ns()
+
+    def pop_timing(self, request_id: str) -> Timing | None:
+        """The request's phase timings (once: the entry is dropped)."""
+        with self._lock:
+            return self._timings.pop(request_id, None)
+
+    @contextmanager
+    def step(self, batch: Batch) -> Iterator[None]:
+        """Around one step's run of `batch`: its figures and its requests' phase stamps, recorded when
+        it succeeds (a step that raises leaves the last figures as they were)."""
+        self.preemptions += len(batch.preempted)
+        self.last_step_tokens = self.last_batch_size = 0
+        started, started_ns = time.perf_counter(), time.time_ns()
+        yield
+        if not batch.chunks:
+            return
+        self.last_step_s = time.perf_counter() - started
+        self.last_step_tokens = batch.num_tokens
+        self.last_batch_size = len(batch.chunks)
+        ended_ns = time.time_ns()
+        for chunk in batch.chunks:
+            timing = self._timings.get(chunk.request.request_id)
+            if timing is None:
+                continue
+            if not timing.scheduled_ns:
+                timing.scheduled_ns = started_ns
+            if chunk.sample and not timing.first_token_ns:
+                timing.first_token_ns = ended_ns

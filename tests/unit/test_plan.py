@@ -1,0 +1,81 @@
+"""The ExecutionPlan: what `auto` becomes on a CPU and on CUDA, the refusals, and that every name the plan
+can hold is one its registries carry out."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import cpu_ops
+from services.engine import plan
+from services.engine.config import GRAPH_MODES, EngineConfig
+from services.engine.models import attention, linear, ops
+from services.engine.plan import ExecutionPlan, decide
+
+
+def fields(p: ExecutionPlan) -> tuple[str, ...]:
+    return p.device, p.dtype, p.matmul, p.attention, p.ops, p.graphs
+
+
+def test_auto_on_the_cpu_is_fp32_with_fp16_weights_and_the_fused_ops() -> None:
+    fused = "fused" if cpu_ops.load() else "torch"
+    assert fields(decide(device="cpu")) == ("cpu", "float32", "fp16w", fused, "cpu" if cpu_ops.load() else "torch",
+                                            "off")
+
+
+def test_float32_is_the_exact_mode_with_the_torch_ops() -> None:
+    assert fields(decide(device="cpu", dtype="float32")) == ("cpu", "float32", "exact", "torch", "torch", "off")
+    assert fields(decide(device="cpu", dtype="bfloat16")) == ("cpu", "bfloat16", "exact", "torch", "torch", "off")
+
+
+def test_int8_quantizes_the_weights_on_the_cpu_only() -> None:
+    assert decide(device="cpu", dtype="int8").matmul == "int8"
+    assert decide(device="cpu", dtype="int8").dtype == "float32"
+    with pytest.raises(ValueError, match="CPU only"):
+        decide(device="cuda", dtype="int8")
+
+
+def test_cuda_is_bf16_with_fused_gemms_triton_kernels_and_graphs() -> None:
+    assert fields(decide(device="cuda")) == ("cuda", "bfloat16", "fused", "triton", "triton", "cuda")
+    # float32 keeps transformers' GEMMs and torch ops for parity; decode attention stays Triton.
+    assert fields(decide(device="cuda", dtype="float32")) == ("cuda", "float32", "exact", "triton", "torch", "cuda")
+    assert decide(device="cuda", graphs="off").graphs == "off"
+
+
+def test_pinned_kinds_for_tests_and_benchmarks() -> None:
+    p = decide(device="cpu", dtype="float32", matmul="fp16w", attention="torch", graphs="eager")
+    assert fields(p) == ("cpu", "float32", "fp16w", "torch", "torch", "eager")
+    t = decide(device="cpu", dtype="float32", matmul="packed", attention="triton")
+    assert (t.attention, t.ops) == ("triton", "triton")        # Triton's interpreter on the CPU
+    assert decide(device="cpu", dtype="float32", attention="triton").ops == "torch"   # exact keeps the torch ops
+
+
+def test_impossible_plans_are_refused() -> None:
+    with pytest.raises(ValueError, match="need --device cuda"):
+        decide(device="cpu", graphs="cuda")
+    with pytest.raises(ValueError, match="'bogus' is not one of"):
+        decide(device="cpu", graphs="bogus")
+    with pytest.raises(ValueError, match="attention 'fused' needs the fused CPU ops"):
+        decide(device="cpu", dtype="float32", attention="fused")          # exact: never the fused ops
+    with pytest.raises(ValueError, match="float32 on the CPU only"):
+        ExecutionPlan("cuda", "bfloat16", "fused", "fused", "cpu", "off")
+    with pytest.raises(ValueError, match="matmul 'fp8'"):
+        ExecutionPlan("cpu", "float32", "fp8", "torch", "torch", "off")
+
+
+def test_the_config_decides_through_the_plan() -> None:
+    assert plan.for_config(EngineConfig(model_path="/m", device="cpu", dtype="float32", cuda_graphs="eager")) == \
+        decide(device="cpu", dtype="float32", graphs="eager")
+    assert GRAPH_MODES == ("auto", *plan.GRAPHS)                        # one list of graph modes
+
+
+def test_every_name_has_its_implementation() -> None:
+    assert tuple(linear.LINEARS) == plan.MATMULS
+    assert tuple(attention.DECODE) == plan.ATTENTIONS
+    assert tuple(ops.OPS) == plan.OPS
+
+
+def test_labels_name_every_field() -> None:
+    p = decide(device="cuda")
+    assert p.labels() == {"device": "cuda", "dtype": "bfloat16", "matmul": "fused", "attention": "triton",
+                          "ops": "triton", "graphs": "cuda"}
+    assert str(p) == "cuda bfloat16, fused matmuls, triton decode attention, triton ops, graphs cuda"
