@@ -6,8 +6,7 @@ import asyncio
 import functools
 import inspect
 import logging
-import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -118,25 +117,6 @@ class Service:
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-
-
-async def run_until_signalled(
-    service: Service, on_stop: Callable[[], Awaitable[None]] | None = None, grace: float = 5.0
-) -> None:
-    """Serve until SIGINT or SIGTERM, then stop gracefully."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.ensure_future(service.server.wait_for_termination())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    log.info("%s stopping", service.name)
-    await service.stop(grace)
-    if on_stop is not None:
-        await on_stop()
-    waiter.cancel()
-    stopper.cancel()
 
 
 async def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:

@@ -7,10 +7,10 @@ import logging
 
 import torch
 
-from mesh import model_store
 from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
+from mesh.models import served_model
 from mesh.service import run_service, serve_grpc
 from services.engine import kv_transfer, plan
 from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, EngineConfig
@@ -55,7 +55,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                    help="seconds to fetch one request's blocks before recomputing them")
     apply_env(p, "INFERMESH_ENGINE")
     a = p.parse_args(argv)
-    name, folder = model_store.served_model(a.model)
+    name, folder = served_model(a.model)
     try:
         return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
                             replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,

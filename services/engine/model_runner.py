@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kernels import paged_attention
-from mesh import model_store
+from mesh.models import eos_token_ids
 from services.engine import kv_transfer
 from services.engine.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.models import ARCHITECTURES
@@ -50,7 +50,7 @@ class ModelRunner:
         self.model = model_cls(self.config, weights if weights is not None else load_weights(self.folder), plan)
         self.max_context = self.config.max_position
         self.vocab_size = self.config.vocab_size
-        self.eos_token_ids = model_store.eos_token_ids(self.folder)
+        self.eos_token_ids = eos_token_ids(self.folder)
         self.block_size = block_size
         c = self.config
         # K and V, every layer, one block: the unit the KV budget is counted in.
