@@ -11,7 +11,8 @@ DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 # Pure-decode steps.  auto: CUDA graphs on a GPU, else off; eager: the graphs' static buffers without
 # capture (their logic, on any device); cuda: captured graphs (a GPU only).
-GRAPH_MODES = ("auto", "off", "eager", "cuda")
+GRAPHS = ("off", "eager", "cuda")           # what a plan runs (services/engine/plan.py)
+GRAPH_MODES = ("auto", *GRAPHS)             # what a config may ask for
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels import cpu_ops
-from services.engine.config import EngineConfig
+from services.engine.config import GRAPHS, EngineConfig
 
 MATMULS = ("exact", "fused", "packed", "fp16w", "int8")
 ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
 OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
-GRAPHS = ("off", "eager", "cuda")           # pure-decode steps: like any step, static buffers, CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class ExecutionPlan:
     matmul: str          # MATMULS
     attention: str       # ATTENTIONS
     ops: str             # OPS
-    graphs: str          # GRAPHS: "eager" runs the graphs' padded buffers without capture (tests)
+    graphs: str          # config.GRAPHS; "eager": the graphs' padded buffers without capture (tests)
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", ("cpu", "cuda")), ("dtype", ("float32", "bfloat16")), ("matmul", MATMULS),

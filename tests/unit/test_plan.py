@@ -7,7 +7,7 @@ import pytest
 
 from kernels import cpu_ops
 from services.engine import plan
-from services.engine.config import GRAPH_MODES, EngineConfig
+from services.engine.config import EngineConfig
 from services.engine.models import attention, linear, ops
 from services.engine.plan import ExecutionPlan, decide
 
@@ -65,7 +65,6 @@ def test_impossible_plans_are_refused() -> None:
 def test_the_config_decides_through_the_plan() -> None:
     assert plan.for_config(EngineConfig(model_path="/m", device="cpu", dtype="float32", cuda_graphs="eager")) == \
         decide(device="cpu", dtype="float32", graphs="eager")
-    assert GRAPH_MODES == ("auto", *plan.GRAPHS)                        # one list of graph modes
 
 
 def test_every_name_has_its_implementation() -> None:
