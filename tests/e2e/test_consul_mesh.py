@@ -8,6 +8,7 @@ registers itself, the router finds the engine there, and every service deregiste
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -23,13 +24,23 @@ def registered(double: ConsulDouble) -> dict[str, dict[str, object]]:
         return dict(json.loads(reply.read()))
 
 
+def all_registered(double: ConsulDouble, expected: set[str], wait_s: float = 10.0) -> dict[str, dict[str, object]]:
+    """The registrations once `expected` are all there: the edge announces itself just after its
+    /health starts answering (the registry's HTTP check probes it), so it may trail readiness."""
+    deadline = time.monotonic() + wait_s
+    while set(services := registered(double)) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return services
+
+
 def test_mesh_registers_routes_through_and_deregisters(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with ConsulDouble(min_interval_s=0.2) as double:
         env = {"CONSUL_HTTP_ADDR": double.url}
         with running_mesh(["--engines", "1", "--discovery", "consul", "--kv-cache-mb", "64"], OFFSET + 200,
                           tmp_path / "up.log", env=env) as mesh:
-            services = registered(double)
-            assert set(services) == {"cache-0", "tokenizer-0", "engine-0", "router-0", "edge-0"}
+            expected = {"cache-0", "tokenizer-0", "engine-0", "router-0", "edge-0"}
+            services = all_registered(double, expected)
+            assert set(services) == expected
             engine = services["engine-0"]
             assert engine["Service"] == "engine" and engine["Port"] == 50060 + OFFSET + 200
             assert engine["Meta"]["model"] == "smollm2-135m" and engine["Meta"]["model_version"] == "1"  # type: ignore[index]
