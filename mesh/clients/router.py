@@ -49,6 +49,7 @@ class GenerateSpec:
     pinned_replica: str = ""
     request_id: str = ""
     model_version: str = ""                # pin a version (also `model@version`)
+    tenant: str = ""                       # who asks (never a secret): sessions are namespaced by it
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
         sampling.seed = s.seed
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
-        pinned_replica=spec.pinned_replica, model_version=spec.model_version)
+        pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant)
     if spec.prompt is not None:
         req.prompt = spec.prompt
     else:

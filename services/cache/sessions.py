@@ -9,6 +9,9 @@ from mesh.chat import Message
 from mesh.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_TTL_S = 30 * 60.0
+# The router's keys are `<tenant>/<session id>`: a tenant ("key:" + 16 hex digits, "addr:" + an IPv6
+# address) in front of the 256 characters the edge allows a session id.
+MAX_SESSION_ID = 320
 
 
 @dataclass
@@ -25,7 +28,7 @@ class SessionStore:
     """
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_sessions: int = 100_000,
-                 max_messages: int = 1_000, max_session_id: int = 256):
+                 max_messages: int = 1_000, max_session_id: int = MAX_SESSION_ID):
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.max_messages = max_messages

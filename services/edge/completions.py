@@ -3,7 +3,9 @@
 A request reaches the router only once it parsed (400), found a place in flight (503) and its
 tokens (429).  Streaming answers pull the first delta before the 200, so an error the router
 reports at once is still a proper 4xx/5xx; later errors arrive as an `error` event before
-`[DONE]`.  A client that goes away mid-stream cancels the gRPC call, which aborts the engine's work.
+`[DONE]`.  A client that goes away, streaming or not, cancels the gRPC call, which aborts the
+engine's work; its in-flight place is given back at once.  Each request names its caller to the
+router as a tenant (`tenant`), which keeps one caller's sessions from every other's.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Hashable
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -31,6 +33,32 @@ from services.edge.metrics import COMPLETION_TOKENS, DURATION, TTFT
 from services.edge.responses import LogprobFormatter
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+T = TypeVar("T")
+
+
+def tenant(caller: Hashable) -> str:
+    """The caller as the router knows it: stable and not a secret.  An API key's SHA-256 digest is
+    cut to 16 hex digits (64 bits: keys do not collide, and neither the key nor its whole digest
+    leaves the edge); with no keys configured (loopback only), the client's address."""
+    if isinstance(caller, bytes):
+        return "key:" + caller.hex()[:16]
+    return f"addr:{caller}"
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive) -> T | None:
+    """`work`'s result, or None when the client disconnects first: `work` is then cancelled (a
+    router call cancelled is its gRPC stream cancelled, and the engine's work aborted)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    left = True
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        left = not task.done()
+    finally:
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if left else task.result()
 
 
 class Completions:
@@ -59,7 +87,7 @@ class Completions:
         stream, include_usage = openai.stream_options(body)
         charge = self.admission.enter(scope.get("infermesh.caller", ""), spec)
         rid = responses.new_id(chat)
-        spec = dataclasses.replace(spec, request_id=rid,
+        spec = dataclasses.replace(spec, request_id=rid, tenant=tenant(charge.caller),
                                    model_version=headers.get("x-infermesh-model-version", "").strip())
         lp = LogprobFormatter(chat, len(spec.prompt or "")) if spec.sampling.logprobs else None
         parent = headers_context(headers)
@@ -69,27 +97,19 @@ class Completions:
                 deltas = self.router.generate(spec, timeout=self.config.request_timeout_s)
                 if stream:
                     return await self._stream(chat, rid, deltas, include_usage, lp, charge, receive, send)
-                return await self._whole(chat, rid, deltas, lp, charge, send)
+                return await self._whole(chat, rid, deltas, lp, charge, receive, send)
         finally:
             self.admission.leave(charge)
 
     async def _whole(self, chat: bool, rid: str, deltas: AsyncIterator[Delta], lp: LogprobFormatter | None,
-                     charge: Charge, send: Send) -> int:
+                     charge: Charge, receive: Receive, send: Send) -> int:
         started = time.monotonic()
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        final: Delta | None = None
-        try:
-            async for d in deltas:
-                charge.started = True
-                parts.append(d.text)
-                logprobs.extend(d.logprobs)
-                if d.finish_reason is not None:
-                    final = d
-        except grpc.aio.AioRpcError as err:
-            raise from_grpc(err) from None
-        if final is None:
-            raise ApiError(502, "the stream ended without a final message", kind="server_error", code=None)
+        # The client may leave while the answer is collected, with no write to notice it by:
+        # watch for its disconnect, or an abandoned request would run to max_tokens.
+        collected = await unless_gone(_collect(deltas, charge), receive)
+        if collected is None:
+            return 499
+        parts, logprobs, final = collected
         charge.used = final.prompt_tokens + final.completion_tokens
         DURATION.observe(time.monotonic() - started)
         COMPLETION_TOKENS.inc(final.completion_tokens)
@@ -153,3 +173,22 @@ class Completions:
             status, kind = http_status(err.code())
             await emit(error_body(err.details() or "generation failed", kind, status))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _collect(deltas: AsyncIterator[Delta], charge: Charge) -> tuple[list[str], list[TokenLogprob], Delta]:
+    """A whole answer: its texts, its tokens' logprobs and its final message."""
+    parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    final: Delta | None = None
+    try:
+        async for d in deltas:
+            charge.started = True
+            parts.append(d.text)
+            logprobs.extend(d.logprobs)
+            if d.finish_reason is not None:
+                final = d
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None
+    if final is None:
+        raise ApiError(502, "the stream ended without a final message", kind="server_error", code=None)
+    return parts, logprobs, final

@@ -33,7 +33,7 @@ from services.router.failover import Call, Failover, Plan
 from services.router.policies import AffinityRouter, RouteRequest
 from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import Replica, ReplicaTable
-from services.router.sessions import merge
+from services.router.sessions import merge, session_key
 from services.router.upstream import Sessions, Tokenizer, relay_error
 from services.router.versions import ModelVersions, resolve_model
 
@@ -55,21 +55,23 @@ class Dispatcher:
         no replica of the model's chain can take it)."""
         model, pinned_version = resolve_model(request.model, request.model_version, self.config.default_model,
                                               self.table.models())
-        session = request.session_id if request.WhichOneof("input") == "chat" else ""
+        # Everything kept per conversation is the caller's own: keyed by tenant and session id.
+        key = session_key(request.tenant, request.session_id)
+        session = key if request.WhichOneof("input") == "chat" else ""
         conversation, new = merge(await self.sessions.history(session), incoming)
-        version = self.choose_version(model, pinned_version, request)
+        version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
         answer: list[str] = []
-        async for reply in self._attempts(request, request_id, model, version, conversation, context):
+        async for reply in self._attempts(request, request_id, model, version, conversation, key, context):
             answer.append(reply.text)
             if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
             yield reply
 
-    def choose_version(self, model: str, pinned_version: str, request: Request) -> str:
+    def choose_version(self, model: str, pinned_version: str, request: Request, key: str) -> str:
         """The version this request runs on; "" when any will do (a pinned replica, or none serving:
-        then failover decides, possibly for a fallback model)."""
+        then failover decides, possibly for a fallback model).  `key`: its session's (sessions.session_key)."""
         if pinned_version:
             if pinned_version not in {r.model_version for r in self.table.all() if r.model == model}:
                 raise NotFound(f"version {pinned_version!r} of {model!r} is not served")
@@ -77,7 +79,7 @@ class Dispatcher:
         served = {r.model_version for r in self.table.serving(model)}
         if request.pinned_replica or not served:
             return ""
-        return self.versions.choose(model, served, "", request.session_id or request.request_id)
+        return self.versions.choose(model, served, "", key or request.request_id)
 
     def pinned(self, model: str, pinned: str) -> Replica:
         replica = self.table.get(pinned)
@@ -91,21 +93,22 @@ class Dispatcher:
             raise Unavailable(f"replica {pinned!r} is {why}; retry shortly or drop the pin")
         return replica
 
-    async def _prepare(self, request: Request, model: str, conversation: list[Message],
+    async def _prepare(self, request: Request, model: str, conversation: list[Message], key: str,
                        deadline_s: float | None = None) -> tuple[list[int], Stream, RouteRequest]:
         """Token ids, a fresh client stream and the routing request, for `model`'s tokenizer."""
         prompt_ids = await self.tokenizer.tokenize(request, model, conversation, deadline_s)
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
                         request.include_token_ids)
-        route = RouteRequest(model, session_key=request.session_id, region=request.region,
+        route = RouteRequest(model, session_key=key, region=request.region,
                              prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size)))
         return prompt_ids, stream, route
 
     async def _attempts(self, request: Request, request_id: str, model: str, version: str,
-                        conversation: list[Message], context: grpc.aio.ServicerContext) -> AsyncIterator[Reply]:
+                        conversation: list[Message], key: str, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[Reply]:
         """Attempts until the stream finishes, within the call's attempts and the retry budget."""
         root = trace.get_current_span()                # router.generate: it carries the final decision
-        prompt_ids, stream, route = await self._prepare(request, model, conversation, context.time_remaining())
+        prompt_ids, stream, route = await self._prepare(request, model, conversation, key, context.time_remaining())
         if request.pinned_replica:                     # operators and tests: exactly there, or an error
             replica = self.pinned(model, request.pinned_replica)
             pinned = Plan(model, [replica], False, 1.0)
@@ -129,7 +132,7 @@ class Dispatcher:
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
                     if plan.degraded:
                         metrics.FAILOVER.labels("3").inc()
-                    prompt_ids, stream, route = await self._prepare(request, plan.model, conversation,
+                    prompt_ids, stream, route = await self._prepare(request, plan.model, conversation, key,
                                                                     context.time_remaining())
                     streamed = plan.model
                 decision = self.policy.pick(plan.candidates, route, now())

@@ -3,6 +3,9 @@
 A client that names a session (`x-session-id` or the OpenAI `user` field) may send either the
 whole conversation, OpenAI style, or only what is new; the router keeps the history in the
 cache service's session store.  Pure code: the dispatcher fetches and appends (upstream.Sessions).
+
+Sessions belong to a tenant (the caller the edge authenticated): the store's key is
+`<tenant>/<session id>`, so two callers naming the same session never share it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,21 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from mesh.chat import Message
+from mesh.errors import InvalidArgument
+
+NATIVE_TENANT = "grpc:"             # requests that name no tenant (native gRPC callers): a namespace of their own
+
+
+def session_key(tenant: str, session_id: str) -> str:
+    """The store's (and session affinity's) key for a caller's session; "" when it names none.
+
+    A tenant may not contain "/": the key's tenant part ends at the first one, so no tenant
+    and session id can spell another tenant's key."""
+    if not session_id:
+        return ""
+    if "/" in tenant:
+        raise InvalidArgument("tenant must not contain '/'")
+    return f"{tenant or NATIVE_TENANT}/{session_id}"
 
 
 class Merged(NamedTuple):

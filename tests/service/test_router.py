@@ -163,7 +163,7 @@ async def _serve(name: str, add: Callable[[grpc.aio.Server], None]) -> Service:
 
 @contextlib.asynccontextmanager
 async def running(engines: int = 2, waiting: int = 0, script: Script | None = None,
-                  cache: bool = True) -> AsyncIterator[Mesh]:
+                  cache: bool = True, engine: type[FakeEngine] = FakeEngine) -> AsyncIterator[Mesh]:
     script = script or Script()
     tokenizer, store = FakeTokenizer(), FakeCache()
     services = [await _serve("meshpb.v1.Tokenizer",
@@ -172,9 +172,9 @@ async def running(engines: int = 2, waiting: int = 0, script: Script | None = No
         services.append(await _serve("meshpb.v1.Cache", lambda s: cache_pb2_grpc.add_CacheServicer_to_server(store, s)))
     endpoints = []
     for i in range(engines):
-        engine = FakeEngine(f"engine-{i}", script, waiting)
+        fake = engine(f"engine-{i}", script, waiting)
         services.append(await _serve("meshpb.v1.Engine",
-                                     lambda s, e=engine: engine_pb2_grpc.add_EngineServicer_to_server(e, s)))
+                                     lambda s, e=fake: engine_pb2_grpc.add_EngineServicer_to_server(e, s)))
         endpoints.append(Endpoint("engine", f"engine-{i}", f"127.0.0.1:{services[-1].port}"))
     config = RouterConfig(tokenizer=f"127.0.0.1:{services[0].port}", engines=tuple(endpoints),
                           cache=f"127.0.0.1:{services[1].port}" if cache else "", default_model=MODEL,
@@ -210,12 +210,13 @@ async def _until(ready: Callable[[], bool | Awaitable[bool]], what: str, timeout
         await asyncio.sleep(0.02)
 
 
-def chat(*messages: tuple[str, str], max_tokens: int = 8, session: str = "") -> router_pb2.RouterGenerateRequest:
+def chat(*messages: tuple[str, str], max_tokens: int = 8, session: str = "",
+         tenant: str = "") -> router_pb2.RouterGenerateRequest:
     return router_pb2.RouterGenerateRequest(
         model=MODEL, chat=router_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role=r, content=c)
                                                          for r, c in messages]),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, seed=7), session_id=session,
-        include_token_ids=True)
+        include_token_ids=True, tenant=tenant)
 
 
 async def collect(mesh: Mesh, request: router_pb2.RouterGenerateRequest) -> list[router_pb2.RouterGenerateResponse]:
@@ -328,19 +329,20 @@ def test_no_retry_once_the_shared_retry_budget_is_spent() -> None:
 def test_sessions_merge_the_stored_history_and_store_the_turn() -> None:
     async def scenario() -> None:
         async with running() as mesh:
-            mesh.cache.sessions["s1"] = [("system", "be brief"), ("user", "hello"), ("assistant", "hi")]
+            # The store's key: the tenant ("grpc:" for a request that names none, as here) and the id.
+            mesh.cache.sessions["grpc:/s1"] = [("system", "be brief"), ("user", "hello"), ("assistant", "hi")]
             replies = await collect(mesh, chat(("system", "be brief"), ("user", "again"), max_tokens=3, session="s1"))
             answer = "".join(r.text for r in replies)
             assert answer == words([FIRST, FIRST + 1, FIRST + 2])
             assert mesh.tokenizer.templated == [[("system", "be brief"), ("user", "hello"), ("assistant", "hi"),
                                                  ("user", "again")]]
             assert list(mesh.script.calls[0][1].prompt_ids) == [1, 2, 2, 2, 2]
-            assert mesh.cache.sessions["s1"][3:] == [("user", "again"), ("assistant", answer)]
+            assert mesh.cache.sessions["grpc:/s1"][3:] == [("user", "again"), ("assistant", answer)]
             # A prompt (not chat) request neither reads nor writes the session.
             prompt = router_pb2.RouterGenerateRequest(model=MODEL, prompt="a b", session_id="s1",
                                                       sampling=common_pb2.SamplingParams(max_tokens=2))
             await collect(mesh, prompt)
-            assert len(mesh.cache.sessions["s1"]) == 5 and list(mesh.script.calls[1][1].prompt_ids) == [1, 3, 3]
+            assert len(mesh.cache.sessions["grpc:/s1"]) == 5 and list(mesh.script.calls[1][1].prompt_ids) == [1, 3, 3]
 
     run(scenario)
 

@@ -1,0 +1,117 @@
+"""Abandoned requests are cancelled: at the edge (whole answers as well as streams) and from the router
+to the engine, and the edge's in-flight place lives exactly as long as the request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+
+from meshpb.v1 import engine_pb2
+from tests.security.edge_driver import Client, SlowRouter, edge
+from tests.service.test_router import FakeEngine, _until, chat, run, running
+
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500})
+
+
+async def _abandon(stream: bool) -> tuple[SlowRouter, Client, int]:
+    router = SlowRouter()
+    app = edge(router, max_concurrent=4)
+    body = json.loads(CHAT)
+    client = Client(app, "/v1/chat/completions", json.dumps({**body, "stream": stream}).encode())
+    request = asyncio.create_task(client.run())
+    await asyncio.wait_for(router.started.wait(), 5)
+    await asyncio.sleep(0.05)                          # a few tokens are generated
+    assert app.admission.in_flight.count == 1
+    client.leave()
+    await asyncio.wait_for(request, 1.0)               # the app lets go within a second
+    return router, client, app.admission.in_flight.count
+
+
+def test_a_whole_answer_whose_client_left_is_cancelled_and_frees_its_place() -> None:
+    async def main() -> None:
+        router, client, in_flight = await _abandon(stream=False)
+        assert router.cancelled == 1                   # the router call (the gRPC stream) was cancelled
+        assert in_flight == 0
+        assert client.status is None                   # nobody to answer
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_left_is_cancelled_and_frees_its_place() -> None:
+    async def main() -> None:
+        router, client, in_flight = await _abandon(stream=True)
+        assert router.cancelled == 1 and in_flight == 0
+        assert client.status == 200                    # headers went out before the client left
+
+    asyncio.run(main())
+
+
+def test_four_abandoned_requests_do_not_lock_out_other_callers() -> None:
+    """The finding: four fire-and-forget max_tokens 1500 requests held `--max-concurrent 4`."""
+    async def main() -> None:
+        router = SlowRouter()
+        app = edge(router, max_concurrent=4)
+        clients = [Client(app, "/v1/chat/completions", CHAT.encode()) for _ in range(4)]
+        tasks = [asyncio.create_task(c.run()) for c in clients]
+        await _until(lambda: len(router.calls) == 4, "four requests in flight", 5)
+        for c in clients:
+            c.leave()
+        await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+        assert router.cancelled == 4 and app.admission.in_flight.count == 0
+        late = Client(app, "/v1/chat/completions", CHAT.encode())      # another caller: admitted, not 503
+        task = asyncio.create_task(late.run())
+        await _until(lambda: len(router.calls) == 5, "the fifth request admitted", 5)
+        late.leave()
+        await asyncio.wait_for(task, 1.0)
+        assert late.status is None and app.admission.in_flight.count == 0
+
+    asyncio.run(main())
+
+
+def test_a_whole_answer_still_arrives_when_the_client_stays() -> None:
+    async def main() -> None:
+        router = SlowRouter(tokens=3, every_s=0.001)
+        app = edge(router)
+        client = Client(app, "/v1/chat/completions", CHAT.encode())
+        await asyncio.wait_for(client.run(), 5)
+        assert client.status == 200 and router.cancelled == 0 and app.admission.in_flight.count == 0
+        answer = json.loads(b"".join(m.get("body", b"") for m in client.sent[1:]))
+        assert answer["choices"][0]["message"]["content"] == "t t t "
+
+    asyncio.run(main())
+
+
+class HangingEngine(FakeEngine):
+    """Sends one token, then waits forever; notes whether its caller cancelled the call."""
+
+    cancelled: asyncio.Event | None = None
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        self.script.calls.append((self.replica_id, request))
+        try:
+            yield engine_pb2.GenerateResponse(ids=[100])
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            assert HangingEngine.cancelled is not None
+            HangingEngine.cancelled.set()
+            raise
+
+
+def test_cancelling_the_routers_generate_cancels_the_engines() -> None:
+    async def scenario() -> None:
+        HangingEngine.cancelled = asyncio.Event()
+        async with running(engines=1, engine=HangingEngine) as mesh:
+            call = mesh.router.Generate(chat(("user", "hi"), max_tokens=1500), timeout=20)
+            first = await call.read()
+            assert list(first.ids) == [100]
+            replica = mesh.servicer.table.all()[0]
+            assert replica.in_flight == 1
+            call.cancel()
+            await asyncio.wait_for(HangingEngine.cancelled.wait(), 1.0)
+            await _until(lambda: replica.in_flight == 0, "the router's attempt to end", 1.0)
+
+    run(scenario)
