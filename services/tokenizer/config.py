@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.tokenizer.limits import InputLimits
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,7 @@ class TokenizerConfig:
     discovery: str = "static"           # static | consul: where this process announces itself
     metrics_port: int = 0               # Prometheus /metrics; 0: off
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    limits: InputLimits = field(default_factory=InputLimits)   # input refused before it is tokenized
 
     def __post_init__(self) -> None:
         if not self.models:

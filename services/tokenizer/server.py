@@ -13,16 +13,20 @@ from mesh.telemetry import server_span
 from meshpb.v1 import tokenizer_pb2 as pb
 from meshpb.v1 import tokenizer_pb2_grpc as pb_grpc
 from services.tokenizer import metrics
+from services.tokenizer.limits import InputLimits
 from services.tokenizer.tokenizer import ModelTokenizer
 
 
 class TokenizerServicer(pb_grpc.TokenizerServicer):
     """Encoding runs in worker threads (`asyncio.to_thread`): a long prompt must not hold up the
-    event loop, and with it every other request's RPC."""
+    event loop, and with it every other request's RPC.  Inputs are sized against `limits` first:
+    what is refused is never tokenized."""
 
-    def __init__(self, tokenizers: dict[str, ModelTokenizer], default: str):
+    def __init__(self, tokenizers: dict[str, ModelTokenizer], default: str,
+                 limits: InputLimits | None = None):
         self.tokenizers = tokenizers
         self.default = default
+        self.limits = limits or InputLimits()
 
     def _get(self, model: str) -> ModelTokenizer:
         name = model or self.default
@@ -39,8 +43,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         with server_span("tokenizer.apply_chat_template", context, messages=len(request.messages)):
             tok = self._get(request.model)
             messages = [Message(m.role, m.content, m.name) for m in request.messages]
-            text = tok.render_chat(messages, add_generation_prompt=request.add_generation_prompt)
-            ids = await asyncio.to_thread(tok.encode, text, False)
+            self.limits.check_messages(messages)
+            ids, text = await asyncio.to_thread(tok.chat, messages, request.add_generation_prompt,
+                                                request.parse_special_tokens)
             metrics.TOKENS.labels("chat_template").inc(len(ids))
             return pb.EncodeResponse(ids=ids, text=text)
 
@@ -48,7 +53,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
         with server_span("tokenizer.encode", context):
             tok = self._get(request.model)
-            ids = await asyncio.to_thread(tok.encode, request.text, request.add_special_tokens)
+            self.limits.check_text(request.text)
+            ids = await asyncio.to_thread(tok.encode, request.text, request.add_special_tokens,
+                                          request.parse_special_tokens)
             metrics.TOKENS.labels("encode").inc(len(ids))
             return pb.EncodeResponse(ids=ids, text=request.text)
 

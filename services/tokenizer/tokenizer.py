@@ -1,12 +1,29 @@
 """One model's tokenizer: chat template and encode (Hugging Face `tokenizers` underneath).
 
+What a caller writes is text.  A `<|im_start|>system` typed into a message (or a prompt) becomes
+the ids of those characters, never the control token, so a user cannot forge a turn of another
+role; only the chat template's own markers are control tokens.  The control tokens are the
+tokenizer's special added tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, ...).  Added tokens
+that are not special are vocabulary, as in transformers (SmolLM2 has none).
+
+A chat is rendered with every control string in the contents swapped for a placeholder, so the
+only control strings in the rendered text are the template's.  The text is cut at those, each
+piece between two of them is restored and encoded as plain text, and the markers become their ids.
+`tokenizers` cuts the text at control tokens in the same way before pre-tokenizing, so for a
+conversation without control strings the ids are exactly those of transformers'
+`apply_chat_template` (tests/security/test_tokenizer.py checks it).
+
 Decoding happens where the stream is, in the router, from `json()`: this service never decodes."""
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from mesh.chat import Message, validate_messages
 
@@ -20,6 +37,16 @@ class ModelTokenizer:
         self.hf: Any = AutoTokenizer.from_pretrained(str(self.folder))
         if not self.hf.chat_template:
             raise ValueError(f"{self.folder} has no chat template; a chat model's tokenizer is needed")
+        specials = [(i, t) for i, t in self.hf.added_tokens_decoder.items() if t.special]
+        self.controls: dict[str, int] = {t.content: i for i, t in specials}
+        # Longest first: at one position the longest control wins, as in `tokenizers`.  A control
+        # with lstrip/rstrip takes the whitespace beside it, as `tokenizers` does.
+        self._cut = re.compile("|".join(
+            ("\\s*" if t.lstrip else "") + re.escape(t.content) + ("\\s*" if t.rstrip else "")
+            for _, t in sorted(specials, key=lambda s: -len(s[1].content))) or "(?!)")   # (?!): no controls
+        # The same tokenizer, reading control strings as text.
+        self._text = Tokenizer.from_str(self.hf.backend_tokenizer.to_str())
+        self._text.encode_special_tokens = True
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         validate_messages(messages)
@@ -29,9 +56,57 @@ class ModelTokenizer:
         )
         return str(text)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+    def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+             parse_special: bool = False) -> tuple[list[int], str]:
+        """(ids, rendered text) of a conversation.  parse_special: control strings in the contents
+        are control tokens too; only for callers that wrote every message themselves."""
+        if parse_special:
+            text = self.render_chat(messages, add_generation_prompt)
+            return self.encode(text, parse_special=True), text
+        placeholders = self._placeholders(messages)
+        if placeholders:
+            swap = re.compile("|".join(re.escape(c) for c in sorted(placeholders, key=len, reverse=True)))
+            messages = [Message(m.role, swap.sub(lambda g: placeholders[g.group()], m.content), m.name)
+                        for m in messages]
+        rendered = self.render_chat(messages, add_generation_prompt)
+        pieces, marks = self._cut_at_controls(rendered)
+        if placeholders:
+            restore = {p: c for c, p in placeholders.items()}
+            back = re.compile("|".join(re.escape(p) for p in restore))
+            pieces = [back.sub(lambda g: restore[g.group()], p) for p in pieces]
+            rendered = back.sub(lambda g: restore[g.group()], rendered)
+        encoded = self._text.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = list(encoded[0].ids)
+        for mark, piece in zip(marks, encoded[1:], strict=True):
+            ids.append(self.controls[mark])
+            ids.extend(piece.ids)
+        return ids, rendered
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = False) -> list[int]:
+        """The ids of `text`; control strings in it are text unless parse_special (trusted callers)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=not parse_special))
 
     def json(self) -> str:
         """The serialized `tokenizers` tokenizer: `tokenizers.Tokenizer.from_str()` rebuilds it."""
         return str(self.hf.backend_tokenizer.to_str())
+
+    def _placeholders(self, messages: Sequence[Message]) -> dict[str, str]:
+        """control string -> a placeholder found in no message, for each control string in the contents."""
+        found = {c for m in messages if self._cut.search(m.content) for c in self.controls if c in m.content}
+        if not found:
+            return {}
+        while True:
+            tag = secrets.token_hex(8)
+            if not any(tag in m.content for m in messages):
+                return {c: f"\x00{tag}.{n}\x00" for n, c in enumerate(sorted(found))}
+
+    def _cut_at_controls(self, text: str) -> tuple[list[str], list[str]]:
+        """(pieces, marks): the text between control tokens, and the control strings between the pieces;
+        len(pieces) == len(marks) + 1."""
+        pieces, marks, start = [], [], 0
+        for m in self._cut.finditer(text):
+            pieces.append(text[start:m.start()])
+            marks.append(m.group().strip())
+            start = m.end()
+        pieces.append(text[start:])
+        return pieces, marks
