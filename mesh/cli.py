@@ -16,7 +16,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
                             discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
                             kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]),
-                            fallback_engines=a.fallback_engines)
+                            fallback_engines=a.fallback_engines, mesh_tls=not a.insecure_mesh)
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -135,8 +135,17 @@ def _cmd_model(a: argparse.Namespace) -> int:
 
 
 def _cmd_top(a: argparse.Namespace) -> int:
-    from mesh import top
+    import os
 
+    from mesh import credentials, top
+    from mesh.models import home
+
+    # `infermesh up` runs mutual TLS by default: present the mesh's client leaf when there is one.
+    default = home() / "mesh-ca" / "client"
+    tls_dir = a.tls_dir
+    if tls_dir is None:
+        tls_dir = os.environ.get(credentials.ENV_VAR, str(default) if default.is_dir() else "")
+    credentials.configure(tls_dir)
     return top.main(a.router, once=a.once, interval_s=a.interval)
 
 
@@ -161,6 +170,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--version", action="append", metavar="VERSION[=FOLDER]",
                     help="model version(s) to serve side by side (default 1); engines are dealt out in turn; "
                          "FOLDER: that version's weights (default: the model's own); the first is the default")
+    up.add_argument("--insecure-mesh", action="store_true",
+                    help="plaintext gRPC between the services (debugging); default: mutual TLS with the mesh CA")
     up.set_defaults(func=_cmd_up)
 
     chat = sub.add_parser("chat", help="stream one answer from a running mesh")
@@ -195,6 +206,8 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--router", default="127.0.0.1:50051", help="the router's gRPC address")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    top.add_argument("--tls-dir", default=None, help="mesh client certificate folder (\"\": plaintext); default: "
+                     "$INFERMESH_MESH_TLS_DIR, else <infermesh home>/mesh-ca/client if present")
     top.set_defaults(func=_cmd_top)
     return p
 

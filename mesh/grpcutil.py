@@ -1,4 +1,8 @@
-"""gRPC plumbing every service shares: error mapping, health, graceful shutdown."""
+"""gRPC plumbing every service shares: error mapping, health, graceful shutdown, mutual TLS.
+
+channel() and Service use the process-wide mesh credentials (mesh/credentials.py) unless given
+others, so no call site chooses between plaintext and TLS itself.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mesh import credentials
+from mesh.credentials import MeshTLS
 from mesh.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -36,8 +42,13 @@ SERVER_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: MeshTLS | None = None) -> grpc.aio.Channel:
+    """A channel to `address`: mutual TLS with `tls`, else with the process's mesh credentials, else plaintext."""
+    tls = tls or credentials.current()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=CHANNEL_OPTIONS + credentials.TLS_CHANNEL_OPTIONS)
 
 
 def _abort_args(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -91,16 +102,22 @@ class Service:
     Reflection lists `name`, health and reflection itself, so grpcurl and other stub-less clients
     can call the service without the .proto files.  `ready()` flips health to SERVING; `stop()`
     flips it to NOT_SERVING first so routers stop sending new work, then lets in-flight RPCs
-    finish within `grace`.
+    finish within `grace`.  With mesh credentials (`tls`, else the process's) the port is mutual
+    TLS: every caller must present a certificate signed by the mesh CA.
     """
 
-    def __init__(self, name: str, host: str, port: int):
+    def __init__(self, name: str, host: str, port: int, tls: MeshTLS | None = None):
         self.name = name
         self.address = f"{host}:{port}"
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        bound = self.server.add_insecure_port(self.address)
+        tls = tls or credentials.current()
+        self.tls = tls is not None
+        if tls is None:
+            bound = self.server.add_insecure_port(self.address)
+        else:
+            bound = self.server.add_secure_port(self.address, tls.server_credentials())
         if bound == 0:
             raise OSError(f"{name}: cannot listen on {self.address} (port in use?)")
         self.port = bound
@@ -119,10 +136,10 @@ class Service:
         await self.server.stop(grace)
 
 
-async def check_health(address: str, service: str = "", timeout: float = 1.0) -> bool:
+async def check_health(address: str, service: str = "", timeout: float = 1.0, tls: MeshTLS | None = None) -> bool:
     """True when the server at `address` reports SERVING."""
     try:
-        async with channel(address) as ch:
+        async with channel(address, tls) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

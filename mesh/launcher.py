@@ -1,5 +1,9 @@
 """`infermesh up`: start every service as its own process, wait until the mesh is ready,
-relay their logs with a service prefix, and stop them all, in order, on SIGINT/SIGTERM."""
+relay their logs with a service prefix, and stop them all, in order, on SIGINT/SIGTERM.
+
+The services talk mutual TLS by default: the mesh CA (mesh/pki.py, made once under the infermesh
+home) signs a leaf per service kind, each service gets `--tls-dir <mesh-ca>/<kind>`, and this
+process polls their health with the `client` leaf.  `--insecure-mesh` runs them in plaintext."""
 
 from __future__ import annotations
 
@@ -13,9 +17,13 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from mesh import credentials
 from mesh.grpcutil import check_health
+from mesh.models import home
+from mesh.pki import ensure_mesh_ca
 
 log = logging.getLogger("launcher")
 
@@ -41,6 +49,8 @@ class MeshConfig:
     versions: tuple[str, ...] = ("1",)  # VERSION or VERSION=FOLDER; engine i serves versions[i % n]
     fallback_engines: int = 0          # engines of the level-3 fallback model (int8 of the first model)
     ready_timeout_s: float = 300.0
+    mesh_tls: bool = True              # mutual TLS between the services; False: plaintext (debugging)
+    mesh_ca: str = ""                  # the mesh CA folder; "": <infermesh home>/mesh-ca
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -68,6 +78,13 @@ class MeshConfig:
 
     def port(self, base: int) -> int:
         return base + self.port_offset
+
+    def ca_root(self) -> Path:
+        return Path(self.mesh_ca) if self.mesh_ca else home() / "mesh-ca"
+
+    def tls(self, kind: str) -> list[str]:
+        """`--tls-dir <mesh-ca>/<kind>` for a service's argv; nothing when the mesh runs in plaintext."""
+        return ["--tls-dir", str(self.ca_root() / kind)] if self.mesh_tls else []
 
 
 @dataclass
@@ -111,7 +128,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                    "--model", model, "--model-version", version, "--dtype", config.dtype, "--region",
                                    config.region, "--threads", str(threads), "--kv-cache-mb",
                                    str(config.kv_cache_mb), "--metrics-port",
-                                   str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache, *discovery],
+                                   str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache, *discovery,
+                                   *config.tls("engine")],
                              f"127.0.0.1:{port}"))
     for j in range(config.fallback_engines):
         i = config.engines + j
@@ -120,7 +138,7 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                    "--model", fallback[0], "--dtype", "int8", "--region", config.region,
                                    "--threads", str(threads), "--kv-cache-mb", str(config.kv_cache_mb),
                                    "--metrics-port", str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache,
-                                   *discovery],
+                                   *discovery, *config.tls("engine")],
                              f"127.0.0.1:{port}"))
     router_port = config.port(ROUTER_PORT)
     router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),
@@ -128,6 +146,7 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                 "--default-version",
                                 f"{served_name(config.models[0])}={config.versions[0].partition('=')[0]}",
                                 *discovery, "--metrics-port", str(config.port(ROUTER_METRICS_PORT)),
+                                *config.tls("router"),
                                 *(["--fallback", fallback[1]] if fallback else []),
                                 # With Consul the router finds the engines there, as they register.
                                 *(a for e in engines if config.discovery == "static"
@@ -136,16 +155,17 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     http_port = config.port(HTTP_PORT)
     edge = Child("edge-0", [*py, "services.edge", "--replica-id", "edge-0", "--host", config.host,
                             "--http-port", str(http_port), "--http3-port", str(config.port(HTTP3_PORT)),
-                            "--router", router.health, *discovery],
+                            "--router", router.health, *discovery, *config.tls("edge")],
                  f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")
                  else f"http://{config.host}:{http_port}/health")
     return [
         [Child("cache-0", [*py, "services.cache", "--replica-id", "cache-0", "--port",
                            str(config.port(CACHE_PORT)), "--metrics-port", str(config.port(CACHE_METRICS_PORT)),
-                           *discovery], cache),
+                           *discovery, *config.tls("cache")], cache),
          Child("tokenizer-0", [*py, "services.tokenizer", "--replica-id", "tokenizer-0", "--port",
                                str(config.port(TOKENIZER_PORT)), "--metrics-port",
-                               str(config.port(TOKENIZER_METRICS_PORT)), *models, *discovery], tokenizer),
+                               str(config.port(TOKENIZER_METRICS_PORT)), *models, *discovery,
+                               *config.tls("tokenizer")], tokenizer),
          *engines],
         [router],
         [edge],
@@ -232,6 +252,12 @@ async def run(config: MeshConfig) -> int:
         except DiscoveryError as exc:
             print(f"infermesh: {exc}", file=sys.stderr, flush=True)
             return 1
+    tls_note = "plaintext (--insecure-mesh)"
+    if config.mesh_tls:
+        # Made (or reused) before any service starts; this process polls health as the `client` kind.
+        root = await asyncio.to_thread(ensure_mesh_ca, config.ca_root(), [config.host])
+        credentials.configure(root / "client")
+        tls_note = f"mutual TLS: {credentials.ENV_VAR}={root / 'client'}"
     try:
         deadline = time.monotonic() + config.ready_timeout_s
         for stage in stages:
@@ -250,7 +276,7 @@ async def run(config: MeshConfig) -> int:
         edge = stages[-1][0]
         print(f"infermesh ready: http://{config.host}:{config.port(HTTP_PORT)} (HTTP/1.1), "
               f"https://{config.host}:{config.port(HTTP3_PORT)} (HTTP/3), "
-              f"router grpc 127.0.0.1:{config.port(ROUTER_PORT)}; health {edge.health}", flush=True)
+              f"router grpc 127.0.0.1:{config.port(ROUTER_PORT)} ({tls_note}); health {edge.health}", flush=True)
         await _supervise([c for stage in started for c in stage], stop)
     except RuntimeError as exc:
         print(f"infermesh: {exc}", file=sys.stderr, flush=True)

@@ -1,10 +1,10 @@
 """The one shape every service process has: flags -> frozen config -> run_service().
 
 `__main__` parses its flags into the service's frozen config and calls `run_service()`, which sets
-up logging and tracing, runs the service's `serve` coroutine until SIGINT/SIGTERM and shuts
-tracing down.  A gRPC service's `serve` builds its servicers and hands them to `serve_grpc()`: the
-server starts (with health and reflection), metrics are exported, the replica is announced to
-discovery, and on a signal it stops gracefully and withdraws, in that order.
+up logging, tracing and the mesh's mutual TLS (`--tls-dir`), runs the service's `serve` coroutine
+until SIGINT/SIGTERM and shuts tracing down.  A gRPC service's `serve` builds its servicers and
+hands them to `serve_grpc()`: the server starts (with health and reflection), metrics are
+exported, the replica is announced to discovery, and on a signal it stops gracefully and withdraws, in that order.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
+from mesh import credentials
 from mesh.discovery import Endpoint, HealthCheck, advertise_address, announce
 from mesh.grpcutil import Service, setup_logging
 from mesh.telemetry import serve_metrics, setup_tracing, shutdown_tracing
@@ -30,11 +31,16 @@ class Hosted(Protocol):
     def advertise(self) -> str: ...
     @property
     def discovery(self) -> str: ...
+    @property
+    def tls_dir(self) -> str: ...
 
 
 def run_service(kind: str, config: Hosted, serve: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
-    """Logging and tracing named after `kind`, then `serve(config)` in a fresh event loop."""
+    """Logging, tracing named after `kind` and the mesh credentials (mutual TLS from config.tls_dir;
+    "": plaintext) for every gRPC server and channel of the process, then `serve(config)` in a fresh
+    event loop."""
     setup_logging(kind, config.replica_id)
+    credentials.configure(config.tls_dir)
     setup_tracing(kind)
     try:
         asyncio.run(serve(config))

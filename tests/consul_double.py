@@ -12,9 +12,10 @@ stdlib HTTP server, written from Consul's HTTP API documentation:
   until the service's index moves past `index` or `wait` (+ up to wait/16 of jitter, capped at 10m)
   elapses, and answers the documented shape [{Node, Service, Checks}] with an X-Consul-Index header.
 - Checks really run: gRPC (grpc.health.v1 Check; SERVING is passing, anything else or an error is
-  critical), HTTP (2xx passing, 429 warning, else critical) and TCP, every Interval (at least 1s, as in
-  Consul) after a random stagger; a new check starts critical unless the registration sets Status
-  (re-registering keeps a check's status, as the agent does);
+  critical; GRPCUseTLS with TLSServerName presents the certificate in `tls_dir`, as an agent with
+  tls.defaults ca_file/cert_file/key_file does), HTTP (2xx passing, 429 warning, else critical) and
+  TCP, every Interval (at least 1s, as in Consul) after a random stagger; a new check starts critical
+  unless the registration sets Status (re-registering keeps a check's status, as the agent does);
   DeregisterCriticalServiceAfter removes a service whose check stayed critical that long (Consul's
   floor of 1m, `reap_min_s`, can be lowered for tests). TTL checks keep the status they are given.
 - stop() drops the listener and every open connection (in-flight blocking queries included), like a
@@ -42,6 +43,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mesh.credentials import MeshTLS
 
 STATUSES = ("passing", "warning", "critical")
 MAX_WAIT_S = 600.0
@@ -90,6 +93,8 @@ class Check:
     interval_s: float
     timeout_s: float
     deregister_after_s: float | None
+    use_tls: bool = False          # GRPCUseTLS
+    tls_server_name: str = ""      # TLSServerName: the name to verify instead of the address
     status: str = "critical"
     output: str = ""
     critical_since: float | None = None
@@ -140,8 +145,8 @@ def _parse_check(raw: Any, service: Service, number: int, total: int, min_interv
     status = c.get("status") or "critical"
     if status not in STATUSES:
         raise BadRequest("Status for checks must 'passing', 'warning', 'critical'")
-    if kind == "grpc" and (c.get("grpcusetls") or not re.fullmatch(r"[^/\s]+:\d+(/\S*)?", str(c["grpc"]))):
-        raise BadRequest(f"Invalid check: GRPC must be HOST:PORT[/SERVICE] over plaintext, got {c['grpc']!r}")
+    if kind == "grpc" and not re.fullmatch(r"[^/\s]+:\d+(/\S*)?", str(c["grpc"])):
+        raise BadRequest(f"Invalid check: GRPC must be HOST:PORT[/SERVICE], got {c['grpc']!r}")
     dcsa = parse_duration(c["deregistercriticalserviceafter"]) if c.get("deregistercriticalserviceafter") else None
     default_id = f"service:{service.id}" + (f":{number}" if total > 1 else "")
     return Check(check_id=str(c.get("checkid") or c.get("id") or default_id),
@@ -149,7 +154,8 @@ def _parse_check(raw: Any, service: Service, number: int, total: int, min_interv
                  service_name=service.name, kind=kind, target=str(c[kind]),
                  interval_s=max(interval, min_interval_s) if kind != "ttl" else 0.0,
                  timeout_s=parse_duration(c["timeout"]) if c.get("timeout") else 10.0,
-                 deregister_after_s=dcsa, status=status)
+                 deregister_after_s=dcsa, use_tls=bool(c.get("grpcusetls")),
+                 tls_server_name=str(c.get("tlsservername") or ""), status=status)
 
 
 def _parse_service(body: bytes, index: int) -> tuple[Service, list[Any]]:
@@ -180,12 +186,20 @@ def _parse_service(body: bytes, index: int) -> tuple[Service, list[Any]]:
     return Service(str(sid), name, str(s.get("address") or ""), port, tags, dict(meta), index, index), checks
 
 
-def probe(check: Check) -> tuple[str, str]:
-    """Run one check the way the agent does -> (status, output)."""
+def _grpc_channel(address: str, check: Check, tls: MeshTLS | None) -> grpc.Channel:
+    if not check.use_tls:
+        return grpc.insecure_channel(address)
+    creds = grpc.ssl_channel_credentials(tls.root, tls.key, tls.cert) if tls else grpc.ssl_channel_credentials()
+    options = [("grpc.ssl_target_name_override", check.tls_server_name)] if check.tls_server_name else []
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def probe(check: Check, tls: MeshTLS | None = None) -> tuple[str, str]:
+    """Run one check the way the agent does -> (status, output); `tls` is the agent's own certificate."""
     if check.kind == "grpc":
         address, _, service = check.target.partition("/")
         try:
-            with grpc.insecure_channel(address) as ch:
+            with _grpc_channel(address, check, tls) as ch:
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                              timeout=check.timeout_s)
         except grpc.RpcError as err:
@@ -216,8 +230,9 @@ class ConsulDouble:
     """One agent (node `consul-double`, datacenter dc1, itself the leader). Use as a context manager."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, min_interval_s: float = 1.0,
-                 reap_min_s: float = 60.0, required_token: str | None = None):
+                 reap_min_s: float = 60.0, required_token: str | None = None, tls_dir: str = ""):
         self.host, self.port = host, port
+        self.tls_dir = tls_dir             # ca.crt, tls.crt, tls.key for GRPCUseTLS checks; read at each run
         self.node, self.datacenter = "consul-double", "dc1"
         self.min_interval_s, self.reap_min_s = min_interval_s, reap_min_s
         self.required_token = required_token
@@ -328,7 +343,10 @@ class ConsulDouble:
         if stop.wait(random.uniform(0, check.interval_s)):   # the agent staggers first runs
             return
         while True:
-            status, output = probe(check)
+            try:
+                status, output = probe(check, MeshTLS.load(self.tls_dir) if self.tls_dir and check.use_tls else None)
+            except OSError as exc:
+                status, output = "critical", f"agent TLS: {exc}"
             with self._cond:
                 if stop.is_set():
                     return

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import consul
 import requests
 
+from mesh import credentials
 from mesh.discovery.backend import Discovery, DiscoveryError
 from mesh.discovery.endpoint import Endpoint, HealthCheck, join_address, split_address
 
@@ -63,12 +64,17 @@ def go_duration(seconds: float) -> str:
 
 
 def check_definition(check: HealthCheck, name: str) -> dict[str, Any]:
-    """A Consul check definition: GRPC ("host:port", plaintext) or HTTP, with interval, timeout and
-    DeregisterCriticalServiceAfter. py-consul writes Consul's snake_case aliases (grpc_use_tls)."""
+    """A Consul check definition: GRPC ("host:port") or HTTP, with interval, timeout and
+    DeregisterCriticalServiceAfter. py-consul writes Consul's snake_case aliases (grpc_use_tls).
+    A process with mesh credentials serves mutual TLS only, so its gRPC check is TLS, verifying the
+    mesh name; the agent presents its own mesh certificate (its tls.defaults cert_file/key_file)."""
     interval, timeout = go_duration(check.interval_s), go_duration(check.timeout_s)
     deregister = go_duration(check.deregister_after_s)
     if check.kind == "grpc":
-        definition = consul.Check.grpc(check.target, interval, use_tls=False, timeout=timeout, deregister=deregister)
+        tls = credentials.current() is not None
+        definition = consul.Check.grpc(check.target, interval, use_tls=tls, timeout=timeout, deregister=deregister)
+        if tls:
+            definition["TLSServerName"] = credentials.MESH_NAME
     else:
         definition = consul.Check.http(check.target, interval, timeout=timeout, deregister=deregister)
     return {"Name": name, **definition}

@@ -38,6 +38,7 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
     p.add_argument("--port", type=int, default=50053)
     p.add_argument("--session-ttl", type=float, default=CacheConfig.session_ttl_s, help="seconds")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--hot-mb", type=int, default=CacheConfig.hot_mb, help="RAM tier budget for KV blocks (MiB)")
     p.add_argument("--cold-dir", default=CacheConfig.cold_dir,
                    help="disk tier folder, kept across restarts (default: no disk tier)")
@@ -53,7 +54,7 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
         return CacheConfig(replica_id=a.replica_id, host=a.host, port=a.port, session_ttl_s=a.session_ttl,
                            discovery=a.discovery, hot_mb=a.hot_mb, cold_dir=a.cold_dir, cold_mb=a.cold_mb,
                            eviction=a.eviction, tenant_weights=a.tenant_weights, max_block_mb=a.max_block_mb,
-                           metrics_port=a.metrics_port, advertise=a.advertise)
+                           metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -19,6 +19,7 @@ class CacheConfig:
     max_messages_per_session: int = 1_000
     discovery: str = "static"           # static | consul: where this process announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext
     # KV block store
     hot_mb: int = 1024                  # RAM tier budget (block payload bytes), MiB; 0: every block goes cold
     cold_dir: str = ""                  # disk tier folder, kept across restarts; "": no cold tier

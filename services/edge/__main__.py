@@ -40,6 +40,7 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     p.add_argument("--router", default="127.0.0.1:50051")
     p.add_argument("--cert-dir", default="", help="default: <infermesh home>/tls")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     p.add_argument("--max-messages", type=int, default=1000, help="longer chat `messages` get 400")
     p.add_argument("--rate-limit", default=os.environ.get("INFERMESH_RATE_LIMIT", ""),
@@ -65,7 +66,8 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                       admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), max_body_bytes=a.max_body_bytes,
                       max_messages=a.max_messages, discovery=a.discovery, rate_limit=rate_limit,
                       token_limit=token_limit, max_concurrent=a.max_concurrent, max_connections=a.max_connections,
-                      header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise)
+                      header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise,
+                      tls_dir=a.tls_dir)
 
 
 async def serve(config: EdgeConfig) -> None:

@@ -23,6 +23,7 @@ class EdgeConfig:
     request_timeout_s: float = 600.0       # deadline passed to the router
     discovery: str = "static"              # static | consul: where the edge announces itself
     advertise: str = ""                    # HOST[:PORT] registered in discovery; "": the bind host
+    tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext
     rate_limit: Rate | None = None         # requests per API key (per client address without keys)
     token_limit: Rate | None = None        # prompt + completion tokens, same callers
     max_concurrent: int = 256              # completions in flight across all callers; the excess gets 503

@@ -47,6 +47,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                         "graphs' padded buffers without capture")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--cache", default="", metavar="HOST:PORT",
                    help="the shared KV-cache service: load prompt blocks other engines computed (default: none)")
     p.add_argument("--cache-tenant", default=EngineConfig.cache_tenant,
@@ -62,7 +63,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
                             block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
                             max_running=a.max_running, cuda_graphs=a.cuda_graphs, metrics_port=a.metrics_port,
-                            discovery=a.discovery, advertise=a.advertise, cache=a.cache,
+                            discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
                             cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout)
     except ValueError as exc:
         p.error(str(exc))

@@ -36,6 +36,7 @@ class EngineConfig:
     metrics_port: int = 0              # Prometheus /metrics; 0: off
     discovery: str = "static"          # static | consul: where this engine announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext
     # The shared KV-cache service: prompt blocks other engines computed are loaded, not recomputed.
     cache: str = ""                    # HOST:PORT of services.cache; "": no shared cache
     cache_tenant: str = "standard"     # SLA class the blocks this engine publishes are evicted by

@@ -33,6 +33,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig.policy, metavar="POLICY",
                    help="round_robin|least_load|balancing[+region][+prefix][+session] (default %(default)s)")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--fallback", action="append", default=[], metavar="MODEL=NEXT:CONFIDENCE",
                    help="level-3 failover: when MODEL has no usable replica, serve NEXT (degraded, with that "
@@ -72,7 +73,8 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
                         default_model=a.default_model, default_versions=tuple(defaults),
                         discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),
-                        p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise)
+                        p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise,
+                        tls_dir=a.tls_dir)
 
 
 async def serve(config: RouterConfig) -> None:

@@ -25,6 +25,7 @@ class RouterConfig:
     load_interval_ms: int = 250            # engines' load reports (WatchLoad)
     discovery: str = "static"              # static: `engines`; consul: the agent at CONSUL_HTTP_ADDR
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext
     metrics_port: int = 0                  # Prometheus /metrics; 0: off
     first_token_timeout_s: float = 120.0   # an engine silent this long before its first token has failed
     stall_timeout_s: float = 10.0          # ...or this long between tokens: the stream moves elsewhere

@@ -27,6 +27,7 @@ def parse(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--model", action="append", default=[], help="NAME or NAME=FOLDER; repeat for more")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
+    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--max-input-bytes", type=int, default=MAX_INPUT_BYTES,
                    help="larger prompts (or chats, all contents together) are refused before tokenizing")
@@ -35,7 +36,7 @@ def parse(argv: list[str] | None = None) -> TokenizerConfig:
     a = p.parse_args(argv)
     models = tuple(served_model(spec) for spec in (a.model or ["default"]))
     return TokenizerConfig(replica_id=a.replica_id, host=a.host, port=a.port, models=models, discovery=a.discovery,
-                           metrics_port=a.metrics_port, advertise=a.advertise,
+                           metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir,
                            limits=InputLimits(a.max_input_bytes, a.max_messages))
 
 

@@ -17,6 +17,7 @@ class TokenizerConfig:
     discovery: str = "static"           # static | consul: where this process announces itself
     metrics_port: int = 0               # Prometheus /metrics; 0: off
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
+    tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext
     limits: InputLimits = field(default_factory=InputLimits)   # input refused before it is tokenized
 
     def __post_init__(self) -> None:

@@ -12,9 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
+from mesh.credentials import TLS_CHANNEL_OPTIONS, MeshTLS
+from mesh.grpcutil import channel
 from mesh.launcher import http_ok
+from mesh.models import home
 
 OFFSET = int(os.environ.get("INFERMESH_TEST_PORT_OFFSET", "200"))
 
@@ -26,12 +30,24 @@ class Mesh:
     router: str        # host:port of the router's gRPC
     log: Path
     engine_metrics_port: int
+    tls_dir: Path | None = None   # the mesh's client certificate (`up` runs mutual TLS); None: --insecure-mesh
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """An async channel to one of the mesh's gRPC services, presenting the mesh's client certificate."""
+        return channel(address, MeshTLS.load(self.tls_dir) if self.tls_dir else None)
+
+    def sync_channel(self, address: str) -> grpc.Channel:
+        if self.tls_dir is None:
+            return grpc.insecure_channel(address)
+        tls = MeshTLS.load(self.tls_dir)
+        return grpc.secure_channel(address, tls.channel_credentials(), options=TLS_CHANNEL_OPTIONS)
 
 
 @contextlib.contextmanager
 def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | None = None) -> Iterator[Mesh]:
     """`infermesh up ARGS --port-offset OFFSET` until the block ends; it must then stop cleanly."""
-    m = Mesh(f"http://127.0.0.1:{8000 + offset}", 8443 + offset, f"127.0.0.1:{50051 + offset}", log, 9100 + offset)
+    m = Mesh(f"http://127.0.0.1:{8000 + offset}", 8443 + offset, f"127.0.0.1:{50051 + offset}", log, 9100 + offset,
+             None if "--insecure-mesh" in args else home() / "mesh-ca" / "client")
     if http_ok(f"{m.http}/health"):
         pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
     with log.open("wb") as out:

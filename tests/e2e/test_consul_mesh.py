@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from mesh.models import home
 from tests.consul_double import ConsulDouble
 from tests.e2e.conftest import OFFSET, running_mesh
 
@@ -34,7 +35,8 @@ def all_registered(double: ConsulDouble, expected: set[str], wait_s: float = 10.
 
 
 def test_mesh_registers_routes_through_and_deregisters(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with ConsulDouble(min_interval_s=0.2) as double:
+    # The agent presents a mesh certificate to the services' mutual-TLS gRPC checks.
+    with ConsulDouble(min_interval_s=0.2, tls_dir=str(home() / "mesh-ca" / "client")) as double:
         env = {"CONSUL_HTTP_ADDR": double.url}
         with running_mesh(["--engines", "1", "--discovery", "consul", "--kv-cache-mb", "64"], OFFSET + 200,
                           tmp_path / "up.log", env=env) as mesh:

@@ -18,7 +18,7 @@ def test_router_generate_with_grpc_stubs(mesh: Mesh, reference) -> None:  # type
     expected = reference(20, messages=messages)
 
     async def scenario() -> list[router_pb2.RouterGenerateResponse]:
-        async with grpc.aio.insecure_channel(mesh.router) as ch:
+        async with mesh.channel(mesh.router) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             request = router_pb2.RouterGenerateRequest(
                 model="smollm2-135m", include_token_ids=True,
@@ -47,7 +47,7 @@ def test_engine_refuses_a_duplicate_request_id(mesh: Mesh) -> None:
                                          sampling=common_pb2.SamplingParams(max_tokens=40, ignore_eos=True))
 
     async def scenario() -> grpc.StatusCode:
-        async with grpc.aio.insecure_channel(engine) as ch:
+        async with mesh.channel(engine) as ch:
             stub = engine_pb2_grpc.EngineStub(ch)
             first = stub.Generate(request, timeout=120)
             await first.read()                      # the first request is running
@@ -63,9 +63,22 @@ def test_engine_refuses_a_duplicate_request_id(mesh: Mesh) -> None:
     assert asyncio.run(scenario()) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_the_mesh_refuses_callers_without_its_certificate(mesh: Mesh) -> None:
+    # `infermesh up` runs mutual TLS: a plaintext caller (any local process) reaches no service.
+    async def scenario() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(mesh.router) as ch:
+            try:
+                await router_pb2_grpc.RouterStub(ch).ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
+            except grpc.aio.AioRpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+
+    assert asyncio.run(scenario()) == grpc.StatusCode.UNAVAILABLE
+
+
 def test_list_replicas_carries_each_engines_load_report(mesh: Mesh) -> None:
     async def scenario() -> router_pb2.ListReplicasResponse:
-        async with grpc.aio.insecure_channel(mesh.router) as ch:
+        async with mesh.channel(mesh.router) as ch:
             return await router_pb2_grpc.RouterStub(ch).ListReplicas(router_pb2.ListReplicasRequest(), timeout=10)
 
     reply = asyncio.run(scenario())

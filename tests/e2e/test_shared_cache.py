@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import grpc
 import httpx
 import pytest
 
@@ -82,8 +81,8 @@ def ask(mesh: Mesh, content: str, replica: str, max_tokens: int = 16) -> Answer:
                   served)
 
 
-def cache_stats() -> cache_pb2.CacheStats:
-    with grpc.insecure_channel(CACHE) as ch:
+def cache_stats(mesh: Mesh) -> cache_pb2.CacheStats:
+    with mesh.sync_channel(CACHE) as ch:
         return cache_pb2_grpc.CacheStub(ch).GetStats(cache_pb2.CacheStatsRequest(), timeout=5)
 
 
@@ -97,13 +96,13 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60) ->
 def test_a_prefix_computed_on_one_replica_is_loaded_by_the_other(shared_mesh: Mesh, reference) -> None:  # type: ignore[no-untyped-def]
     for replica in ("engine-0", "engine-1"):           # first requests pay one-off costs; not measured
         ask(shared_mesh, f"Say hello to {replica}.", replica, max_tokens=2)
-    before = cache_stats().hot_blocks
+    before = cache_stats(shared_mesh).hot_blocks
 
     prompt = facts("Here are some facts about lighthouses.")
     a = ask(shared_mesh, prompt, "engine-0")
     assert a.replica == "engine-0" and 1400 <= a.prompt_tokens <= 1700
     # engine-0 publishes every full prompt block it computed: all but the system prompt's (cached by hello).
-    wait_for(lambda: cache_stats().hot_blocks >= before + a.prompt_tokens // BLOCK - 2,
+    wait_for(lambda: cache_stats(shared_mesh).hot_blocks >= before + a.prompt_tokens // BLOCK - 2,
              "engine-0 to publish its prompt blocks")
     time.sleep(0.5)                                  # and the last PutBlocks stream to end
 
