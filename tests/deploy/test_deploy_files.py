@@ -45,7 +45,7 @@ PREFIXES = {"services.cache": "INFERMESH_CACHE", "services.tokenizer": "INFERMES
 OTHER_VARIABLES = {"INFERMESH_HOME", "INFERMESH_API_KEYS", "INFERMESH_API_KEYS_FILE", "INFERMESH_ADMIN_KEYS",
                    "INFERMESH_ADMIN_KEYS_FILE", "INFERMESH_RATE_LIMIT", "CONSUL_HTTP_ADDR", "CONSUL_HTTP_TOKEN",
                    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME",
-                   "OTEL_RESOURCE_ATTRIBUTES"}
+                   "OTEL_RESOURCE_ATTRIBUTES", "INFERMESH_MESH_TLS_DIR"}
 # The ports `infermesh up` uses (port offset 0); engine i adds i to the engine ports.
 PORTS = {"services.cache": (launcher.CACHE_PORT, launcher.CACHE_METRICS_PORT),
          "services.tokenizer": (launcher.TOKENIZER_PORT, launcher.TOKENIZER_METRICS_PORT),
@@ -280,6 +280,28 @@ def test_compose_services_use_real_flags_and_the_launchers_ports(compose: dict[s
     assert config["cache"].cold_dir in cache_mounts, "the cold tier lives on a volume"
 
 
+def test_compose_services_talk_mutual_tls_and_only_the_edge_is_public(compose: dict[str, Any]) -> None:
+    services, secrets, networks = compose["services"], compose["secrets"], compose["networks"]
+    assert networks["mesh"]["internal"] is True
+    for name, module, argv, env in compose_infermesh(compose):
+        a = effective(module, argv, env, name)
+        kind = module.removeprefix("services.")
+        assert a.tls_dir == "/run/secrets", f"{name}: --tls-dir is where its secrets are mounted"
+        mounted = {s["target"]: s["source"] for s in services[name]["secrets"]}
+        assert mounted == {"ca.crt": "mesh-ca", "tls.crt": f"{kind}-cert", "tls.key": f"{kind}-key"}, name
+        assert env["INFERMESH_MESH_TLS_DIR"] == "/run/secrets", f"{name}: its healthcheck presents the certificate"
+        assert "mesh" in services[name]["networks"]
+        assert ("public" in services[name]["networks"]) == (module == "services.edge"), f"{name}: only the edge"
+        if module != "services.edge":
+            assert all(str(p).startswith("127.0.0.1:") for p in services[name].get("ports", [])), name
+    for source in secrets.values():
+        assert source["file"].startswith("./mesh-ca/"), "python -m mesh.pki compose/mesh-ca makes them"
+    consul = services["consul"]
+    assert {s["target"] for s in consul["secrets"]} == {"ca.crt", "tls.crt", "tls.key"}
+    assert "cert_file" in " ".join(consul["command"]), "Consul's gRPC checks present a mesh certificate"
+    assert all("public" not in (s.get("networks") or []) for n, s in services.items() if n != "edge")
+
+
 def test_compose_observability_files_exist_and_are_scraped(compose: dict[str, Any]) -> None:
     services = compose["services"]
     for name, service in services.items():
@@ -384,6 +406,13 @@ def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, A
             resources = container.get("resources", {})
             assert {"cpu", "memory"} <= set(resources.get("requests", {})), f"{where}: resource requests"
             assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+            # Mutual TLS: the kind's Secret mounted where --tls-dir points, readable through fsGroup.
+            kind = module.removeprefix("services.")
+            secrets = {v["name"]: v["secret"]["secretName"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            assert a.tls_dir and secrets.get(mounts.get(a.tls_dir, "")) == f"infermesh-mesh-{kind}", \
+                f"{where}: --tls-dir {a.tls_dir!r} is the infermesh-mesh-{kind} Secret"
+            assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]
             if module == "services.edge":
                 assert a.host == "0.0.0.0" and a.router == f"router:{launcher.ROUTER_PORT}"
                 assert (a.http_port, a.http3_port) == (launcher.HTTP_PORT, launcher.HTTP3_PORT)
@@ -400,10 +429,13 @@ def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, A
                       for i in container.get("env") or []}
             assert fields.get(f"{prefix}_ADVERTISE") == "status.podIP", f"{where}: registers its pod IP"
             assert fields.get(f"{prefix}_REPLICA_ID") == "metadata.name", f"{where}: one replica id per pod"
+            # Kubernetes' native gRPC probe cannot present a client certificate: mesh.healthcheck does.
             probes = [container.get(p) for p in ("readinessProbe", "livenessProbe", "startupProbe")]
-            grpc_ports = {p["grpc"]["port"] for p in probes if p and "grpc" in p}
-            assert grpc_ports == {a.port}, f"{where}: native gRPC probes on {a.port}"
-            assert "grpc" in container["readinessProbe"], f"{where}: readiness by the gRPC health service"
+            commands = [p["exec"]["command"] for p in probes if p and "exec" in p]
+            assert commands and all(c == ["python", "-m", "mesh.healthcheck", f"127.0.0.1:{a.port}"]
+                                    for c in commands), f"{where}: mesh.healthcheck probes on {a.port}"
+            assert "exec" in container["readinessProbe"], f"{where}: readiness by the gRPC health service"
+            assert values["INFERMESH_MESH_TLS_DIR"] == a.tls_dir, f"{where}: the probes present its certificate"
             if module == "services.engine":
                 assert a.region in ("a", "b")
             if module == "services.cache":
@@ -415,6 +447,30 @@ def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, A
                 assert a.cache == f"cache:{launcher.CACHE_PORT}" and a.region == "a"
     assert sorted(seen) == sorted(PREFIXES)
     assert len(seen["services.engine"]) >= 3, "engine-a, engine-b and the GPU variant"
+
+
+def test_kubernetes_network_policies_expose_only_the_edge(manifests: list[tuple[Path, dict[str, Any]]]) -> None:
+    policies = {d["metadata"]["name"]: d["spec"] for d in _by_kind(manifests, "NetworkPolicy")}
+    deny = policies.pop("default-deny-ingress")
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and not deny.get("ingress")
+    callers: dict[str, set[str]] = {}
+    for name, spec in policies.items():
+        assert spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": name}, name
+        for rule in spec["ingress"]:
+            if "from" not in rule:               # from anywhere: only the edge's public ports
+                assert name == "edge", f"NetworkPolicy {name} lets anyone in"
+                assert {(p["port"], p["protocol"]) for p in rule["ports"]} == {
+                    (launcher.HTTP_PORT, "TCP"), (launcher.HTTP3_PORT, "UDP")}
+                continue
+            for peer in rule["from"]:
+                if "podSelector" in peer:
+                    labels = peer["podSelector"]["matchLabels"]
+                    callers.setdefault(name, set()).add(labels.get("app.kubernetes.io/name", "any infermesh pod"))
+                else:
+                    assert "ipBlock" not in peer, f"NetworkPolicy {name}: no address ranges"
+    assert callers == {"router": {"edge", "consul"}, "tokenizer": {"router", "consul"},
+                       "cache": {"router", "engine", "consul"}, "engine": {"router", "consul"},
+                       "consul": {"any infermesh pod"}}
 
 
 def _parser_and_prefix(module: str) -> tuple[argparse.ArgumentParser, str]:
