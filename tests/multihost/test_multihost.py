@@ -7,7 +7,9 @@
     edge      10.X.Y.15 (API keys: it binds a non-loopback address)
 
 Every process binds its host's address and reaches the others over the bridge, as on separate
-machines.  Through the edge, with the router's default policy (balancing+region+prefix+session):
+machines, with mutual TLS: a mesh CA made for the run (mesh/pki.py, every host's address in the
+leaves' SANs), each service presenting its kind's certificate, the test probing with `client`'s.
+Through the edge, with the router's default policy (balancing+region+prefix+session):
 requests stay in region a while engine-a has capacity, spill to region b once it is overloaded
 (services/router/policies/affinity.py: 5+ requests outstanding against an idle engine-b), and when
 every process of host engine-a is killed mid-stream the streams finish on engine-b token for token
@@ -35,6 +37,7 @@ from typing import Any
 import pytest
 
 from mesh.healthcheck import probe_grpc, probe_http
+from mesh.pki import ensure_mesh_ca
 
 pytestmark = pytest.mark.e2e
 
@@ -108,6 +111,11 @@ class Hosts:
         self.links: list[str] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.bridge = f"imb{PID % 100000}"
+        self.ca = logs / "mesh-ca"              # the mesh CA; `tls(kind)` is a service's --tls-dir
+        self.client_tls = str(self.ca / "client")
+
+    def tls(self, kind: str) -> tuple[str, str]:
+        return "--tls-dir", str(self.ca / kind)
 
     def ns(self, host: str) -> str:
         return f"{PREFIX}{PID}-{host}"
@@ -182,7 +190,8 @@ def wait_ready(hosts: Hosts, targets: dict[str, str], timeout: float = 240) -> N
             code = hosts.procs[host].poll()
             if code is not None:
                 pytest.fail(f"{host} exited with code {code}:\n{hosts.log_tail(host)}")
-            reason = probe_http(target, 1.0) if target.startswith("http") else probe_grpc(target, timeout=1.0)
+            reason = probe_http(target, 1.0) if target.startswith("http") else \
+                probe_grpc(target, timeout=1.0, tls_dir=hosts.client_tls)
             if not reason:
                 del pending[host]
         if pending and time.monotonic() > deadline:
@@ -203,28 +212,29 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
     try:
         h.create()
         a = h.address
+        ensure_mesh_ca(h.ca, [a(host) for host in HOSTS])
         engines = [{"service": "engine", "replica_id": "engine-a", "address": f"{a('engine-a')}:50060", "region": "a"},
                    {"service": "engine", "replica_id": "engine-b", "address": f"{a('engine-b')}:50060", "region": "b"}]
         (logs / "engines.json").write_text(json.dumps(engines))
         h.start("cache", "services.cache", "--replica-id", "cache-0", "--host", a("cache"), "--port", "50053",
-                "--metrics-port", "9182")
+                "--metrics-port", "9182", *h.tls("cache"))
         h.start("tokenizer", "services.tokenizer", "--replica-id", "tokenizer-0", "--host", a("tokenizer"),
-                "--port", "50052", "--metrics-port", "9181")
+                "--port", "50052", "--metrics-port", "9181", *h.tls("tokenizer"))
         for engine in engines:
             host, region = str(engine["replica_id"]), str(engine["region"])
             # float32: greedy tokens independent of replica and batch, so a moved stream can be compared.
             h.start(host, "services.engine", "--replica-id", host, "--host", a(host), "--advertise", a(host),
                     "--port", "50060", "--region", region, "--kv-cache-mb", "64", "--dtype", "float32",
-                    "--threads", "1", "--metrics-port", "9100")
+                    "--threads", "1", "--metrics-port", "9100", *h.tls("engine"))
         wait_ready(h, {"cache": f"{a('cache')}:50053", "tokenizer": f"{a('tokenizer')}:50052",
                        "engine-a": f"{a('engine-a')}:50060", "engine-b": f"{a('engine-b')}:50060"})
         h.start("router", "services.router", "--replica-id", "router-0", "--host", a("router"), "--port", "50051",
                 "--tokenizer", f"{a('tokenizer')}:50052", "--cache", f"{a('cache')}:50053", "--region", "a",
-                "--discovery-file", str(logs / "engines.json"), "--metrics-port", "9180")
+                "--discovery-file", str(logs / "engines.json"), "--metrics-port", "9180", *h.tls("router"))
         wait_ready(h, {"router": f"{a('router')}:50051"})
         h.start("edge", "services.edge", "--replica-id", "edge-0", "--host", a("edge"), "--http-port", "8000",
                 "--http3-port", "8443", "--router", f"{a('router')}:50051", "--cert-dir", str(logs / "tls"),
-                env={"INFERMESH_API_KEYS": API_KEY})
+                *h.tls("edge"), env={"INFERMESH_API_KEYS": API_KEY})
         wait_ready(h, {"edge": f"http://{a('edge')}:8000/health"})
         print(f"\nmultihost: 6 hosts on {NET}.0/24 ready in {time.monotonic() - started:.1f}s")
         yield h
@@ -284,7 +294,11 @@ def ask(client: Any, prompt: str = "Hello") -> dict[str, Any]:
 def test_the_health_probe_reaches_other_hosts(hosts: Hosts) -> None:
     probe = [sys.executable, "-m", "mesh.healthcheck"]
     router = f"{hosts.address('router')}:50051"
-    assert subprocess.run([*probe, router], capture_output=True, timeout=30).returncode == 0
+    assert subprocess.run([*probe, router, "--tls-dir", hosts.client_tls], capture_output=True,
+                          timeout=30).returncode == 0
+    # Mutual TLS across hosts: a caller without the mesh's certificate is refused.
+    plain = subprocess.run([*probe, router, "--tls-dir", ""], capture_output=True, text=True, timeout=30)
+    assert plain.returncode == 1 and "not serving (UNAVAILABLE" in plain.stderr
     assert subprocess.run([*probe, f"http://{hosts.address('edge')}:8000/health"], timeout=30).returncode == 0
     refused = subprocess.run([*probe, f"{hosts.address('router')}:50099"], capture_output=True, text=True,
                              timeout=30)
