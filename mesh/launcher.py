@@ -22,7 +22,7 @@ from typing import Any
 
 from mesh import credentials
 from mesh.grpcutil import check_health
-from mesh.models import home
+from mesh.models import canonical, home, served_model
 from mesh.pki import ensure_mesh_ca
 
 log = logging.getLogger("launcher")
@@ -115,8 +115,6 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     if config.fallback_engines:
         # Level 3: the same weights quantized to int8 under a name of their own, a cheaper model
         # the router turns to (degraded, confidence 0.8) when the primary has no usable replica.
-        from mesh.models import served_model
-
         name, folder = served_model(config.models[0])
         fallback = [f"{name}-int8={folder}", f"{name}={name}-int8:{FALLBACK_CONFIDENCE}"]
         models += ["--model", fallback[0]]
@@ -174,8 +172,6 @@ def plan(config: MeshConfig) -> list[list[Child]]:
 
 def served_name(model: str) -> str:
     """The name clients use for `--model` (NAME, `default`, or NAME=FOLDER)."""
-    from mesh.models import canonical
-
     return canonical(model.partition("=")[0])
 
 
