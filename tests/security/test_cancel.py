@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from meshpb.v1 import engine_pb2
+from services.edge.config import EdgeConfig
+from services.edge.http1 import http_server
 from tests.security.edge_driver import Client, SlowRouter, edge
 from tests.service.test_router import FakeEngine, _until, chat, run, running
 
@@ -115,3 +117,28 @@ def test_cancelling_the_routers_generate_cancels_the_engines() -> None:
             await _until(lambda: replica.in_flight == 0, "the router's attempt to end", 1.0)
 
     run(scenario)
+
+
+def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
+    """The same through uvicorn (services/edge/http1.py): the socket's close is the disconnect."""
+    async def main() -> None:
+        router = SlowRouter()
+        app = edge(router, max_concurrent=4)
+        server = http_server(app, EdgeConfig(host="127.0.0.1", http_port=0))
+        serving = asyncio.create_task(server.serve())
+        try:
+            await _until(lambda: server.started, "the HTTP/1.1 server", 5)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(CHAT), CHAT.encode()))
+            await writer.drain()
+            await asyncio.wait_for(router.started.wait(), 5)
+            writer.close()                             # fire and forget
+            await _until(lambda: router.cancelled == 1 and app.admission.in_flight.count == 0,
+                         "the request to be cancelled", 1.0)
+        finally:
+            server.should_exit = server.force_exit = True     # force: do not wait for a request left running
+            await asyncio.wait_for(serving, 5)
+
+    asyncio.run(main())
