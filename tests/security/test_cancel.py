@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
+from mesh.clients.http3 import H3Client
 from meshpb.v1 import engine_pb2
 from services.edge.config import EdgeConfig
 from services.edge.http1 import http_server
+from services.edge.tls import ensure_self_signed_cert
 from tests.security.edge_driver import Client, SlowRouter, edge
+from tests.service.test_http3_server import run_with_server
 from tests.service.test_router import FakeEngine, _until, chat, run, running
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500})
@@ -142,3 +146,22 @@ def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
             await asyncio.wait_for(serving, 5)
 
     asyncio.run(main())
+
+
+def test_over_http3_a_closed_connection_cancels_a_whole_answer(tmp_path: Path) -> None:
+    """The same through services/edge/http3.py: the QUIC connection's end is the disconnect."""
+    router = SlowRouter()
+    app = edge(router, max_concurrent=4)
+
+    async def check(port: int, _: object) -> None:
+        async with H3Client("127.0.0.1", port, verify=False) as client:
+            request = asyncio.create_task(client.request("POST", "/v1/chat/completions",
+                                                         {"content-type": "application/json"}, CHAT.encode()))
+            await asyncio.wait_for(router.started.wait(), 5)
+            assert app.admission.in_flight.count == 1
+            request.cancel()                               # fire and forget: then the connection closes
+            await asyncio.gather(request, return_exceptions=True)
+        await _until(lambda: router.cancelled == 1 and app.admission.in_flight.count == 0,
+                     "the request to be cancelled", 1.0)
+
+    run_with_server(ensure_self_signed_cert(str(tmp_path)), check, app)
