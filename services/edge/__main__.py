@@ -47,6 +47,8 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                    help="requests per API key (per address without keys): 5/s, 300/m; '' or 0: off")
     p.add_argument("--token-limit", default=os.environ.get("INFERMESH_TOKEN_LIMIT", ""),
                    help="prompt + completion tokens per minute per API key (60000, or 1000/s); '' or 0: off")
+    p.add_argument("--auth-failure-limit", default="10/m",
+                   help="failed API or admin keys per client address before 429 (any key): 10/m; '' or 0: off")
     p.add_argument("--max-concurrent", type=int, default=256,
                    help="completions in flight across all callers; the excess gets 503 + Retry-After")
     p.add_argument("--max-connections", type=int, default=4096, help="HTTP/1.1 connections; past it uvicorn's 503")
@@ -58,6 +60,7 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     a = p.parse_args(argv)
     try:
         rate_limit, token_limit = parse_rate(a.rate_limit), parse_rate(a.token_limit, default_unit="m")
+        auth_failure_limit = parse_rate(a.auth_failure_limit, default_unit="m")
     except ValueError as exc:
         p.error(str(exc))
     return EdgeConfig(replica_id=a.replica_id, host=a.host, http_port=a.http_port, http3_port=a.http3_port,
@@ -65,7 +68,8 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                       api_key_digests=load_keys(),
                       admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), max_body_bytes=a.max_body_bytes,
                       max_messages=a.max_messages, discovery=a.discovery, rate_limit=rate_limit,
-                      token_limit=token_limit, max_concurrent=a.max_concurrent, max_connections=a.max_connections,
+                      token_limit=token_limit, auth_failure_limit=auth_failure_limit,
+                      max_concurrent=a.max_concurrent, max_connections=a.max_connections,
                       header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise,
                       tls_dir=a.tls_dir)
 

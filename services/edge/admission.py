@@ -1,7 +1,8 @@
 """Who may call the edge, and how much: API keys, admin keys, request and token rates, requests in flight.
 
 Each check raises ApiError with the status a client sees: 401 (no or a wrong key), 403 (admin API
-off), 429 (a rate per caller, with Retry-After) and 503 (too many in flight across all callers).
+off), 429 (a rate per caller, with Retry-After; or too many failed keys from one client address)
+and 503 (too many in flight across all callers).
 The buckets themselves are pure (services/edge/ratelimit.py); this reads the clock.
 """
 
@@ -37,27 +38,50 @@ class Admission:
         self.request_limit = Limiter(config.rate_limit) if config.rate_limit else None
         self.token_limit = Limiter(config.token_limit) if config.token_limit else None
         self.in_flight = InFlight(config.max_concurrent)
+        # Failed keys per client address: past the limit the address gets 429 whatever key it sends
+        # (a right key must not be told apart while guessing is refused); good keys never draw on it.
+        self.auth_failures = Limiter(config.auth_failure_limit) if config.auth_failure_limit else None
 
     def authenticate(self, scope: Scope, headers: dict[str, str]) -> Hashable:
         """The caller that rate limits count against: its API key's digest, or with no keys configured
         (loopback only) its address."""
+        address = _address(scope)
         if not self.keys.enabled:
-            client = scope.get("client")
-            return client[0] if client else "unknown"
+            return address
+        self._limit_failures(address)
         caller = self.keys.match(headers.get("authorization", ""))
         if caller is None:
+            self._failed(address)
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                            kind="authentication_error", code="invalid_api_key")
         return caller
 
-    def check_admin(self, headers: dict[str, str]) -> None:
+    def check_admin(self, scope: Scope, headers: dict[str, str]) -> None:
         if not self.admin_keys.enabled:
             raise ApiError(403, "the admin API is off: configure admin keys (INFERMESH_ADMIN_KEYS or "
                            "INFERMESH_ADMIN_KEYS_FILE); API keys do not open it",
                            kind="permission_error", code="admin_disabled")
+        address = _address(scope)
+        self._limit_failures(address)
         if not self.admin_keys.check(headers.get("authorization", "")):
+            self._failed(address)
             raise ApiError(401, "invalid or missing admin key (send 'Authorization: Bearer ADMIN_KEY')",
                            kind="authentication_error", code="invalid_admin_key")
+
+    def _limit_failures(self, address: str) -> None:
+        if self.auth_failures is None:
+            return
+        now = time.monotonic()
+        wait = self.auth_failures.bucket(address, now).wait_s(1, now)
+        if wait > 0:
+            REFUSED.labels("auth_failures").inc()
+            raise ApiError(429, f"too many failed API keys from this address: limit {self.auth_failures.rate}. "
+                           f"Please try again in {wait:.3g}s.", kind="auth_failures",
+                           code="rate_limit_exceeded", retry_after_s=retry_after_s(wait))
+
+    def _failed(self, address: str) -> None:
+        if self.auth_failures is not None:
+            self.auth_failures.take(address, 1, time.monotonic())
 
     def limit_requests(self, caller: Hashable) -> None:
         if self.request_limit is None:
@@ -111,3 +135,8 @@ class Admission:
             self.token_limit.give(charge.caller, charge.reserved - charge.used, time.monotonic())
         elif not charge.started:
             self.token_limit.give(charge.caller, charge.reserved, time.monotonic())
+
+
+def _address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"

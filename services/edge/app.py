@@ -4,10 +4,11 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/complet
 GET|PUT /admin/models/{model}/routing (admin keys only), GET /metrics, GET /openapi.json.
 Bad requests are answered here, in OpenAI's error shape, and never reach the router.
 
-Admission, in order: API key (401), request rate per caller (429), body size (413) and read time
-(408), parsing (400), requests in flight across all callers (503), token rate per caller (429);
-only then the router (services/edge/completions.py).  Slow request heads are cut off by the
-HTTP/1.1 protocol (services/edge/http1.py).
+Admission, in order: one Authorization header and bounded session/replica headers (400), failed
+keys per client address (429), API key (401), request rate per caller (429), body size (413) and
+read time (408), parsing (400), requests in flight across all callers (503), token rate per caller
+(429); only then the router (services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1
+request heads are cut off by the protocol (services/edge/http1.py, services/edge/heads.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
 from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
-from services.edge.errors import ApiError, error_body, from_grpc
+from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
 from services.edge.metrics import REQUESTS
 
@@ -75,12 +76,13 @@ class EdgeApp:
             await send(message)
 
         try:
+            openai.check_headers(scope.get("headers", []))
             if route is None:
                 if path in ROUTES or admin:
-                    raise ApiError(405, f"method {method} is not allowed on {path}", code="method_not_allowed")
-                raise ApiError(404, f"no route {method} {path}", kind="not_found_error", code=None)
+                    raise ApiError(405, f"method {shown(method)} is not allowed on {path}", code="method_not_allowed")
+                raise ApiError(404, f"no route {shown(method)} {shown(path)}", kind="not_found_error", code=None)
             if admin:
-                self.admission.check_admin(headers)
+                self.admission.check_admin(scope, headers)
             elif path not in PUBLIC:
                 scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
                 self.admission.limit_requests(caller)
@@ -137,7 +139,7 @@ class EdgeApp:
         {} ends a canary).  Requests already streaming finish on the version they started on."""
         model, _, tail = scope["path"][len(ADMIN_PREFIX):].partition("/")
         if not model or tail != "routing":
-            raise ApiError(404, f"no admin route {scope['path']}; use {ADMIN_PREFIX}MODEL/routing",
+            raise ApiError(404, f"no admin route {shown(scope['path'])}; use {ADMIN_PREFIX}MODEL/routing",
                            kind="not_found_error", code=None)
         try:
             if scope["method"] == "GET":

@@ -13,6 +13,16 @@ import grpc
 
 from mesh.errors import http_status
 
+SHOWN_CHARS = 64                # a client's value echoed in an error is cut to this many characters
+MAX_MESSAGE_CHARS = 512         # a message relayed from the router, likewise
+
+
+def shown(text: object, limit: int = SHOWN_CHARS) -> str:
+    """A client's value as an error message may echo it: cut to `limit` characters plus an ellipsis,
+    so a 10 KB method, header or field name never comes back whole."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 class ApiError(Exception):
     """A request the edge answers with `status` instead of a completion."""
@@ -21,7 +31,8 @@ class ApiError(Exception):
                  kind: str = "invalid_request_error", code: str | None = "invalid_value",
                  retry_after_s: int = 0, close: bool = False):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.param = None if param is None else shown(param)
         self.retry_after_s = retry_after_s      # > 0: sent as a Retry-After header (429, 503)
         self.close = close                      # the request was not read to its end: close the connection
 
@@ -44,5 +55,6 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
             retry_after = int(value)
     if status in (429, 503) and not retry_after:
         retry_after = 1
-    return ApiError(status, err.details() or err.code().name, kind=kind, code=err.code().name.lower(),
-                    retry_after_s=retry_after)
+    # the router's message may quote what the client sent (a model name, a replica pin): bounded too
+    return ApiError(status, shown(err.details() or err.code().name, MAX_MESSAGE_CHARS), kind=kind,
+                    code=err.code().name.lower(), retry_after_s=retry_after)

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from services.edge.errors import ApiError
+from services.edge.errors import ApiError, shown
 
 MAX_NAME_CHARS = 256            # model, user, messages[].name
 
@@ -52,7 +52,7 @@ def number(body: dict[str, Any], name: str, default: float, lo: float, hi: float
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ApiError(400, f"'{name}' must be a number, got {type(value).__name__}", name, code="invalid_type")
     if not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
+        raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}, got {shown(value)}", name)
     return float(value)
 
 
@@ -65,7 +65,7 @@ def integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{name}' must be an integer, got {type(value).__name__}", name, code="invalid_type")
     if not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {value}", name)
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {shown(value)}", name)
     return value
 
 
@@ -95,5 +95,6 @@ def no_unknown(body: dict[str, Any], allowed: set[str], where: str = "") -> None
     """400 on the first field not in `allowed`; `where` prefixes nested names (`messages[0].`)."""
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(400, f"unrecognized request argument supplied: {', '.join(where + k for k in unknown)}",
+        listed = ", ".join(shown(where + k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise ApiError(400, f"unrecognized request argument supplied: {listed}",
                        where + unknown[0], code="unknown_parameter")

@@ -21,6 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from services.edge.asgi import ASGIApp
 from services.edge.config import EdgeConfig
 from services.edge.errors import error_body
+from services.edge.heads import http1_head
 
 
 def _raw_response(status: str, obj: dict[str, Any]) -> bytes:
@@ -35,11 +36,14 @@ class GuardedH11(H11Protocol):
     A complete request head must arrive within `header_timeout_s` of the connection opening or of
     the request's first byte, else 408 and close (an idle connection is closed without a word).
     After an early response (413 on Content-Length, 408), the unread rest of the body is drained,
-    discarded, under the same deadline.  Malformed requests and heads over h11's 16 KiB limit get
-    uvicorn's 400, here in OpenAI's error shape."""
+    discarded, under the same deadline.  Each head is checked whole before h11 parses it
+    (services/edge/heads.py: 431 over 16 KiB or 128 fields, 400 for CL+TE, obs-fold, bare LF, other
+    versions), then the connection is closed; other malformed requests get uvicorn's 400, here in
+    OpenAI's error shape."""
 
     header_timeout_s = 10.0
     _deadline: asyncio.TimerHandle | None = None
+    _refused = False                            # a head was refused: the connection only drains, then closes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -50,6 +54,8 @@ class GuardedH11(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return                              # the rest of a refused request: dropped until the client closes
         super().data_received(data)
         if self.transport.is_closing():
             self._disarm()
@@ -59,6 +65,28 @@ class GuardedH11(H11Protocol):
         elif self.conn.our_state is not h11.DONE:
             self._disarm()                      # a whole head: the app is on it
         # else: our response is done while the client still sends its body: the deadline runs on
+
+    def handle_events(self) -> None:
+        # h11 parses a head only from IDLE (a pipelined one waits, PAUSED, until the response before
+        # it is done and uvicorn calls this again), so each head is checked here before h11 sees it.
+        if self.conn.their_state is h11.IDLE:
+            refusal = http1_head(self.conn.trailing_data[0])
+            if refusal is not None:
+                self._refuse(refusal.status, refusal.message)
+                return
+        super().handle_events()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer, then half-close: closing with unread bytes would reset the connection, and the
+        client could lose the answer.  What it still sends is dropped until it closes (or the head
+        deadline passes); nothing after a refused head is ever parsed."""
+        reason = "431 Request Header Fields Too Large" if status == 431 else "400 Bad Request"
+        self.transport.write(_raw_response(reason, error_body(message, "invalid_request_error",
+                                                              "invalid_http_request")))
+        self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -78,7 +106,9 @@ class GuardedH11(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if self.conn.our_state is h11.IDLE and self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+        if self._refused:
+            pass                                # its answer went out: just close
+        elif self.conn.our_state is h11.IDLE and self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
             # part of a head arrived (an idle connection is just closed, as keep-alive does)
             self.transport.write(_raw_response("408 Request Timeout", error_body(
                 f"the request head did not arrive within {self.header_timeout_s:g} s", "invalid_request_error",

@@ -17,7 +17,6 @@ import json
 import logging
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
 from aioquic.asyncio import QuicConnectionProtocol, serve
 from aioquic.asyncio.server import QuicServer
@@ -34,6 +33,7 @@ from aioquic.quic.events import (
 )
 
 from services.edge.asgi import ASGIApp, Message, Scope
+from services.edge.heads import h3_headers, h3_scope
 from services.edge.zero_rtt import EarlyDataPolicy, SessionTicketStore, replay_tolerable
 
 log = logging.getLogger(__name__)
@@ -248,8 +248,12 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                 req.feed_body(event.data, end=event.stream_ended)
 
     def _start_request(self, event: HeadersReceived) -> None:
-        scope = self._build_scope(event.headers)
+        refusal = h3_headers(event.headers)
+        scope = None if refusal else h3_scope(event.headers, self._peer, self._local)
         req = _RequestStream(self, event.stream_id, scope or {"method": "", "path": ""})
+        if refusal is not None:
+            req.respond(refusal.status, _error_body(refusal.status, refusal.message, "invalid_request_error"))
+            return
         if scope is None:
             req.respond(400, _ERROR_400)
             return
@@ -262,43 +266,6 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         task = asyncio.get_running_loop().create_task(req.run(self._app))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _build_scope(self, raw: list[tuple[bytes, bytes]]) -> Scope | None:
-        pseudo: dict[bytes, bytes] = {}
-        headers: list[tuple[bytes, bytes]] = []
-        for name, value in raw:
-            if name.startswith(b":"):
-                pseudo[name] = value
-            elif name.lower() != b"early-data":  # ours to set (RFC 8470 5.1); a client's is a forgery
-                headers.append((name.lower(), value))
-        method, target = pseudo.get(b":method"), pseudo.get(b":path")
-        if not method or not target:
-            return None
-        raw_path, _, query = target.partition(b"?")
-        try:
-            path = unquote(raw_path.decode("ascii"))
-            method_str = method.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-        # ASGI apps (and OpenAI SDK clients) expect Host; HTTP/3 carries it as :authority.
-        authority = pseudo.get(b":authority")
-        if authority and not any(n == b"host" for n, _ in headers):
-            headers.insert(0, (b"host", authority))
-        return {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "3",
-            "method": method_str,
-            "scheme": "https",
-            "path": path,
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": headers,
-            "client": self._peer,
-            "server": self._local,
-            "extensions": {},
-        }
 
     def reset_stream(self, stream_id: int) -> None:
         self._quic.reset_stream(stream_id, ErrorCode.H3_INTERNAL_ERROR)

@@ -12,8 +12,8 @@ from typing import Any
 
 from mesh.chat import ROLES, Message
 from mesh.clients.router import GenerateSpec, Sampling
-from services.edge.errors import ApiError
-from services.edge.fields import boolean, integer, no_unknown, number, string
+from services.edge.errors import ApiError, shown
+from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 256            # the router's stop matcher holds back up to this much text
@@ -33,6 +33,27 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"
 MESSAGE_FIELDS = {"role", "content", "name"}
 # What clients echo back from an assistant reply (`message.model_dump()`): accepted when null or empty.
 MESSAGE_EMPTY_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id")
+
+
+# Headers that name one thing: a second copy is refused, not silently preferred (last-wins would let
+# a proxy and a client disagree about who is calling).  Values: the `user` field's bound.
+SINGLE_HEADERS = {"authorization": 0, "x-session-id": MAX_NAME_CHARS, "x-infermesh-replica": MAX_NAME_CHARS,
+                  "x-infermesh-model-version": 64}
+
+
+def check_headers(raw: list[tuple[bytes, bytes]]) -> None:
+    """400 for a second Authorization (or session, replica, version) header, or an over-long value."""
+    seen: set[str] = set()
+    for name, value in raw:
+        header = name.decode("latin-1").lower()
+        limit = SINGLE_HEADERS.get(header)
+        if limit is None:
+            continue
+        if header in seen:
+            raise ApiError(400, f"send at most one '{header}' header", header, code="duplicate_header")
+        seen.add(header)
+        if limit and len(value) > limit:
+            raise ApiError(400, f"'{header}' header is longer than {limit} characters", header)
 
 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
@@ -129,7 +150,7 @@ def _message(m: Any, i: int) -> Message:
     if role == "developer":
         role = "system"
     if not isinstance(role, str) or role not in ROLES:
-        raise ApiError(400, f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)} (or developer)",
+        raise ApiError(400, f"messages[{i}].role {shown(repr(role))} is not one of {', '.join(ROLES)} (or developer)",
                        f"messages[{i}].role")
     return Message(role, _content(m, i), string(m, "name") if "name" in m else "")
 
@@ -178,7 +199,7 @@ def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | N
     """The admin API's PUT body -> (default version or "", canary shares or None to keep them)."""
     unknown = sorted(set(body) - {"default_version", "canary"})
     if unknown:
-        raise ApiError(400, f"unrecognized field(s): {', '.join(unknown)}; use default_version and/or canary",
+        raise ApiError(400, f"unrecognized field(s): {shown(', '.join(unknown))}; use default_version and/or canary",
                        unknown[0], code="unknown_parameter")
     default = string(body, "default_version", max_len=64)
     canary = body.get("canary")
@@ -193,7 +214,8 @@ def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | N
     shares = {}
     for version, share in canary.items():
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
-            raise ApiError(400, f"canary share for version {version!r} must be a number in [0, 1], got {share!r}",
+            raise ApiError(400, f"canary share for version {shown(repr(version))} must be a number in [0, 1], "
+                           f"got {shown(repr(share))}",
                            "canary")
         shares[str(version)] = float(share)
     return default, shares

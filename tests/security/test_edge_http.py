@@ -1,0 +1,150 @@
+"""Issue 16, the edge's HTTP strictness: each test reproduces a finding against the real protocol code
+(uvicorn + GuardedH11 on a loopback socket, aioquic for HTTP/3) or the ASGI app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from mesh.clients.http3 import H3Client
+from services.edge.app import EdgeApp
+from services.edge.auth import digest
+from services.edge.config import EdgeConfig
+from services.edge.http1 import http_server
+from services.edge.http3 import serve_http3
+from services.edge.tls import ensure_self_signed_cert
+from tests.service.test_http3_server import _free_udp_port
+from tests.unit.test_openai import CHAT_JSON, FakeRouter
+
+KEYS = (digest("k1"),)
+
+
+class CountingApp:
+    """The edge app, counting the requests that reached it."""
+
+    def __init__(self, **config: Any):
+        self.app = EdgeApp(EdgeConfig(http3_port=0, http_port=0, api_key_digests=KEYS, **config),
+                           FakeRouter())  # type: ignore[arg-type]
+        self.calls = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.calls += 1
+        await self.app(scope, receive, send)
+
+
+@asynccontextmanager
+async def http1(app: CountingApp) -> AsyncIterator[int]:
+    server = http_server(app, app.app.config)   # type: ignore[arg-type]
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def exchange(port: int, data: bytes) -> bytes:
+    """Send `data` in one write; everything the server answers until it closes (or 5 s pass)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    chunks = []
+    try:
+        async with asyncio.timeout(5):
+            while chunk := await reader.read(65536):
+                chunks.append(chunk)
+    finally:
+        writer.close()
+    return b"".join(chunks)
+
+
+def statuses(reply: bytes) -> list[int]:
+    return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) [A-Z]", reply)]
+
+
+def run(app: CountingApp, data: bytes) -> bytes:
+    async def main() -> bytes:
+        async with http1(app) as port:
+            return await exchange(port, data)
+    return asyncio.run(main())
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed() -> None:
+    app = CountingApp()
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n\r\n"
+    reply = run(app, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+                     b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
+    assert statuses(reply) == [400], reply          # one answer, then the connection closed
+    assert b"Content-Length and Transfer-Encoding" in reply and app.calls == 0
+
+
+def test_a_huge_head_in_one_write_is_refused_before_parsing() -> None:
+    app = CountingApp()
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(30_000))
+    reply = run(app, head + b"\r\n")
+    assert len(head) > 120_000 and statuses(reply) == [431] and app.calls == 0
+    many = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 200 + b"\r\n"     # 1.4 KB, 201 fields
+    assert statuses(run(app, many)) == [431] and app.calls == 0
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n folded\r\n\r\n",          # obs-fold
+    b"GET /health HTTP/1.1\nHost: x\n\n",                                       # bare LF
+    b"GET /health HTTP/1.1\r\nHost: x\nX: y\r\n\r\n",                           # one bare LF
+    b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n",                                 # not HTTP/1.x
+])
+def test_lax_heads_are_refused(head: bytes) -> None:
+    app = CountingApp()
+    reply = run(app, head)
+    assert statuses(reply) == [400] and app.calls == 0
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_http_request"
+
+
+def test_strict_heads_still_serve_pipelined_requests() -> None:
+    app = CountingApp()
+    get = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+    post = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(CHAT_JSON)) + CHAT_JSON
+    assert statuses(run(app, get + post)) == [200, 200] and app.calls == 2
+
+
+def test_two_authorization_headers_are_refused_on_http1() -> None:
+    app = CountingApp()
+    reply = run(app, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                     b"Authorization: Bearer k1\r\nConnection: close\r\n\r\n")
+    assert statuses(reply) == [400]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "duplicate_header"
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return ensure_self_signed_cert(str(tmp_path_factory.mktemp("tls")))
+
+
+def test_http3_refuses_two_authorization_headers_and_too_many_fields(cert: tuple[str, str]) -> None:
+    async def main() -> None:
+        app = CountingApp()
+        port = _free_udp_port()
+        server = await serve_http3(app, "127.0.0.1", port, *cert)
+        try:
+            async with asyncio.timeout(20), H3Client("127.0.0.1", port, verify=False) as c:
+                # two keys in the dict, one lower-cased name on the wire: two Authorization fields
+                r = await c.request("GET", "/health", {"authorization": "Bearer nope", "Authorization": "Bearer k1"})
+                assert r.status == 400 and json.loads(r.body)["error"]["code"] == "duplicate_header"
+                calls = app.calls
+                r = await c.request("GET", "/health", {f"x-{i}": "y" for i in range(300)})
+                assert r.status == 431 and app.calls == calls       # refused before the app
+                r = await c.request("GET", "/health", {"x-big": "y" * 20_000})
+                assert r.status == 431 and app.calls == calls
+        finally:
+            server.close()
+
+    asyncio.run(main())
