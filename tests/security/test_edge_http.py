@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import grpc
 import pytest
 
 from mesh.clients.http3 import H3Client
+from mesh.clients.router import RouterClient
+from meshpb.v1 import router_pb2_grpc
 from services.edge.app import EdgeApp
 from services.edge.auth import digest
 from services.edge.config import EdgeConfig
@@ -51,14 +55,18 @@ async def http1(app: CountingApp) -> AsyncIterator[int]:
         await task
 
 
-async def exchange(port: int, data: bytes) -> bytes:
-    """Send `data` in one write; everything the server answers until it closes (or 5 s pass)."""
+async def exchange(port: int, data: bytes, one: bool = False) -> bytes:
+    """Send `data` in one write; everything the server answers until it closes (or 5 s pass), or
+    with `one` its first whole response (Content-Length framed)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
-    await writer.drain()
     chunks = []
     try:
         async with asyncio.timeout(5):
+            if one:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+                return head + await reader.readexactly(length)
             while chunk := await reader.read(65536):
                 chunks.append(chunk)
     finally:
@@ -148,3 +156,42 @@ def test_http3_refuses_two_authorization_headers_and_too_many_fields(cert: tuple
             server.close()
 
     asyncio.run(main())
+
+
+class _RefusingRouter(router_pb2_grpc.RouterServicer):
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is longer than the model's context")
+        yield
+
+
+def test_rejected_one_megabyte_prompts_log_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """1 MB prompts refused by the edge (413, declared or sent) and by the router (400), whole and
+    streamed, through uvicorn and the real gRPC client: answered, with nothing logged at WARNING+."""
+    async def main() -> list[int]:
+        grpc_server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(_RefusingRouter(), grpc_server)
+        grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+        await grpc_server.start()
+        router = RouterClient(f"127.0.0.1:{grpc_port}")
+        app = CountingApp()
+        app.app = EdgeApp(app.app.config, router)
+        got = []
+        try:
+            async with http1(app) as port:
+                for size, stream in ((1_000_000, False), (1_000_000, True), (1_100_000, False), (1_100_000, True)):
+                    body = json.dumps({"model": "m", "prompt": "x" * size, "stream": stream}).encode()
+                    got += statuses(await exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                         b"Authorization: Bearer k1\r\n"
+                                                         b"Content-Length: %d\r\n\r\n" % len(body) + body, True))
+                chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (1_100_000, b"x" * 1_100_000)
+                got += statuses(await exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                     b"Authorization: Bearer k1\r\n"
+                                                     b"Transfer-Encoding: chunked\r\n\r\n" + chunked, True))
+        finally:
+            await router.close()
+            await grpc_server.stop(0)
+        return got
+
+    with caplog.at_level(logging.WARNING):
+        assert asyncio.run(main()) == [400, 400, 413, 413, 413]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
