@@ -33,7 +33,8 @@ METRICS: tuple[Metric, ...] = (
     # -- edge (HTTP) -----------------------------------------------------------------------
     _m("infermesh_edge_requests_total", "counter", "edge", "route status", "HTTP requests by route and status code"),
     _m("infermesh_edge_refused_total", "counter", "edge", "limit",
-       "Requests refused by the edge's limits: requests, tokens (rate limits, 429), in_flight (503)"),
+       "Requests refused by the edge's limits: requests, tokens (rate limits, 429), in_flight (503), "
+       "auth_failures (a client address past its failed-key limit, 429)"),
     _m("infermesh_edge_time_to_first_token_seconds", "histogram", "edge", "",
        "Streaming request: arrival to the first text delta, as the client sees it"),
     _m("infermesh_edge_request_duration_seconds", "histogram", "edge", "", "Completion request duration"),
