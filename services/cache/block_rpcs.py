@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from mesh import peers
 from mesh.grpcutil import rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import cache_pb2
@@ -55,6 +56,7 @@ class BlockRPCs:
     @rpc_errors
     async def PutBlocks(self, request_iterator: AsyncIterator[cache_pb2.KVBlock], context: grpc.aio.ServicerContext
                         ) -> cache_pb2.PutBlocksResponse:
+        peers.require(context, "PutBlocks", peers.BLOCKS)
         with server_span("cache.put_blocks", context) as span:
             stored = added = nbytes = 0
             async for msg in request_iterator:
@@ -69,6 +71,7 @@ class BlockRPCs:
     @rpc_errors
     async def GetBlocks(self, request: cache_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[cache_pb2.KVBlock]:
+        peers.require(context, "GetBlocks", peers.BLOCKS)
         with server_span("cache.get_blocks", context, keys=len(request.keys)) as span:
             sent = 0
             async for block in self.blocks.get_prefix([key_from_pb(k) for k in request.keys]):
@@ -79,6 +82,7 @@ class BlockRPCs:
     @rpc_errors
     async def MatchPrefix(self, request: cache_pb2.MatchPrefixRequest, context: grpc.aio.ServicerContext
                           ) -> cache_pb2.MatchPrefixResponse:
+        peers.require(context, "MatchPrefix", peers.BLOCKS)
         with server_span("cache.match_prefix", context, hashes=len(request.hashes)) as span:
             matched = self.blocks.match(request.model, request.version, list(request.hashes))
             span.set_attribute("matched", matched)
@@ -90,4 +94,5 @@ class BlockRPCs:
     @rpc_errors
     async def GetStats(self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext
                        ) -> cache_pb2.CacheStats:
+        peers.require(context, "GetStats", peers.BLOCKS)
         return self.block_stats()

@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from mesh import peers
 from mesh.chat import Message
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
@@ -39,6 +40,7 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
     @rpc_errors
     async def GetSession(self, request: cache_pb2.SessionRequest, context: grpc.aio.ServicerContext
                          ) -> cache_pb2.SessionContext:
+        peers.require(context, "GetSession", peers.SESSIONS)
         with server_span("cache.get_session", context) as span:
             session = self.sessions.get(request.session_id, time.monotonic())
             metrics.SESSION_LOOKUPS.labels("miss" if session is None else "hit").inc()
@@ -48,6 +50,7 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
     @rpc_errors
     async def AppendSession(self, request: cache_pb2.AppendSessionRequest, context: grpc.aio.ServicerContext
                             ) -> cache_pb2.SessionContext:
+        peers.require(context, "AppendSession", peers.SESSIONS)
         with server_span("cache.append_session", context, messages=len(request.messages)):
             messages = [Message(m.role, m.content, m.name) for m in request.messages]
             session = self.sessions.append(request.session_id, messages, time.monotonic())
@@ -56,12 +59,14 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
     @rpc_errors
     async def DeleteSession(self, request: cache_pb2.SessionRequest, context: grpc.aio.ServicerContext
                             ) -> cache_pb2.DeleteSessionResponse:
+        peers.require(context, "DeleteSession", peers.SESSIONS)
         with server_span("cache.delete_session", context):
             return cache_pb2.DeleteSessionResponse(found=self.sessions.delete(request.session_id, time.monotonic()))
 
     @rpc_errors
     async def GetStats(self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext
                        ) -> cache_pb2.CacheStats:
+        peers.require(context, "GetStats", peers.BLOCKS)
         self.sessions.expire(time.monotonic())
         stats = self.block_stats()
         stats.sessions = len(self.sessions)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
+from mesh import peers
 from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
@@ -132,6 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @rpc_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        peers.require(context, "Generate", peers.ENGINE)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.queues:
             raise InvalidArgument(f"request_id {request_id!r} is already in flight on this engine")
@@ -231,6 +233,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @rpc_errors
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
+        peers.require(context, "Abort", peers.ENGINE)
         found = self.engine.abort(request.request_id)
         self._wakeup.set()
         return engine_pb2.AbortResponse(found=found)
@@ -261,6 +264,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @rpc_errors
     async def WatchLoad(self, request: engine_pb2.LoadRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[common_pb2.LoadReport]:
+        peers.require(context, "WatchLoad", peers.ENGINE)
         interval = max(request.interval_ms, 50) / 1000.0
         while True:
             yield self.load_report()
@@ -269,6 +273,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     @rpc_errors
     async def GetInfo(self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
                       ) -> engine_pb2.EngineInfo:
+        peers.require(context, "GetInfo", peers.ENGINE)
         runner = self.engine.runner
         plan = runner.plan
         return engine_pb2.EngineInfo(

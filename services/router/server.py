@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from mesh import peers
 from mesh.chat import Message
 from mesh.errors import MeshError
 from mesh.grpcutil import rpc_errors
@@ -68,6 +69,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc_errors
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        # Only the edge names a tenant (from an API key); any other caller runs in its kind's namespace.
+        request.tenant = peers.tenant_for(peers.kind(context), request.tenant)
         request_id = request.request_id or uuid.uuid4().hex
         with server_span("router.generate", context, request_id=request_id):
             incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
@@ -99,6 +102,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def SetModelRouting(self, request: router_pb2.SetModelRoutingRequest, context: grpc.aio.ServicerContext
                               ) -> router_pb2.ModelRouting:
         """Switch the default version / canary shares.  Requests already streaming keep their replica."""
+        peers.require(context, "SetModelRouting", peers.ROUTER_ADMIN)
         model = self.admin.resolve(request.model)
         canary = dict(request.canary) if request.replace_canary else None
         return _routing_pb(self.admin.set_routing(model, request.default_version, canary))

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from mesh import peers
 from mesh.chat import Message
 from mesh.errors import NotFound
 from mesh.grpcutil import Service, rpc_errors
@@ -40,6 +41,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     @rpc_errors
     async def ApplyChatTemplate(self, request: pb.ChatTemplateRequest, context: grpc.aio.ServicerContext
                                 ) -> pb.EncodeResponse:
+        peers.require(context, "ApplyChatTemplate", peers.TOKENIZER)
         with server_span("tokenizer.apply_chat_template", context, messages=len(request.messages)):
             tok = self._get(request.model)
             messages = [Message(m.role, m.content, m.name) for m in request.messages]
@@ -51,6 +53,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 
     @rpc_errors
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        peers.require(context, "Encode", peers.TOKENIZER)
         with server_span("tokenizer.encode", context):
             tok = self._get(request.model)
             self.limits.check_text(request.text)
@@ -62,6 +65,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     @rpc_errors
     async def GetTokenizerJson(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
                                ) -> pb.TokenizerJson:
+        peers.require(context, "GetTokenizerJson", peers.TOKENIZER)
         with server_span("tokenizer.get_tokenizer_json", context, model=request.model):
             tok = self._get(request.model)
             return pb.TokenizerJson(model=tok.name, tokenizer_json=tok.json())
