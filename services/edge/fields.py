@@ -10,9 +10,8 @@ import json
 import re
 from typing import Any
 
+from mesh.request_limits import MAX_NAME_CHARS
 from services.edge.errors import ApiError, shown
-
-MAX_NAME_CHARS = 256            # model, user, messages[].name
 
 # A \uD800-\uDFFF escape may leave a lone surrogate in a parsed string, which cannot travel as UTF-8.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")

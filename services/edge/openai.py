@@ -12,14 +12,11 @@ from typing import Any
 
 from mesh.chat import ROLES, Message
 from mesh.clients.router import GenerateSpec, Sampling
+from mesh.request_limits import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS, MAX_TOP_LOGPROBS, TEMPERATURE, TOP_P
 from services.edge.errors import ApiError, shown
 from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string
 
-MAX_STOP = 4
-MAX_STOP_CHARS = 256            # the router's stop matcher holds back up to this much text
 MAX_MESSAGES = 1_000            # default; the edge's --max-messages
-MAX_TOKENS = 1 << 20
-MAX_TOP_LOGPROBS = 20           # chat top_logprobs; the engine's own limit (services/engine/request.py)
 MAX_COMPLETION_LOGPROBS = 5     # completions `logprobs`, as in OpenAI
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)    # int64 as OpenAI documents it, and the engine's uint64
 
@@ -93,8 +90,8 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logpro
     max_tokens = legacy if max_tokens is None else max_tokens
     seed = integer(body, "seed", *SEED_RANGE)
     return Sampling(
-        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+        temperature=number(body, "temperature", 1.0, *TEMPERATURE),
+        top_p=number(body, "top_p", 1.0, *TOP_P),
         top_k=integer(body, "top_k", 0, MAX_TOKENS) or 0,
         seed=None if seed is None else seed % (1 << 64),    # the engine's seed is uint64; same seed, same map
         max_tokens=max_tokens or 0,

@@ -21,8 +21,9 @@ import grpc
 
 from mesh import peers
 from mesh.chat import Message
-from mesh.errors import MeshError
+from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
+from mesh.request_limits import name_problem, sampling_problem
 from mesh.telemetry import server_span
 from meshpb.v1 import router_pb2, router_pb2_grpc
 from services.router import metrics
@@ -73,6 +74,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request.tenant = peers.tenant_for(peers.kind(context), request.tenant)
         request_id = request.request_id or uuid.uuid4().hex
         with server_span("router.generate", context, request_id=request_id):
+            refused = _refusal(request)
+            if refused:                       # a native caller skipped the edge's checks: the same limits here
+                raise InvalidArgument(refused)
             incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
             try:
                 async for reply in self.dispatcher.generate(request, request_id, incoming, context):
@@ -124,3 +128,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
     return router_pb2.ModelRouting(model=routing.model, default_version=routing.default_version,
                                    canary=routing.canary, versions=routing.versions)
+
+
+def _refusal(request: router_pb2.RouterGenerateRequest) -> str | None:
+    """Why a Generate request breaks the limits the edge enforces (mesh/request_limits.py), or None."""
+    s = request.sampling
+    return (sampling_problem(s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.top_logprobs)
+            or name_problem("session_id", request.session_id) or name_problem("model", request.model)
+            or name_problem("pinned_replica", request.pinned_replica)
+            or name_problem("request_id", request.request_id))

@@ -1,0 +1,43 @@
+"""The limits a generation request must respect, wherever it enters the mesh.
+
+The edge checks them on OpenAI JSON fields (services/edge/openai.py, with the field named in each
+error); the router checks the same limits on every native `Generate` (a gRPC caller skips the edge),
+so a request the edge would refuse is refused there too.  Pure code, no protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+TEMPERATURE = (0.0, 2.0)
+TOP_P = (0.0, 1.0)
+MAX_STOP = 4
+MAX_STOP_CHARS = 256            # the router's stop matcher holds back up to this much text
+MAX_TOKENS = 1 << 20
+MAX_TOP_LOGPROBS = 20           # chat top_logprobs; the engine's own limit (services/engine/request.py)
+MAX_NAME_CHARS = 256            # model, user / session id, replica pin, messages[].name
+
+
+def sampling_problem(temperature: float, top_p: float, top_k: int, max_tokens: int, stop: Sequence[str],
+                     top_logprobs: int) -> str | None:
+    """Why these sampling settings are refused, or None when they are within the limits."""
+    if not TEMPERATURE[0] <= temperature <= TEMPERATURE[1]:
+        return f"temperature must be within {TEMPERATURE[0]:g}-{TEMPERATURE[1]:g}"
+    if not TOP_P[0] <= top_p <= TOP_P[1]:
+        return f"top_p must be within {TOP_P[0]:g}-{TOP_P[1]:g}"
+    if top_k > MAX_TOKENS or max_tokens > MAX_TOKENS:
+        return f"top_k and max_tokens are at most {MAX_TOKENS}"
+    if len(stop) > MAX_STOP:
+        return f"stop holds at most {MAX_STOP} sequences"
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        return f"each stop sequence is at most {MAX_STOP_CHARS} characters"
+    if top_logprobs > MAX_TOP_LOGPROBS:
+        return f"top_logprobs is at most {MAX_TOP_LOGPROBS}"
+    return None
+
+
+def name_problem(what: str, value: str) -> str | None:
+    """Why an identifier (session id, replica pin, model name) is refused, or None."""
+    if len(value) > MAX_NAME_CHARS:
+        return f"{what} is at most {MAX_NAME_CHARS} characters (got {len(value)})"
+    return None
