@@ -71,7 +71,7 @@ async def announce_self(kind: str, config: Hosted, port: int, *, check: HealthCh
     return await announce(config.discovery, endpoint, check)
 
 
-async def serve_grpc(kind: str, config: Hosted, service: Service, *, port: int, metrics_port: int = 0,
+async def serve_grpc(kind: str, config: Hosted, service: Service, *, metrics_port: int = 0,
                      ready: bool = True, on_stop: Callable[[], Awaitable[None]] | None = None,
                      model: str = "", model_version: str = "", region: str = "local") -> None:
     """Start `service` (its servicers already added), export metrics, report SERVING unless the
@@ -81,7 +81,7 @@ async def serve_grpc(kind: str, config: Hosted, service: Service, *, port: int, 
     serve_metrics(metrics_port, config.host)
     if ready:
         await service.ready()
-    withdraw = await announce_self(kind, config, port, model=model, model_version=model_version, region=region)
+    withdraw = await announce_self(kind, config, service.port, model=model, model_version=model_version, region=region)
     # Shielded: cancelling a pending wait_for_termination() makes the server's shutdown raise CancelledError.
     ended = asyncio.ensure_future(service.server.wait_for_termination())
     await wait_for_signal(asyncio.shield(ended))

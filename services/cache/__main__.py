@@ -71,7 +71,7 @@ async def serve(config: CacheConfig) -> None:
              config.hot_mb, f"{config.cold_mb} MiB cold in {config.cold_dir}" if config.cold_dir else "no cold tier",
              config.eviction)
     # Blocks still being written to the cold tier are finished before the process ends.
-    await serve_grpc("cache", config, service, port=config.port, metrics_port=config.metrics_port,
+    await serve_grpc("cache", config, service, metrics_port=config.metrics_port,
                      on_stop=blocks.flush)
 
 

@@ -85,7 +85,7 @@ async def serve(config: EngineConfig) -> None:
     log.info("engine %s serving %s (%d KV blocks of %d tokens) at %s%s", config.replica_id, config.model,
              runner.num_blocks, runner.block_size, service.address,
              f"; shared KV cache {remote.address} as {config.model}@{remote.version}" if remote is not None else "")
-    await serve_grpc("engine", config, service, port=config.port, metrics_port=config.metrics_port,
+    await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
                      on_stop=servicer.close, model=config.model, model_version=config.model_version,
                      region=config.region)
 

@@ -85,7 +85,7 @@ async def serve(config: RouterConfig) -> None:
     await servicer.start(report_ready=service.ready)
     log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,
              len(config.engines), config.policy)
-    await serve_grpc("router", config, service, port=config.port, metrics_port=config.metrics_port, ready=False,
+    await serve_grpc("router", config, service, metrics_port=config.metrics_port, ready=False,
                      on_stop=servicer.close, region=config.region)
 
 

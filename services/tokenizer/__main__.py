@@ -45,7 +45,7 @@ async def serve(config: TokenizerConfig) -> None:
     service = Service("meshpb.v1.Tokenizer", config.host, config.port)
     add_to(service, TokenizerServicer(tokenizers, default=config.models[0][0], limits=config.limits))
     log.info("tokenizer %s serving %s on %s", config.replica_id, ", ".join(tokenizers), service.address)
-    await serve_grpc("tokenizer", config, service, port=config.port, metrics_port=config.metrics_port)
+    await serve_grpc("tokenizer", config, service, metrics_port=config.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,8 +33,12 @@ def cas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @contextlib.asynccontextmanager
-async def serving(tls: MeshTLS | None = None) -> AsyncIterator[str]:
-    service = Service("meshpb.v1.Cache", "127.0.0.1", 0, tls=tls)
+async def serving(tls: MeshTLS | None = None, name: str = "meshpb.v1.Cache",
+                  register: Callable[[Service], None] | None = None) -> AsyncIterator[str]:
+    """A service on a free loopback port (with `register`'s servicers added), for the block's length."""
+    service = Service(name, "127.0.0.1", 0, tls=tls)
+    if register is not None:
+        register(service)
     await service.start()
     await service.ready()
     try:

@@ -7,7 +7,6 @@ an engine leaf cannot read sessions nor set routing, and a `tenant` is honoured 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
 from services.cache.store import BlockStore
 from services.router.server import RouterServicer
+from tests.security.test_mtls import serving
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +32,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_mesh_ca(tmp_path_factory.mktemp("pki") / "mesh")
 
 
-@contextlib.asynccontextmanager
-async def serving(name: str, tls: MeshTLS, register: Any) -> AsyncIterator[str]:
-    service = Service(name, "127.0.0.1", 0, tls=tls)
-    register(service)
-    await service.start()
-    await service.ready()
-    try:
-        yield f"127.0.0.1:{service.port}"
-    finally:
-        await service.stop(0)
-
-
 def cache_call(pki: Path, caller: str) -> grpc.StatusCode:
     """GetSession on a TLS cache (holding the `cache` leaf) as a `caller` leaf; its status code."""
     async def run() -> grpc.StatusCode:
         servicer = CacheServicer(SessionStore(ttl_s=60), BlockStore.create(hot_bytes=1 << 20))
-        async with serving("meshpb.v1.Cache", MeshTLS.load(pki / "cache"), lambda s: add_to(s, servicer)) as address:
+        async with serving(MeshTLS.load(pki / "cache"), "meshpb.v1.Cache", lambda s: add_to(s, servicer)) as address:
             async with channel(address, MeshTLS.load(pki / caller)) as ch:
                 try:
                     await cache_pb2_grpc.CacheStub(ch).GetSession(cache_pb2.SessionRequest(session_id="t/s"),
@@ -95,7 +83,7 @@ def router_calls(pki: Path, callers: list[str]) -> tuple[list[str], dict[str, gr
         def register(service: Service) -> None:
             router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
 
-        async with serving("meshpb.v1.Router", MeshTLS.load(pki / "router"), register) as address:
+        async with serving(MeshTLS.load(pki / "router"), "meshpb.v1.Router", register) as address:
             for caller in callers:
                 async with channel(address, MeshTLS.load(pki / caller)) as ch:
                     stub = router_pb2_grpc.RouterStub(ch)

@@ -69,7 +69,7 @@ def test_serve_grpc_serves_until_a_signal_then_stops_in_order() -> None:
         async def on_stop() -> None:
             events.append("on_stop:serving" if await check_health(address) else "on_stop:stopped")
 
-        serving = asyncio.create_task(serve_grpc("cache", Config(), service, port=service.port, on_stop=on_stop))
+        serving = asyncio.create_task(serve_grpc("cache", Config(), service, on_stop=on_stop))
         for _ in range(100):
             if await check_health(address):
                 break
