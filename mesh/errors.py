@@ -30,6 +30,10 @@ class NotFound(MeshError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class Unauthenticated(MeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 

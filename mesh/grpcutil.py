@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 # A 1,500-token prefix of KV blocks must fit in one message; 64 MiB leaves room.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# What a server takes in one message unless it says otherwise (Service's max_receive_bytes): sized to
+# the largest valid request of the router, tokenizer and engine (a prompt the tokenizer's input limit
+# allows; a context of token ids), so a caller cannot make one parse a 64 MiB message.  The cache
+# takes KV blocks: MAX_MESSAGE_BYTES.
+REQUEST_MESSAGE_BYTES = 4 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -106,10 +111,13 @@ class Service:
     TLS: every caller must present a certificate signed by the mesh CA.
     """
 
-    def __init__(self, name: str, host: str, port: int, tls: MeshTLS | None = None):
+    def __init__(self, name: str, host: str, port: int, tls: MeshTLS | None = None,
+                 max_receive_bytes: int = REQUEST_MESSAGE_BYTES):
         self.name = name
         self.address = f"{host}:{port}"
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.max_receive_bytes = max_receive_bytes
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        self.server = grpc.aio.server(options=[*options, ("grpc.max_receive_message_length", max_receive_bytes)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         tls = tls or credentials.current()

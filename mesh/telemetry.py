@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -153,17 +154,32 @@ def server_span(name: str, grpc_context: Any = None, **attributes: Any) -> Itera
         parent = propagate.extract({k: v for k, v in metadata if isinstance(v, str)})
     started = time.perf_counter()
     error: BaseException | None = None
-    with _tracer.start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes,
-                                       record_exception=False, set_status_on_exception=False) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            code = status_code(error, grpc_context)
-            span.set_attribute("rpc.grpc.status_code", code)
-            if code not in ("OK", "CANCELLED"):
-                span.set_status(Status(StatusCode.ERROR, f"{code}: {error}"))
-            RPCS.labels(_service, name, code).inc()
-            RPC_SECONDS.labels(_service, name).observe(time.perf_counter() - started)
+    span = _tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+    # Current in the block, for the handler's client spans.  A streaming handler holds it across its
+    # yields, and a cancelled call's generator is closed later by the loop from another task, whose
+    # context never held it: only the task that attached detaches (else OpenTelemetry logs a
+    # "Failed to detach context" traceback; the other task's context is discarded anyway).
+    owner = _current_task()
+    token = otel_context.attach(trace.set_span_in_context(span, parent))
+    try:
+        yield span
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        code = status_code(error, grpc_context)
+        span.set_attribute("rpc.grpc.status_code", code)
+        if code not in ("OK", "CANCELLED"):
+            span.set_status(Status(StatusCode.ERROR, f"{code}: {error}"))
+        span.end()
+        if _current_task() is owner:
+            otel_context.detach(token)
+        RPCS.labels(_service, name, code).inc()
+        RPC_SECONDS.labels(_service, name).observe(time.perf_counter() - started)
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:            # no running loop: plain threads, one context each
+        return None

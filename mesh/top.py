@@ -9,6 +9,7 @@ Plain ANSI: the screen is cleared and redrawn; `--once` prints one snapshot and 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from typing import NamedTuple, TextIO
@@ -56,8 +57,12 @@ def from_pb(router: str, reply: router_pb2.ListReplicasResponse) -> Snapshot:
 
 
 async def fetch(router: str, timeout: float = 2.0) -> Snapshot:
+    # With API keys configured the router asks a native caller for one: $INFERMESH_API_KEY.
+    key = os.environ.get("INFERMESH_API_KEY", "")
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
     async with channel(router) as ch:
-        reply = await router_pb2_grpc.RouterStub(ch).ListReplicas(router_pb2.ListReplicasRequest(), timeout=timeout)
+        reply = await router_pb2_grpc.RouterStub(ch).ListReplicas(router_pb2.ListReplicasRequest(), timeout=timeout,
+                                                                  metadata=metadata)
     return from_pb(router, reply)
 
 

@@ -7,7 +7,7 @@ import logging
 
 from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
-from mesh.grpcutil import Service
+from mesh.grpcutil import MAX_MESSAGE_BYTES, Service
 from mesh.service import run_service, serve_grpc
 from services.cache.block_metrics import watch
 from services.cache.config import CacheConfig
@@ -63,7 +63,7 @@ async def serve(config: CacheConfig) -> None:
     sessions = SessionStore(config.session_ttl_s, config.max_sessions, config.max_messages_per_session)
     blocks = BlockStore.create(config.hot_mb << 20, config.cold_dir or None, config.cold_mb << 20, config.eviction,
                                dict(config.tenant_weights), config.max_block_mb << 20)
-    service = Service("meshpb.v1.Cache", config.host, config.port)
+    service = Service("meshpb.v1.Cache", config.host, config.port, max_receive_bytes=MAX_MESSAGE_BYTES)
     add_to(service, CacheServicer(sessions, blocks))
     if config.metrics_port:
         watch(blocks, config.replica_id)        # registered before /metrics is served

@@ -13,17 +13,17 @@ import logging
 import os
 from pathlib import Path
 
+from mesh.apikeys import load_keys
 from mesh.clients.router import RouterClient
 from mesh.discovery import BACKENDS, HealthCheck, advertise_address
 from mesh.envargs import apply_env
 from mesh.models import home
+from mesh.ratelimit import parse_rate
 from mesh.service import announce_self, run_service, wait_for_signal
 from services.edge.app import EdgeApp
-from services.edge.auth import load_keys
 from services.edge.config import EdgeConfig
 from services.edge.http1 import http_server
 from services.edge.http3 import serve_http3
-from services.edge.ratelimit import parse_rate
 from services.edge.tls import ensure_self_signed_cert
 
 log = logging.getLogger("edge")

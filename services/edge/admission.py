@@ -3,7 +3,7 @@
 Each check raises ApiError with the status a client sees: 401 (no or a wrong key), 403 (admin API
 off), 429 (a rate per caller, with Retry-After; or too many failed keys from one client address)
 and 503 (too many in flight across all callers).
-The buckets themselves are pure (services/edge/ratelimit.py); this reads the clock.
+The buckets themselves are pure (mesh/ratelimit.py); this reads the clock.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import dataclasses
 import time
 from collections.abc import Hashable
 
+from mesh.apikeys import ApiKeys
 from mesh.clients.router import GenerateSpec
+from mesh.ratelimit import InFlight, Limiter, estimate_tokens, retry_after_s
 from services.edge.asgi import Scope
-from services.edge.auth import ApiKeys
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
 from services.edge.metrics import REFUSED
-from services.edge.ratelimit import InFlight, Limiter, estimate_tokens, retry_after_s
 
 
 @dataclasses.dataclass

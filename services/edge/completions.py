@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry import trace
 
+from mesh.apikeys import tenant_of
 from mesh.clients.router import Delta, GenerateSpec, RouterClient, TokenLogprob
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
@@ -37,11 +38,10 @@ T = TypeVar("T")
 
 
 def tenant(caller: Hashable) -> str:
-    """The caller as the router knows it: stable and not a secret.  An API key's SHA-256 digest is
-    cut to 16 hex digits (64 bits: keys do not collide, and neither the key nor its whole digest
-    leaves the edge); with no keys configured (loopback only), the client's address."""
+    """The caller as the router knows it: its API key's tenant (mesh.apikeys.tenant_of); with no keys
+    configured (loopback only), the client's address."""
     if isinstance(caller, bytes):
-        return "key:" + caller.hex()[:16]
+        return tenant_of(caller)
     return f"addr:{caller}"
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.edge.auth import is_loopback
-from services.edge.ratelimit import Rate
+from mesh.apikeys import is_loopback
+from mesh.ratelimit import Rate
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mesh.prefix import block_hash, block_hashes
+from mesh.prefix import block_hash, block_hashes, root
 
 
 @dataclass
@@ -25,6 +25,7 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)   # hashes[i] belongs to blocks[i]
+    root: bytes = b""                                    # the chain's first parent (namespace + salt)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -59,37 +60,38 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix lookup and allocation ------------------------------------------------
-    def prefix_hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the blocks of `tokens` that may be served from a cache, local or shared."""
+    def prefix_hashes(self, tokens: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """Chained hashes of the blocks of `tokens` that may be served from a cache, local or shared;
+        `salt` (a request's cache_salt) keeps callers' blocks apart."""
         # The last token is never served from cache: its logits are needed to sample.
         usable = (len(tokens) - 1) // self.block_size * self.block_size
-        return block_hashes(tokens[:usable], self.block_size, self.namespace)
+        return block_hashes(tokens[:usable], self.block_size, self.namespace, salt)
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], salt: bytes = b"") -> list[int]:
         """Blocks holding the longest cached prefix of `tokens` (without taking them)."""
         found: list[int] = []
-        for h in self.prefix_hashes(tokens):
+        for h in self.prefix_hashes(tokens, salt):
             block = self.cached.get(h)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def can_allocate(self, tokens: Sequence[int], reserve: int = 0) -> bool:
-        hit = self.match_prefix(tokens)
+    def can_allocate(self, tokens: Sequence[int], reserve: int = 0, salt: bytes = b"") -> bool:
+        hit = self.match_prefix(tokens, salt)
         needed = self.blocks_for(len(tokens)) - len(hit)
         # Cached hits with ref 0 sit in the evictable pool: taking them shrinks it.
         revived = sum(1 for b in hit if self.ref[b] == 0)
         return self.num_free_blocks - revived - needed >= reserve
 
-    def allocate(self, tokens: Sequence[int]) -> tuple[BlockTable, int]:
+    def allocate(self, tokens: Sequence[int], salt: bytes = b"") -> tuple[BlockTable, int]:
         """Blocks for all of `tokens`, reusing the cached prefix.  Returns (table, cached tokens).
 
         The caller checked can_allocate; running out here is a bug, not a condition.
         """
-        hit = self.match_prefix(tokens)
-        table = BlockTable()
-        parent = self.namespace
+        hit = self.match_prefix(tokens, salt)
+        table = BlockTable(root=root(self.namespace, salt))
+        parent = table.root
         for block in hit:
             self._take(block)
             parent = self.block_hash[block]  # type: ignore[assignment]
@@ -113,7 +115,7 @@ class BlockManager:
     def commit(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> None:
         """Register every block that is full and computed, so later prompts can reuse it."""
         full = min(num_computed, len(tokens)) // self.block_size
-        parent = table.hashes[-1] if table.hashes else self.namespace
+        parent = table.hashes[-1] if table.hashes else table.root or self.namespace
         for i in range(len(table.hashes), full):
             parent = block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
             table.hashes.append(parent)

@@ -53,7 +53,7 @@ class Engine:
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     resume_ids: list[int] | None = None, priority: int = 0) -> Request:
+                     resume_ids: list[int] | None = None, priority: int = 0, cache_salt: bytes = b"") -> Request:
         """Validate a request against the model's and the KV cache's limits; raise a precise error."""
         resume = list(resume_ids or [])
         limit = self.runner.max_context
@@ -81,7 +81,9 @@ class Engine:
                 f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
         if priority not in (0, 1):
             raise InvalidArgument(f"priority {priority} is not 0 (interactive) or 1 (batch)")
-        req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume)
+        if len(cache_salt) > 256:
+            raise InvalidArgument(f"cache_salt is {len(cache_salt)} bytes; at most 256")
+        req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
         req.priority = priority
         return req
 
@@ -92,10 +94,10 @@ class Engine:
             self.stats.arrived(request.request_id)
             self._inbox.append(request)
 
-    def uncached_prefix(self, tokens: Sequence[int]) -> tuple[int, list[bytes]]:
+    def uncached_prefix(self, tokens: Sequence[int], salt: bytes = b"") -> tuple[int, list[bytes]]:
         """(i, hashes): the chained hashes of the usable prompt blocks from block i, the first not cached
         here.  Read-only, for the server's thread: a stale answer costs only a block fetched in vain."""
-        hashes = self.blocks.prefix_hashes(tokens)
+        hashes = self.blocks.prefix_hashes(tokens, salt)
         cached = self.blocks.cached
         i = 0
         while i < len(hashes) and hashes[i] in cached:

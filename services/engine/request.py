@@ -81,6 +81,7 @@ class Request:
     max_tokens: int                       # resolved: never 0
     # Tokens streamed by another replica before a failover; they extend the prompt.
     resume_ids: list[int] = field(default_factory=list)
+    cache_salt: bytes = b""             # prefix-cache namespace: only equal salts share cached blocks
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -109,10 +109,10 @@ class Scheduler:
             while queue and budget > 0 and len(self.running) < self.config.max_running:
                 req = queue[0]
                 tokens = req.all_ids
-                if not self.blocks.can_allocate(tokens, reserve=self.config.watermark_blocks):
+                if not self.blocks.can_allocate(tokens, reserve=self.config.watermark_blocks, salt=req.cache_salt):
                     return  # head-of-line: keep arrival order rather than starve big requests
                 queue.popleft()
-                req.table, cached = self.blocks.allocate(tokens)
+                req.table, cached = self.blocks.allocate(tokens, req.cache_salt)
                 cached += self._import_staged(req, cached, imports)
                 req.num_computed = cached
                 req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_ids)))
@@ -133,7 +133,7 @@ class Scheduler:
         if not staged:
             return 0
         first = cached // self.blocks.block_size
-        hashes = self.blocks.prefix_hashes(req.all_ids)
+        hashes = self.blocks.prefix_hashes(req.all_ids, req.cache_salt)
         take: list[StagedBlock] = []
         for block in staged:
             i = first + len(take)

@@ -141,7 +141,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                          prompt_tokens=len(request.prompt_ids)) as span:
             req = self.engine.make_request(request_id, list(request.prompt_ids),
                                            sampling_from_pb(request.sampling), list(request.resume_ids),
-                                           priority=int(request.priority))
+                                           priority=int(request.priority), cache_salt=request.cache_salt)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()
@@ -197,7 +197,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         assert self.remote is not None
         if self.engine.num_waiting >= self.engine.max_waiting:
             return                                  # engine.add will refuse it: fetch nothing in vain
-        start, hashes = self.engine.uncached_prefix(req.all_ids)
+        start, hashes = self.engine.uncached_prefix(req.all_ids, req.cache_salt)
         # Fetched KV waits in memory until its request is admitted: bounded, beyond it requests recompute.
         room = (self.config.cache_staging_mb << 20) - self._staged_bytes()
         hashes = hashes[:max(0, room) // self.remote.layout.block_bytes]

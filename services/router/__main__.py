@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
+from mesh.apikeys import load_keys
 from mesh.discovery import BACKENDS, load_endpoints, parse_endpoint
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
+from mesh.ratelimit import parse_rate
 from mesh.service import run_service, serve_grpc
 from meshpb.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
@@ -45,6 +48,14 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--default-model", default="smollm2-135m")
     p.add_argument("--default-version", action="append", default=[], metavar="MODEL=VERSION",
                    help="the version unpinned requests go to (default: the lowest served)")
+    p.add_argument("--rate-limit", default=os.environ.get("INFERMESH_RATE_LIMIT", ""),
+                   help="requests per API key for native gRPC callers, e.g. 5/s (the edge's setting); "
+                        "keys: INFERMESH_API_KEYS, admin keys: INFERMESH_ADMIN_KEYS")
+    p.add_argument("--prefix-sharing", choices=("tenant", "global"), default="tenant",
+                   help="tenant: a prompt's cached KV blocks serve only its own tenant (no caller learns "
+                        "another's prompts from cache hits); global: every caller shares them (one tenant, "
+                        "or prompts that are no secret)")
+    p.add_argument("--auth-failure-limit", default="10/m", help="failed keys per peer address (default %(default)s)")
     apply_env(p, "INFERMESH_ROUTER")
     a = p.parse_args(argv)
     fallbacks = []
@@ -63,6 +74,10 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         if not sep or not model or not version:
             p.error(f"--default-version {spec!r} must look like MODEL=VERSION")
         defaults.append((model, version))
+    try:
+        rate_limit, auth_failure_limit = parse_rate(a.rate_limit), parse_rate(a.auth_failure_limit, default_unit="m")
+    except ValueError as exc:
+        p.error(str(exc))
     engines = tuple(parse_endpoint("engine", spec) for spec in a.engine)
     if a.discovery_file:
         try:
@@ -74,7 +89,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                         default_model=a.default_model, default_versions=tuple(defaults),
                         discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),
                         p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise,
-                        tls_dir=a.tls_dir)
+                        tls_dir=a.tls_dir, api_key_digests=load_keys(),
+                        admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), rate_limit=rate_limit,
+                        auth_failure_limit=auth_failure_limit, prefix_sharing=a.prefix_sharing)
 
 
 async def serve(config: RouterConfig) -> None:

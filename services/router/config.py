@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.discovery import Endpoint
+from mesh.ratelimit import Rate
 from services.router.failover import BreakerConfig, FailoverConfig
 from services.router.policies import POLICIES
 
@@ -33,8 +34,16 @@ class RouterConfig:
     unhealthy_after: int = 2               # health probes missed in a row before a replica is isolated
     fallbacks: tuple[tuple[str, str, float], ...] = ()   # (model, next model, confidence): level-3 chain
     p99_target_ms: float = 0.0             # a replica whose P99 time to first token exceeds it is opened; 0: off
+    prefix_sharing: str = "tenant"         # cached prompt blocks shared within a tenant, or "global": by all
+    # Native gRPC callers (not the edge) meet the edge's rules (services/router/callers.py):
+    api_key_digests: tuple[bytes, ...] = ()     # INFERMESH_API_KEYS; empty: no key asked
+    admin_key_digests: tuple[bytes, ...] = ()   # INFERMESH_ADMIN_KEYS: SetModelRouting from a client certificate
+    rate_limit: Rate | None = None              # requests per API key (INFERMESH_RATE_LIMIT)
+    auth_failure_limit: Rate | None = None      # failed keys per peer address
 
     def __post_init__(self) -> None:
+        if self.prefix_sharing not in ("tenant", "global"):
+            raise ValueError(f"prefix_sharing {self.prefix_sharing!r} is not 'tenant' or 'global'")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.discovery == "static" and not self.engines:

@@ -23,7 +23,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from mesh.chat import Message
 from mesh.errors import InvalidArgument, NotFound, Unavailable
-from mesh.prefix import block_hashes
+from mesh.prefix import block_hashes, tenant_salt
 from mesh.telemetry import outgoing_metadata, span_context, tracer
 from meshpb.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
@@ -81,6 +81,12 @@ class Dispatcher:
             return ""
         return self.versions.choose(model, served, "", key or request.request_id)
 
+    def cache_salt(self, request: Request) -> bytes:
+        """The prefix-cache namespace of `request` (engine and shared KV cache, and the router's prefix
+        affinity): its tenant's, so no caller learns another's prompts from cache hits; empty (shared
+        by everyone) with --prefix-sharing global."""
+        return tenant_salt(request.tenant) if self.config.prefix_sharing == "tenant" else b""
+
     def pinned(self, model: str, pinned: str) -> Replica:
         replica = self.table.get(pinned)
         if replica is None:
@@ -100,7 +106,8 @@ class Dispatcher:
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
                         request.include_token_ids)
         route = RouteRequest(model, session_key=key, region=request.region,
-                             prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size)))
+                             prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size,
+                                                              salt=self.cache_salt(request))))
         return prompt_ids, stream, route
 
     async def _attempts(self, request: Request, request_id: str, model: str, version: str,
@@ -184,7 +191,7 @@ class Dispatcher:
             **_decision(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
         engine_request = engine_pb2.GenerateRequest(
             request_id=request_id, model=plan.model, prompt_ids=prompt_ids, sampling=request.sampling,
-            priority=request.priority, resume_ids=stream.ids)
+            priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request))
         replica.in_flight += 1
         metrics.IN_FLIGHT.labels(replica.replica_id).inc()
         started, ok = time.monotonic(), True

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from mesh import peers
 from mesh.chat import Message
 from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
@@ -28,6 +27,7 @@ from mesh.telemetry import server_span
 from meshpb.v1 import router_pb2, router_pb2_grpc
 from services.router import metrics
 from services.router.admin import Admin, Routing
+from services.router.callers import Callers
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.engines import Engines, load_to_pb
@@ -53,6 +53,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.dispatcher = Dispatcher(config, self.table, self.policy, self.failover, versions, engines,
                                      self.tokenizer, self.sessions)
         self.admin = Admin(self.table, versions, self.failover, self.policy, config.default_model)
+        self.callers = Callers(config.api_key_digests, config.admin_key_digests, config.rate_limit,
+                               config.auth_failure_limit)
         metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()),
                              self.admin.snapshot)
 
@@ -70,15 +72,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc_errors
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
-        # Only the edge names a tenant (from an API key); any other caller runs in its kind's namespace.
-        request.tenant = peers.tenant_for(peers.kind(context), request.tenant)
         request_id = request.request_id or uuid.uuid4().hex
         with server_span("router.generate", context, request_id=request_id):
-            refused = _refusal(request)
-            if refused:                       # a native caller skipped the edge's checks: the same limits here
-                raise InvalidArgument(refused)
-            incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
             try:
+                # The edge names the tenant (from an API key); a native caller is its own key's tenant.
+                request.tenant = self.callers.tenant(context, request.tenant)
+                refused = _refusal(request)
+                if refused:                   # a native caller skipped the edge's checks: the same limits here
+                    raise InvalidArgument(refused)
+                incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
                 async for reply in self.dispatcher.generate(request, request_id, incoming, context):
                     yield reply
             except MeshError as exc:
@@ -91,6 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc_errors
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> router_pb2.ListModelsResponse:
+        self.callers.check_user(context, "ListModels")
         reply = router_pb2.ListModelsResponse()
         for m in self.admin.models():
             reply.models.add(name=m.name, version=m.version, replicas=m.replicas, max_context=m.max_context,
@@ -100,13 +103,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc_errors
     async def GetModelRouting(self, request: router_pb2.ModelRoutingRequest, context: grpc.aio.ServicerContext
                               ) -> router_pb2.ModelRouting:
+        self.callers.check_user(context, "GetModelRouting")
         return _routing_pb(self.admin.routing(self.admin.resolve(request.model)))
 
     @rpc_errors
     async def SetModelRouting(self, request: router_pb2.SetModelRoutingRequest, context: grpc.aio.ServicerContext
                               ) -> router_pb2.ModelRouting:
         """Switch the default version / canary shares.  Requests already streaming keep their replica."""
-        peers.require(context, "SetModelRouting", peers.ROUTER_ADMIN)
+        self.callers.check_admin(context, "SetModelRouting")
         model = self.admin.resolve(request.model)
         canary = dict(request.canary) if request.replace_canary else None
         return _routing_pb(self.admin.set_routing(model, request.default_version, canary))
@@ -114,6 +118,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc_errors
     async def ListReplicas(self, request: router_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
                            ) -> router_pb2.ListReplicasResponse:
+        self.callers.check_user(context, "ListReplicas")
         now = time.monotonic()
         reply = router_pb2.ListReplicasResponse(load_entropy=self.admin.load_entropy(now))
         for state in self.admin.replicas(now):

@@ -7,7 +7,7 @@ import logging
 
 from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
-from mesh.grpcutil import Service
+from mesh.grpcutil import REQUEST_MESSAGE_BYTES, Service
 from mesh.models import served_model
 from mesh.service import run_service, serve_grpc
 from services.tokenizer.config import TokenizerConfig
@@ -42,7 +42,9 @@ def parse(argv: list[str] | None = None) -> TokenizerConfig:
 
 async def serve(config: TokenizerConfig) -> None:
     tokenizers = {name: ModelTokenizer(name, folder) for name, folder in config.models}
-    service = Service("meshpb.v1.Tokenizer", config.host, config.port)
+    # The largest valid request: the input limit's bytes, plus the messages' framing.
+    service = Service("meshpb.v1.Tokenizer", config.host, config.port,
+                      max_receive_bytes=max(REQUEST_MESSAGE_BYTES, 2 * config.limits.max_input_bytes))
     add_to(service, TokenizerServicer(tokenizers, default=config.models[0][0], limits=config.limits))
     log.info("tokenizer %s serving %s on %s", config.replica_id, ", ".join(tokenizers), service.address)
     await serve_grpc("tokenizer", config, service, metrics_port=config.metrics_port)

@@ -7,6 +7,7 @@ with logprobs) must succeed.  The router's own counter proves that only good req
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import itertools
 import json
@@ -17,9 +18,11 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
+from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc, tokenizer_pb2
 from tests.e2e.conftest import OFFSET, Mesh, running_mesh
 
 pytestmark = pytest.mark.e2e
@@ -316,3 +319,31 @@ def test_openapi_and_health_need_no_key(keyed: Mesh) -> None:
         assert reply.status == 200
     with urllib.request.urlopen(f"{keyed.http}/metrics", timeout=10) as reply:
         assert 'infermesh_edge_refused_total{limit="requests"}' in reply.read().decode()
+
+
+def test_native_grpc_callers_need_a_key_and_get_its_sessions(keyed: Mesh, good: Good) -> None:
+    """The router reads the edge's keys: a client certificate alone no longer runs Generate, and a
+    key's session over gRPC is the one the same key wrote over HTTP (and no other key's)."""
+    pace = Pace()
+    pace()
+    good.client.chat.completions.create(model=MODEL, max_tokens=2, user="native-e2e",
+                                        messages=[{"role": "user", "content": "The secret code is 4417."}])
+
+    async def prompt_tokens(key: str) -> int | str:
+        request = router_pb2.RouterGenerateRequest(
+            model=MODEL, session_id="native-e2e", sampling=common_pb2.SamplingParams(max_tokens=1),
+            chat=router_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="And?")]))
+        metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        pace()
+        async with keyed.channel(keyed.router) as ch:
+            try:
+                replies = [r async for r in router_pb2_grpc.RouterStub(ch).Generate(request, timeout=60,
+                                                                                       metadata=metadata)]
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+        return replies[-1].usage.prompt_tokens
+
+    assert asyncio.run(prompt_tokens("")) == "UNAUTHENTICATED"
+    own, other = asyncio.run(prompt_tokens(GOOD)), asyncio.run(prompt_tokens(HOSTILE))
+    assert isinstance(own, int) and isinstance(other, int)
+    assert own > other + 5          # GOOD's history (the secret) came along; HOSTILE's session is empty

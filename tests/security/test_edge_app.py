@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
+from mesh.apikeys import digest
 from services.edge.app import EdgeApp
-from services.edge.auth import digest
 from services.edge.config import EdgeConfig
 from services.edge.errors import from_grpc
 from tests.unit.test_openai import CHAT, CHAT_JSON, FakeRouter, asgi

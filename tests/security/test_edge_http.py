@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 import pytest
 
+from mesh.apikeys import digest
 from mesh.clients.http3 import H3Client
 from mesh.clients.router import RouterClient
 from meshpb.v1 import router_pb2_grpc
 from services.edge.app import EdgeApp
-from services.edge.auth import digest
 from services.edge.config import EdgeConfig
 from services.edge.http1 import http_server
 from services.edge.http3 import serve_http3

@@ -23,6 +23,7 @@ from meshpb.v1 import cache_pb2, cache_pb2_grpc, router_pb2, router_pb2_grpc
 from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
 from services.cache.store import BlockStore
+from services.router.callers import Callers
 from services.router.server import RouterServicer
 from tests.security.test_mtls import serving
 
@@ -70,13 +71,26 @@ class _Recorder:
     def resolve(self, model: str) -> str:          # as the Admin: past the check, the model is unknown
         raise NotFound(f"model {model!r}")
 
+    def load_entropy(self, now: float) -> float:   # as the Admin: an empty replica table
+        return 0.0
+
+    def replicas(self, now: float) -> list[Any]:
+        return []
+
+
+def bare_router(recorder: _Recorder, callers: Callers | None = None) -> RouterServicer:
+    """The router's handlers only (no watch, no upstreams), `recorder` standing in for the rest."""
+    servicer = RouterServicer.__new__(RouterServicer)
+    servicer.dispatcher = recorder                        # type: ignore[assignment]
+    servicer.admin = recorder                             # type: ignore[assignment]
+    servicer.callers = callers or Callers()
+    return servicer
+
 
 def router_calls(pki: Path, callers: list[str]) -> tuple[list[str], dict[str, grpc.StatusCode]]:
     """Generate (tenant "acme") and SetModelRouting from each caller on a TLS router servicer."""
     recorder = _Recorder()
-    servicer = RouterServicer.__new__(RouterServicer)     # the handlers only; no watch, no upstreams
-    servicer.dispatcher = recorder                        # type: ignore[assignment]
-    servicer.admin = recorder                             # type: ignore[assignment]
+    servicer = bare_router(recorder)
     codes: dict[str, grpc.StatusCode] = {}
 
     async def run() -> None:

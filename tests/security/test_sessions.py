@@ -10,8 +10,8 @@ import json
 import grpc
 import pytest
 
+from mesh.apikeys import digest
 from mesh.errors import InvalidArgument
-from services.edge.auth import digest
 from services.router.sessions import session_key
 from tests.security.edge_driver import Client, SlowRouter, edge
 from tests.service.test_router import chat, collect, run, running

@@ -2,10 +2,10 @@
 
 import pytest
 
+from mesh.apikeys import ApiKeys, digest, load_keys
 from mesh.discovery import Endpoint, parse_endpoint
 from mesh.launcher import MeshConfig, plan
 from services.cache.config import CacheConfig
-from services.edge.auth import ApiKeys, digest, load_keys
 from services.edge.config import EdgeConfig
 from services.engine.config import EngineConfig
 from services.router.config import RouterConfig

@@ -5,15 +5,15 @@ from typing import Any
 
 import pytest
 
+from mesh.apikeys import digest
 from mesh.clients.router import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
+from mesh.ratelimit import Rate
 from services.edge import openai, responses
 from services.edge.app import EdgeApp
-from services.edge.auth import digest
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
 from services.edge.fields import parse_json
 from services.edge.openapi import document
-from services.edge.ratelimit import Rate
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}
 

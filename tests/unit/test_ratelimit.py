@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.edge.ratelimit import InFlight, Limiter, Rate, TokenBucket, estimate_tokens, parse_rate, retry_after_s
+from mesh.ratelimit import InFlight, Limiter, Rate, TokenBucket, estimate_tokens, parse_rate, retry_after_s
 
 
 @pytest.mark.parametrize("text,amount,period", [

@@ -1,4 +1,5 @@
-"""API keys: stored as SHA-256 digests, compared in constant time."""
+"""API keys: stored as SHA-256 digests, compared in constant time; read by the edge and, for native
+gRPC callers, the router (the same INFERMESH_API_KEYS / INFERMESH_ADMIN_KEYS)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def load_keys(env: dict[str, str] | None = None, variable: str = "INFERMESH_API_
             line = line.split("#", 1)[0].strip()
             keys.append(line)
     return tuple(sorted({digest(k) for k in keys if k}))
+
+
+def tenant_of(key_digest: bytes) -> str:
+    """The tenant an API key's caller runs as (sessions and prefix caches are namespaced by it):
+    stable and not a secret, its SHA-256 digest cut to 16 hex digits (64 bits: keys do not collide,
+    and neither the key nor its whole digest leaves the service that checked it)."""
+    return "key:" + key_digest.hex()[:16]
 
 
 def is_loopback(host: str) -> bool:

@@ -1,7 +1,9 @@
-"""Rate limits at the edge: token buckets per caller, and a bound on requests in flight.
+"""Rate limits: token buckets per caller, and a bound on requests in flight (the edge's, and the
+router's for native gRPC callers).
 
 Pure: every method that depends on time takes `now` (seconds on a monotonic clock) and does no
-I/O, so the tests drive a fake clock.  The glue that reads the clock is services/edge/admission.py.
+I/O, so the tests drive a fake clock.  The glue that reads the clock is services/edge/admission.py
+(and services/router/callers.py).
 
 - Requests (`INFERMESH_RATE_LIMIT`, e.g. `5/s`): one token per request; the bucket holds one
   period's worth, so `5/s` allows a burst of 5, then 5 a second.
