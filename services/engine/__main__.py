@@ -41,6 +41,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
+    p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
+                   help="requests queued beyond the running batch before refusing (RESOURCE_EXHAUSTED); the "
+                        "router sheds this replica only when its queue is here (default %(default)s)")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="auto",
                    help="auto: on a GPU, capture pure-decode steps as CUDA graphs for batch sizes up to "
                         "--max-running (cuda), else off; off: launch every kernel from Python; eager: the "
@@ -62,7 +65,8 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
                             dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
                             block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
-                            max_running=a.max_running, cuda_graphs=a.cuda_graphs, metrics_port=a.metrics_port,
+                            max_running=a.max_running, max_waiting=a.max_waiting, cuda_graphs=a.cuda_graphs,
+                            metrics_port=a.metrics_port,
                             discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
                             cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout)
     except ValueError as exc:

@@ -35,7 +35,7 @@ REQUESTS = Counter("infermesh_engine_requests_total",
                    ["replica", "finish_reason"])
 TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
-PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs")
+PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs", "matmul_large", "split_rows")
 PLAN = Gauge("infermesh_engine_plan_info", "The replica's execution plan (services/engine/plan.py) as labels; 1",
              ["replica", *PLAN_LABELS])
 

@@ -6,10 +6,13 @@ GetInfo reports it and /metrics exports it (infermesh_engine_plan_info).  Nothin
 fast path.
 
 What `auto` means today:
-- CPU: float32; matmul `fp16w` with FBGEMM (`packed` with oneDNN only, else `exact`).  Decode
-  attention and the norm/RoPE/SiLU ops are the fused CPU library (kernels/cpu_ops.cpp) when it
-  builds, else torch's.  No graphs.  An explicit --dtype float32 is the bit-exact mode: `exact`
-  matmuls and the torch ops (transformers' own math); --dtype int8 quantizes the weights.
+- CPU: float32; the matmul kinds measured fastest on this machine for the model's shapes
+  (services/engine/tune.py, cached): typically `q4` (the model's own 4-bit blocks) for small
+  batches and `fp16w` or `packed` above `split_rows` rows; without a model to measure, `fp16w` with
+  FBGEMM (`packed` with oneDNN only, else `exact`).  Decode attention and the norm/RoPE/SiLU ops
+  are the fused CPU library (kernels/cpu_ops.cpp) when it builds, else torch's.  No graphs.
+  An explicit --dtype float32 is the bit-exact mode: `exact` matmuls and the torch ops
+  (transformers' own math); --dtype int8 quantizes the weights.
 - CUDA: bfloat16, `fused` GEMMs (q/k/v and gate/up one call each), Triton decode attention and
   Triton norm/RoPE/SiLU ops, pure-decode steps replayed from CUDA graphs.  --dtype float32 keeps
   `exact` GEMMs and the torch ops, with Triton decode attention.
@@ -22,13 +25,15 @@ decode_graphs.py (graphs).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from kernels import cpu_ops
+from services.engine import tune
 from services.engine.config import GRAPHS, EngineConfig
 
-MATMULS = ("exact", "fused", "packed", "fp16w", "int8")
+MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4")
 ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
 OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
 
@@ -41,6 +46,8 @@ class ExecutionPlan:
     attention: str       # ATTENTIONS
     ops: str             # OPS
     graphs: str          # config.GRAPHS; "eager": the graphs' padded buffers without capture (tests)
+    matmul_large: str = ""   # MATMULS: the kind above split_rows rows; "": `matmul` at every size
+    split_rows: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", ("cpu", "cuda")), ("dtype", ("float32", "bfloat16")), ("matmul", MATMULS),
@@ -51,6 +58,10 @@ class ExecutionPlan:
             raise ValueError("CUDA graphs need --device cuda")
         if self.matmul == "int8" and self.device != "cpu":
             raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
+        if self.matmul_large and (self.matmul_large not in MATMULS or self.split_rows < 1):
+            raise ValueError(f"matmul_large {self.matmul_large!r} needs a kind of {MATMULS} and split_rows >= 1")
+        if "q4" in (self.matmul, self.matmul_large) and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError("q4 matmuls run float32 on the CPU only")
         if (self.attention == "fused" or self.ops == "cpu") and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError("the fused CPU ops run float32 on the CPU only")
 
@@ -60,21 +71,27 @@ class ExecutionPlan:
 
     def labels(self) -> dict[str, str]:
         """The plan as names, for the log line, GetInfo and the info metric."""
-        return asdict(self)
+        return {k: str(v) for k, v in asdict(self).items()}
 
     def __str__(self) -> str:
-        return (f"{self.device} {self.dtype}, {self.matmul} matmuls, {self.attention} decode attention, "
+        matmuls = (f"{self.matmul} matmuls up to {self.split_rows} rows, {self.matmul_large} above"
+                   if self.matmul_large else f"{self.matmul} matmuls")
+        return (f"{self.device} {self.dtype}, {matmuls}, {self.attention} decode attention, "
                 f"{self.ops} ops, graphs {self.graphs}")
 
 
 def for_config(config: EngineConfig) -> ExecutionPlan:
-    return decide(config.device, config.dtype, config.cuda_graphs)
+    """The engine's plan: on a CPU with dtype auto, the matmul kinds measured for its model here."""
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    tuned = tune.tune(Path(config.model_path)) if (device, config.dtype) == ("cpu", "auto") else None
+    return decide(config.device, config.dtype, config.cuda_graphs, tuned=tuned)
 
 
 def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matmul: str = "auto",
-           attention: str = "auto") -> ExecutionPlan:
+           attention: str = "auto", tuned: tune.Tuned | None = None) -> ExecutionPlan:
     """The plan for this machine.  device, dtype and graphs as the engine's flags take them; matmul and
-    attention are `auto` but for tests and benchmarks that pin one."""
+    attention are `auto` but for tests and benchmarks that pin one; `tuned`: the CPU kinds measured
+    for the model (tune.py), else the unmeasured default."""
     device = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "int8" and device != "cpu":
         raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
@@ -86,7 +103,10 @@ def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matm
         # Measured on the 2-core AVX2 CPU here: bf16 GEMMs run at ~18 GFLOP/s against 50-120 for
         # fp32 (no native bf16), so auto means fp32 on CPU and bf16 on CUDA.
         compute = "bfloat16" if device == "cuda" else "float32"
-    if matmul == "auto":
+    large, rows = "", 0
+    if matmul == "auto" and tuned is not None and device == "cpu" and dtype == "auto":
+        matmul, large, rows = tuned.small, tuned.large, tuned.rows
+    elif matmul == "auto":
         matmul = _matmul(device, dtype)
     # The fused CPU ops agree with the torch ops to rounding, not bit for bit: "exact" keeps the torch ops.
     cpu_fusable = matmul != "exact" and device == "cpu" and compute == "float32"
@@ -99,7 +119,7 @@ def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matm
     ops = "cpu" if attention == "fused" else "triton" if attention == "triton" and matmul != "exact" else "torch"
     if graphs == "auto":
         graphs = "cuda" if device == "cuda" else "off"
-    return ExecutionPlan(device, compute, matmul, attention, ops, graphs)
+    return ExecutionPlan(device, compute, matmul, attention, ops, graphs, large, rows)
 
 
 def _matmul(device: str, dtype: str) -> str:
@@ -113,10 +133,9 @@ def _matmul(device: str, dtype: str) -> str:
 
 
 def _cpu_matmul() -> str:
-    """The CPU's default GEMM kind, by what this torch build has: fp16-weight GEMMs with FBGEMM (1.6-2x
-    packed fp32 for decode on this AVX2 CPU, greedy output still float32's on the tested prompts),
-    else oneDNN's packed fp32.  The seam for measuring: here the engine will time the candidates on
-    this machine, once, and cache the fastest."""
+    """The CPU's GEMM kind when nothing was measured (tune.py measures for an engine's model): fp16-weight
+    GEMMs with FBGEMM (1.6-2x packed fp32 for decode on an AVX2 CPU, greedy output still float32's on
+    the tested prompts), else oneDNN's packed fp32."""
     if "fbgemm" in torch.backends.quantized.supported_engines:
         return "fp16w"
     return "packed" if torch.backends.mkldnn.is_available() else "exact"

@@ -287,8 +287,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             block_size=runner.block_size,
             kv_blocks_total=runner.num_blocks,
             max_batch=self.engine.scheduler.config.max_running,
+            max_waiting=self.engine.max_waiting,
             plan=engine_pb2.ExecutionPlan(device=plan.device, dtype=plan.dtype, matmul=plan.matmul,
-                                          attention=plan.attention, ops=plan.ops, graphs=plan.graphs),
+                                          attention=plan.attention, ops=plan.ops, graphs=plan.graphs,
+                                          matmul_large=plan.matmul_large, split_rows=plan.split_rows),
         )
 
 

@@ -51,6 +51,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--rate-limit", default=os.environ.get("INFERMESH_RATE_LIMIT", ""),
                    help="requests per API key for native gRPC callers, e.g. 5/s (the edge's setting); "
                         "keys: INFERMESH_API_KEYS, admin keys: INFERMESH_ADMIN_KEYS")
+    p.add_argument("--max-queued", type=int, default=0,
+                   help="shed a replica (UNAVAILABLE + retry-after) once this many requests wait at it; "
+                        "0 (default): only when its queue is at the engine's own bound (its --max-waiting)")
     p.add_argument("--prefix-sharing", choices=("tenant", "global"), default="tenant",
                    help="tenant: a prompt's cached KV blocks serve only its own tenant (no caller learns "
                         "another's prompts from cache hits); global: every caller shares them (one tenant, "
@@ -91,7 +94,8 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                         p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise,
                         tls_dir=a.tls_dir, api_key_digests=load_keys(),
                         admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), rate_limit=rate_limit,
-                        auth_failure_limit=auth_failure_limit, prefix_sharing=a.prefix_sharing)
+                        auth_failure_limit=auth_failure_limit, prefix_sharing=a.prefix_sharing,
+                        max_queued=a.max_queued)
 
 
 async def serve(config: RouterConfig) -> None:

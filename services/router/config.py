@@ -34,6 +34,7 @@ class RouterConfig:
     unhealthy_after: int = 2               # health probes missed in a row before a replica is isolated
     fallbacks: tuple[tuple[str, str, float], ...] = ()   # (model, next model, confidence): level-3 chain
     p99_target_ms: float = 0.0             # a replica whose P99 time to first token exceeds it is opened; 0: off
+    max_queued: int = 0                    # shed a replica past this many queued; 0: at the engine's own bound
     prefix_sharing: str = "tenant"         # cached prompt blocks shared within a tenant, or "global": by all
     # Native gRPC callers (not the edge) meet the edge's rules (services/router/callers.py):
     api_key_digests: tuple[bytes, ...] = ()     # INFERMESH_API_KEYS; empty: no key asked
@@ -60,4 +61,5 @@ class RouterConfig:
         """The failover knobs these flags set (the rest keep FailoverConfig's defaults)."""
         p99_target_s = self.p99_target_ms / 1000 if self.p99_target_ms else None
         return FailoverConfig(fallbacks={m: (n, c) for m, n, c in self.fallbacks}, max_attempts=self.max_attempts,
+                              max_queued=self.max_queued or None,
                               replica=BreakerConfig(p99_target_s=p99_target_s))

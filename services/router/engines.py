@@ -24,6 +24,7 @@ class EngineInfo(NamedTuple):
     region: str
     max_context: int
     block_size: int
+    max_waiting: int = 0           # the engine's queue bound; 0: not reported
 
 
 def load_from_pb(report: common_pb2.LoadReport) -> LoadReport:
@@ -50,7 +51,8 @@ class Engines:
     async def info(self, address: str, timeout: float = 2.0) -> EngineInfo:
         """Raises grpc.aio.AioRpcError when the engine does not answer."""
         info = await self.stub(address).GetInfo(engine_pb2.EngineInfoRequest(), timeout=timeout)
-        return EngineInfo(info.model, info.model_version, info.region, info.max_context, info.block_size)
+        return EngineInfo(info.model, info.model_version, info.region, info.max_context, info.block_size,
+                          info.max_waiting)
 
     async def loads(self, address: str, interval_ms: int) -> AsyncIterator[LoadReport]:
         """The engine's load reports as it sends them (WatchLoad), until the stream fails

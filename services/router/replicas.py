@@ -36,6 +36,7 @@ class Replica:
     model_version: str = ""
     region: str = "local"
     max_context: int = 0
+    max_waiting: int = 0             # the engine's queue bound (GetInfo); 0: not reported
     healthy: bool = False
     in_flight: int = 0               # routed by this router and not finished: exact, never stale
     # The last LoadReport; kv_blocks_total == 0 means none has arrived yet.

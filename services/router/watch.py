@@ -89,6 +89,7 @@ class ReplicaWatch:
             else:
                 replica.model, replica.model_version = info.model, info.model_version
                 replica.region, replica.max_context = info.region, info.max_context
+                replica.max_waiting = info.max_waiting
                 self.table.block_size = info.block_size or self.table.block_size
         healthy = self.verdicts.judge(replica.replica_id, answered, replica.healthy)
         if healthy != replica.healthy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -150,12 +151,20 @@ def test_admission_names_the_limit(runner: ModelRunner) -> None:
         engine.add(engine.make_request("b", [1, 2], SamplingParams(max_tokens=1)))
 
 
-@pytest.mark.parametrize("matmul", ["packed", "fp16w"])
+@pytest.mark.parametrize("matmul", ["packed", "fp16w", "q4", "q4+fp16w"])
 def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) -> None:  # type: ignore[no-untyped-def]
     """The fast paths (auto on CPU) differ from transformers only slightly: greedy tokens
-    agree on these prompts and the logprobs are close."""
+    agree on these prompts and the logprobs are close.  q4 multiplies by the model's own weights
+    (its GGUF's 4-bit blocks, repacked losslessly): only the order of sums differs."""
     model, tokenizer = hf
-    fast = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul=matmul), kv_cache_bytes=64 << 20)
+    small, _, large = matmul.partition("+")
+    plan = decide(device="cpu", dtype="float32", matmul=small)
+    if large:                                   # q4 for up to 2 rows, fp16w above (prefill)
+        plan = dataclasses.replace(plan, matmul_large=large, split_rows=2)
+    fast = ModelRunner(model_dir, plan, kv_cache_bytes=64 << 20)
+    if small == "q4":
+        assert all(layer.down.lossless if not large else layer.down.small.lossless  # type: ignore[attr-defined]
+                   for layer in fast.model.layers)
     engine = Engine(fast)
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
@@ -166,7 +175,7 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
         assert tokens(outs) == ref.sequences[0, len(ids):].tolist()
         ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
         # fp16-rounded weights move logprobs by a few thousandths; oneDNN's fp32 by far less.
-        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < (1e-3 if matmul == "packed" else 1e-2)
+        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < (1e-3 if matmul in ("packed", "q4") else 1e-2)
 
 
 def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:

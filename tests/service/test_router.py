@@ -95,7 +95,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     async def GetInfo(self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
                       ) -> engine_pb2.EngineInfo:
         return engine_pb2.EngineInfo(replica_id=self.replica_id, model=MODEL, model_version=VERSION,
-                                     region="local", max_context=512, block_size=4)
+                                     region="local", max_context=512, block_size=4, max_waiting=32)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> engine_pb2.AbortResponse:
@@ -349,7 +349,7 @@ def test_sessions_merge_the_stored_history_and_store_the_turn() -> None:
 
 def test_saturated_replicas_shed_with_unavailable_and_retry_after() -> None:
     async def scenario() -> None:
-        async with running(waiting=40) as mesh:             # over FailoverConfig.max_queued (32)
+        async with running(waiting=40) as mesh:             # over the engines' own bound (max_waiting 32)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(mesh, chat(("user", "hi")))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE

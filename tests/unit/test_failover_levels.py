@@ -114,6 +114,18 @@ def test_a_replica_with_a_long_engine_queue_is_saturated() -> None:
     assert ids(failover(max_queued=None).plan(FULL, pool, 0.0).candidates) == ["a", "b"]
 
 
+def test_by_default_a_replica_is_saturated_only_at_the_engines_own_bound() -> None:
+    f = failover()                                   # max_queued None: the engine's max_waiting decides
+    full, room, unknown = rep("a", waiting=256), rep("b", waiting=255), rep("c", waiting=5000)
+    full.max_waiting = room.max_waiting = 256
+    assert f.refusal(full, 0.0) == "saturated" and f.refusal(room, 0.0) == ""
+    assert f.refusal(unknown, 0.0) == ""             # an engine that reports no bound is never shed here
+    # 64 streams on a 64-row batch plus a few queued: nowhere near shedding (a7f9686 shed past 32 queued)
+    busy = rep("d", waiting=40)
+    busy.max_waiting = 256
+    assert f.refusal(busy, 0.0) == ""
+
+
 def test_the_requests_failed_replicas_are_excluded() -> None:
     f = failover()
     pool = [rep("a"), rep("b"), rep("c")]

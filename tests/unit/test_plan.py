@@ -76,5 +76,22 @@ def test_every_name_has_its_implementation() -> None:
 def test_labels_name_every_field() -> None:
     p = decide(device="cuda")
     assert p.labels() == {"device": "cuda", "dtype": "bfloat16", "matmul": "fused", "attention": "triton",
-                          "ops": "triton", "graphs": "cuda"}
+                          "ops": "triton", "graphs": "cuda", "matmul_large": "", "split_rows": "0"}
     assert str(p) == "cuda bfloat16, fused matmuls, triton decode attention, triton ops, graphs cuda"
+
+
+def test_a_measured_choice_becomes_the_cpu_plan() -> None:
+    from services.engine.tune import Tuned, choose
+
+    table = {"q4": [5.0, 20.0, 60.0, 200.0], "fp16w": [30.0, 35.0, 50.0, 120.0], "packed": [40.0, 45.0, 70.0, 150.0]}
+    tuned = choose(table)
+    assert (tuned.small, tuned.large, tuned.rows) == ("q4", "fp16w", 4)
+    assert choose({"fp16w": [1.0, 2.0, 3.0, 4.0], "q4": [2.0, 3.0, 4.0, 5.0]}) == \
+        Tuned("fp16w", "", 0, {"fp16w": [1.0, 2.0, 3.0, 4.0], "q4": [2.0, 3.0, 4.0, 5.0]})
+    if cpu_ops.load():
+        p = decide(device="cpu", tuned=tuned)
+        assert (p.matmul, p.matmul_large, p.split_rows) == ("q4", "fp16w", 4)
+        assert "q4 matmuls up to 4 rows, fp16w above" in str(p)
+    assert decide(device="cpu", dtype="float32", tuned=tuned).matmul == "exact"   # the exact mode stays exact
+    with pytest.raises(ValueError, match="q4 matmuls run float32 on the CPU only"):
+        ExecutionPlan("cuda", "bfloat16", "q4", "triton", "triton", "off")

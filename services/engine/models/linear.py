@@ -5,14 +5,23 @@
 - `packed`: oneDNN fp32 with the weight reordered once (the CPU default without FBGEMM).
 - `fp16w` (the CPU default with FBGEMM): fp16-stored weights, fp32 activations and accumulation.
 - `int8`: --dtype int8, weight-only int8 with dynamic int8 activations (a quantized model).
+- `q4`: weights in 4-bit blocks (kernels/quant.py, the CPU library's q4_linear), the output head in
+  8-bit blocks, only where that packing is lossless (a model converted from a GGUF's Q4_1 / Q8_0
+  tensors, as the default model is): the model's own weights in a third of fp16's bytes, for the
+  memory-bound decode of a few rows.  A tensor that would change falls back to `fp16w` (the head
+  to `packed`), so the model is never quantized further by it.
+- `q4+<kind>` (ExecutionPlan.matmul_large): `q4` up to a number of rows, `<kind>` above it.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels import quant
 
 
 class Linear:
@@ -82,13 +91,72 @@ class Int8Linear(Linear):
         return torch.ops.quantized.linear_dynamic(x, self.weight, True)
 
 
+class BlockLinear(Linear):
+    """Weights in 32-weight blocks multiplied by the CPU library (kernels/cpu_gemm.cpp), when packing
+    them is lossless; else `fallback`'s kind, so the weights stay the model's own."""
+
+    PACK: Callable[[torch.Tensor], quant.Packed] = staticmethod(quant.pack_q4)
+    OP = "q4_linear"
+    FALLBACK: type[Linear] = Fp16WeightLinear
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        packed = type(self).PACK(weight) if weight.shape[1] % quant.BLOCK == 0 else None
+        self.fallback = None if packed is not None and packed.lossless else self.FALLBACK(weight, bias)
+        super().__init__(packed.data if packed is not None and self.fallback is None else weight.new_empty(0), bias)
+        self.out_features = weight.shape[0]
+        self._op = getattr(torch.ops.infermesh, self.OP)
+
+    @property
+    def lossless(self) -> bool:
+        return self.fallback is None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None:
+            return self.fallback(x)
+        y = self._op(x.float().contiguous(), self.weight, self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Q4Linear(BlockLinear):
+    """4-bit blocks (d * q + m), fp16w where that would change the weights."""
+
+
+class Q8Linear(BlockLinear):
+    """8-bit blocks (d * q), the output head's kind beside q4; packed fp32 where that would change it."""
+
+    PACK = staticmethod(quant.pack_q8)
+    OP = "q8_linear"
+    FALLBACK = PackedLinear
+
+
+class SplitLinear(Linear):
+    """One kind up to `rows` rows, another above (ExecutionPlan.split_rows): both hold the weights."""
+
+    def __init__(self, small: Linear, large: Linear, rows: int):
+        super().__init__(small.weight, None)
+        self.small, self.large, self.rows = small, large, rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.small if x.shape[0] <= self.rows else self.large)(x)
+
+
 LINEARS: dict[str, type[Linear]] = {"exact": Linear, "fused": FusedLinear, "packed": PackedLinear,
-                                    "fp16w": Fp16WeightLinear, "int8": Int8Linear}
+                                    "fp16w": Fp16WeightLinear, "int8": Int8Linear, "q4": Q4Linear}
+
+
+def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Callable[[torch.Tensor, torch.Tensor | None], Linear]:
+    """The layers' Linear for a plan: `matmul`, or up to `rows` rows `matmul` and above them `large`."""
+    if not large or large == matmul:
+        return LINEARS[matmul]
+    return lambda w, b: SplitLinear(LINEARS[matmul](w, b), LINEARS[large](w, b), rows)
 
 
 def head_kind(matmul: str) -> type[Linear]:
     """The output head's Linear: fp32 even in the fp16-weight mode, so logits (and so sampling and
-    logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax."""
+    logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax; 8-bit blocks
+    beside q4 (lossless only: else packed fp32)."""
+    if matmul == "q4":
+        return Q8Linear
     return PackedLinear if matmul == "fp16w" else LINEARS[matmul]
 
 
@@ -102,7 +170,8 @@ class Concat:
     Exact mode keeps transformers' separate GEMMs (so each output is bit-identical) and
     concatenates; the other kinds fuse the weights into one GEMM, which saves a call per part."""
 
-    def __init__(self, kind: type[Linear], weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+    def __init__(self, kind: Callable[[torch.Tensor, torch.Tensor | None], Linear], weights: list[torch.Tensor],
+                 biases: list[torch.Tensor | None]):
         if kind is not Linear:
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)])

@@ -22,7 +22,7 @@ import torch
 
 from services.engine.models import ops as op_sets
 from services.engine.models.attention import Attention, AttentionMetadata
-from services.engine.models.linear import LINEARS, Concat, Int8Linear, Linear, has_fbgemm, head_kind
+from services.engine.models.linear import BlockLinear, Concat, Int8Linear, Linear, has_fbgemm, head_kind, linear_kind
 from services.engine.plan import ExecutionPlan
 
 
@@ -89,7 +89,7 @@ class LlamaModel:
         self.plan = plan
         dtype, device = plan.torch_dtype, torch.device(plan.device)
         self.dtype = dtype
-        linear = LINEARS[plan.matmul]
+        linear = linear_kind(plan.matmul, plan.matmul_large, plan.split_rows)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -116,8 +116,10 @@ class LlamaModel:
         head = self.embed if tied else w("lm_head.weight")                           # (V, H)
         self.lm_head = head_kind(plan.matmul)(head, None)
         # Greedy shortcut (fast modes on the CPU): an int8 copy of the head ranks the vocabulary,
-        # then the top candidates are rescored exactly in fp32.  See greedy().
-        cpu_fast = plan.matmul != "exact" and plan.device == "cpu"
+        # then the top candidates are rescored exactly in fp32.  See greedy().  Not needed when the
+        # head is the model's own 8-bit blocks: its full product reads no more than the copy would.
+        exact_blocks = isinstance(self.lm_head, BlockLinear) and self.lm_head.lossless
+        cpu_fast = plan.matmul != "exact" and plan.device == "cpu" and not exact_blocks
         self.head_weight = head if cpu_fast else None
         self.approx_head = Int8Linear(head, None) if cpu_fast and has_fbgemm() else None
         # RoPE tables as transformers builds them: float32 inverse frequencies times positions.

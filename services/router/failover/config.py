@@ -52,9 +52,11 @@ class FailoverConfig:
     retry_ratio: float = 0.2
     retry_min_per_s: float = 1.0
     retry_window_s: float = 10.0
-    # A replica is saturated, and not admitted, while Replica.queued exceeds this (None: never).
-    # Far above the affinity policies' max_queued (4): that one steers, this one sheds.
-    max_queued: int | None = 32
+    # A replica is saturated, and not admitted, while Replica.queued exceeds this; None (the default):
+    # while its queue is at the engine's own bound (GetInfo max_waiting, the engine's --max-waiting),
+    # so the router sheds only what the engine would refuse.  Far above the affinity policies'
+    # max_queued (4): that one steers, this one sheds.
+    max_queued: int | None = None
     # Saturated.retry_after_s: the soonest recovery in whole seconds, clamped to this range.
     retry_after_min_s: int = 1
     retry_after_max_s: int = 30

@@ -5,7 +5,7 @@
         that passes after the isolation, and when its breaker allows.
     L2  a replica whose breaker is open is not admitted (its requests are retried elsewhere,
         call.py), nor is one whose breaker is half-open with every probe out, nor one whose
-        engine queue is over `max_queued` (saturated).
+        engine queue is at its bound (the engine's max_waiting, or `max_queued`): saturated.
     L3  when the requested model's breaker refuses, or none of its replicas is admitted, the
         request goes to the next model of its fallback chain that has one: degraded, with
         the chain's confidence.  When no model of the chain has one: Saturated, with a
@@ -124,11 +124,16 @@ class Failover:
         breaker = self._replicas.get(replica.replica_id)
         if breaker is not None and not breaker.allows(now):
             return OPEN if breaker.state(now) is BreakerState.OPEN else PROBING
-        if self.config.max_queued is not None and replica.queued > self.config.max_queued:
+        if self._saturated(replica):
             return SATURATED
         if replica.replica_id in exclude:
             return EXCLUDED
         return ""
+
+    def _saturated(self, replica: Replica) -> bool:
+        if self.config.max_queued is not None:
+            return replica.queued > self.config.max_queued
+        return replica.max_waiting > 0 and replica.queued >= replica.max_waiting
 
     # -- L3: the plan ------------------------------------------------------------------
     def plan(self, model: str, replicas: Sequence[Replica], now: float, exclude: Collection[str] = frozenset(),

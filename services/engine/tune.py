@@ -1,0 +1,160 @@
+"""Which GEMM kind is fastest on this CPU for this model, at each batch size: measured, not assumed.
+
+The machines an engine lands on differ (an AVX2-only EPYC multiplies bf16 slowly; a Xeon with AMX
+fast; a q4 kernel wins wherever decode is memory-bound), so the execution plan's CPU matmul kinds
+come from timing the candidates here: each multiplies activations of 1, 4, 16 and 64 rows by
+weights of the model's own shapes (8 layers' worth, so they stream from memory as in a real step),
+and the fastest at 1 row serves small batches, the fastest at 64 rows large ones, split where the
+small one stops winning.  The answer is cached per CPU, torch version, kernel source and model shape
+under $INFERMESH_HOME/plans/, so only the first start on a machine pays the few seconds.
+`infermesh tune [MODEL]` measures ahead of time (and prints the table).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_ops
+from mesh.files import write_atomic
+from mesh.models import home
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 4, 16, 64)
+LAYERS = 8              # distinct weights timed: enough that they stream from memory, not cache
+VERSION = 1             # bump when the candidates or the method change: old answers are then ignored
+
+
+@dataclass(frozen=True)
+class Tuned:
+    small: str                      # the kind for up to `rows` rows
+    large: str                      # above them ("" or equal to small: one kind)
+    rows: int
+    ms: dict[str, list[float]]      # kind -> ms per model step (all layers' GEMMs) at ROWS
+
+
+def candidates() -> list[str]:
+    """The CPU kinds this build can run (models/linear.py names), the exact one aside."""
+    kinds = []
+    if cpu_ops.load():
+        kinds.append("q4")
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        kinds.append("fp16w")
+    if torch.backends.mkldnn.is_available():
+        kinds.append("packed")
+    return kinds
+
+
+def shapes(folder: Path) -> tuple[int, list[tuple[int, int]]]:
+    """(layers, the (out, in) of one layer's four GEMMs: q/k/v, o, gate/up, down)."""
+    c = json.loads((folder / "config.json").read_text())
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    d = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads", heads)
+    inter = c["intermediate_size"]
+    return c["num_hidden_layers"], [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_file(layers: int, gemms: list[tuple[int, int]], kinds: list[str]) -> Path:
+    key = hashlib.sha256(json.dumps([VERSION, _cpu_name(), sorted(_flags()), torch.__version__,
+                                     torch.get_num_threads(), layers, gemms, kinds,
+                                     [hashlib.sha256(p.read_bytes()).hexdigest() for p in cpu_ops.SOURCES]]
+                                    ).encode()).hexdigest()[:16]
+    return home() / "plans" / f"{key}.json"
+
+
+def _flags() -> set[str]:
+    return {f for f in cpu_ops._cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))}
+
+
+def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: int = 3) -> dict[str, list[float]]:
+    """ms per model step of each kind at ROWS, from LAYERS layers of random weights scaled up."""
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in gemms] for _ in range(min(layers, LAYERS))]
+    table: dict[str, list[float]] = {}
+    for kind in kinds:
+        calls = [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
+        table[kind] = [_time(calls, rows, reps) * layers / len(weights) for rows in ROWS]
+    return table
+
+
+def _multiply(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x W^T by `kind`.  q4 times its kernel on the blocks even where packing is lossy (random
+    weights are), which the model's Q4Linear would not use."""
+    from services.engine.models.linear import LINEARS
+
+    if kind != "q4":
+        return LINEARS[kind](weight, None)
+    from kernels import quant
+
+    packed = quant.pack_q4(weight)
+    return lambda x: torch.ops.infermesh.q4_linear(x, packed.data, packed.out_features)
+
+
+def _time(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], rows: int, reps: int) -> float:
+    xs = {k: torch.randn(rows, k) for _, k in calls}
+    best = float("inf")
+    for rep in range(reps + 1):                       # the first warms packing caches and the thread pool
+        started = time.perf_counter()
+        for multiply, k in calls:
+            multiply(xs[k])
+        if rep:
+            best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def choose(table: dict[str, list[float]]) -> Tuned:
+    """The fastest kind at 1 row for small batches, at 64 rows for large ones; the split is the
+    largest measured row count where the small kind is still at least as fast as the large one."""
+    small = min(table, key=lambda k: table[k][0])
+    large = min(table, key=lambda k: table[k][-1])
+    rows = max((r for i, r in enumerate(ROWS) if table[small][i] <= table[large][i]), default=0)
+    if large == small or rows >= ROWS[-1]:
+        return Tuned(small, "", 0, table)
+    return Tuned(small, large, rows, table)
+
+
+def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
+    """The measured choice for the model at `folder` on this CPU (cached), or None without candidates."""
+    kinds = candidates()
+    if not kinds:
+        return None
+    layers, gemms = shapes(folder)
+    cache = _cache_file(layers, gemms, kinds)
+    if use_cache and cache.exists():
+        try:
+            return Tuned(**json.loads(cache.read_text()))
+        except (ValueError, TypeError):
+            log.warning("ignoring an unreadable tuning cache %s", cache)
+    started = time.monotonic()
+    tuned = choose(measure(layers, gemms, kinds))
+    log.info("tuned the CPU matmuls in %.1f s: %s", time.monotonic() - started, describe(tuned))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(cache, json.dumps(asdict(tuned), indent=1).encode())
+    return tuned
+
+
+def describe(tuned: Tuned) -> str:
+    head = f"{tuned.small}" + (f" up to {tuned.rows} rows, {tuned.large} above" if tuned.large else " at every size")
+    cells = "; ".join(f"{k} " + "/".join(f"{ms:.1f}" for ms in v) for k, v in tuned.ms.items())
+    return f"{head} (ms per step at {'/'.join(map(str, ROWS))} rows: {cells})"
