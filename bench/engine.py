@@ -123,9 +123,10 @@ async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: i
     request that fails is counted, not fatal: refusing streams under load is what is measured."""
     url = f"{base}/v1/chat/completions"
     limits = httpx.Limits(max_connections=len(chats) + 2, max_keepalive_connections=len(chats) + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
-        if warm_up:
+    if warm_up:                 # on a connection of its own: a server may close it while idle
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30)) as client:
             await stream_one(client, url, model, [{"role": "user", "content": "Warm up: say hello."}], 8, 0.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*(stream_one(client, url, model, c, out, t0) for c in chats),
                                         return_exceptions=True)

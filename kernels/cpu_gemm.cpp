@@ -28,6 +28,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -159,6 +160,81 @@ inline void dot_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t nb, 
 #endif
 }
 
+#if defined(__AVX512F__)
+// Batches above kRows: each group of 4 output features is dequantized once into `buf` (block by block,
+// 4 x 32 floats per block, L1-resident), then every 4-row tile of x multiplies it with 16 accumulators
+// in registers: 32 FMAs per 16 loads, so the product runs at the FMA units' rate.
+template <bool Q4>
+inline void dequantize_block(const uint8_t* w, float* out) {
+  const __m512 d = _mm512_set1_ps(half_to_float(w));
+  if constexpr (Q4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m512 m = _mm512_set1_ps(half_to_float(w + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low))), d, m));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_and_si128(_mm_srli_epi16(q, 4), low))), d, m));
+  } else {
+    for (int h = 0; h < 2; ++h)
+      _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(w + 2 + 16 * h)))), d));
+  }
+}
+
+// out[r * ldo + c] = x[r] . buf's column c, for R rows and C columns; buf holds nb blocks of C x 32.
+template <int R, int C>
+inline void tile(const float* x, int64_t ldx, const float* buf, int64_t nb, float* out, int64_t ldo) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* wb = buf + b * 4 * kBlock;
+    __m512 w0[C], w1[C];
+    for (int c = 0; c < C; ++c) {
+      w0[c] = _mm512_loadu_ps(wb + c * kBlock);
+      w1[c] = _mm512_loadu_ps(wb + c * kBlock + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(x + r * ldx + b * kBlock), x1 = _mm512_loadu_ps(x + r * ldx + b * kBlock + 16);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(x1, w1[c], _mm512_fmadd_ps(x0, w0[c], acc[r][c]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int C>
+inline void column_group(const float* x, int64_t t, int64_t k, const float* buf, int64_t nb, float* out, int64_t n) {
+  int64_t r = 0;
+  for (; r + 4 <= t; r += 4) tile<4, C>(x + r * k, k, buf, nb, out + r * n, n);
+  switch (t - r) {
+    case 3: tile<3, C>(x + r * k, k, buf, nb, out + r * n, n); break;
+    case 2: tile<2, C>(x + r * k, k, buf, nb, out + r * n, n); break;
+    case 1: tile<1, C>(x + r * k, k, buf, nb, out + r * n, n); break;
+    default: break;
+  }
+}
+
+template <bool Q4>
+void batched(const float* x, int64_t t, int64_t k, const uint8_t* w, int64_t begin, int64_t end, float* out,
+             int64_t n) {
+  const int64_t nb = k / kBlock, bytes = Q4 ? kQ4Bytes : kQ8Bytes;
+  std::vector<float> buf(static_cast<size_t>(nb * 4 * kBlock));
+  for (int64_t j = begin; j < end; j += 4) {
+    const int64_t cols = std::min<int64_t>(4, end - j);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t c = 0; c < cols; ++c)
+        dequantize_block<Q4>(w + (j + c) * nb * bytes + b * bytes, buf.data() + b * 4 * kBlock + c * kBlock);
+    switch (cols) {
+      case 4: column_group<4>(x, t, k, buf.data(), nb, out + j, n); break;
+      case 3: column_group<3>(x, t, k, buf.data(), nb, out + j, n); break;
+      case 2: column_group<2>(x, t, k, buf.data(), nb, out + j, n); break;
+      default: column_group<1>(x, t, k, buf.data(), nb, out + j, n); break;
+    }
+  }
+}
+#endif
+
 template <bool Q4>
 Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t n, const char* op) {
   check_float(x, op, "x", 2);
@@ -178,6 +254,12 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t n, const char
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   const int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
   torch::stable::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if (t > kRows) {
+      batched<Q4>(xp, t, k, wp, begin, end, op_, n);
+      return;
+    }
+#endif
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* wj = wp + j * nb * bytes;
       int64_t r = 0;

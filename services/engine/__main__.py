@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -74,15 +76,14 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
 
 
 async def serve(config: EngineConfig) -> None:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    execution = plan.for_config(config)
-    log.info("engine %s runs %s", config.replica_id, execution)
-    runner = ModelRunner(config.model_path, execution, kv_cache_bytes=config.kv_cache_mb << 20,
-                         block_size=config.block_size, max_batch=config.max_running)
+    # One thread runs every parallel torch region of this process: tuning, loading and every step.
+    # OpenMP keeps a worker team per thread that starts parallel work, and a second team (the model
+    # loaded here, stepped there) made decode steps ~2x slower on 2 cores: the teams compete.
+    step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+    runner = await asyncio.get_running_loop().run_in_executor(step_thread, load, config)
     remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
-    servicer = EngineServicer(Engine(runner, config.max_waiting, limits, outbox), config, remote)
+    servicer = EngineServicer(Engine(runner, config.max_waiting, limits, outbox), config, remote, step_thread)
     service = Service("meshpb.v1.Engine", config.host, config.port)
     add_to(service, servicer)
     servicer.start()
@@ -92,6 +93,16 @@ async def serve(config: EngineConfig) -> None:
     await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
                      on_stop=servicer.close, model=config.model, model_version=config.model_version,
                      region=config.region)
+
+
+def load(config: EngineConfig) -> ModelRunner:
+    """The plan (measured on this machine, tune.py) and the model, on the engine's step thread."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    execution = plan.for_config(config)
+    log.info("engine %s runs %s", config.replica_id, execution)
+    return ModelRunner(config.model_path, execution, kv_cache_bytes=config.kv_cache_mb << 20,
+                       block_size=config.block_size, max_batch=config.max_running)
 
 
 def shared_cache(config: EngineConfig, runner: ModelRunner) -> tuple[RemoteCache | None, Outbox | None]:

@@ -33,7 +33,7 @@ from kernels import cpu_ops
 from services.engine import tune
 from services.engine.config import GRAPHS, EngineConfig
 
-MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4")
+MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4", "bf16w")
 ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
 OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
 
@@ -60,8 +60,8 @@ class ExecutionPlan:
             raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
         if self.matmul_large and (self.matmul_large not in MATMULS or self.split_rows < 1):
             raise ValueError(f"matmul_large {self.matmul_large!r} needs a kind of {MATMULS} and split_rows >= 1")
-        if "q4" in (self.matmul, self.matmul_large) and (self.device, self.dtype) != ("cpu", "float32"):
-            raise ValueError("q4 matmuls run float32 on the CPU only")
+        if {"q4", "bf16w"} & {self.matmul, self.matmul_large} and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError("q4 and bf16w matmuls run in a float32 model on the CPU only")
         if (self.attention == "fused" or self.ops == "cpu") and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError("the fused CPU ops run float32 on the CPU only")
 

@@ -69,7 +69,8 @@ def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: Engine, config: EngineConfig, remote: RemoteCache | None = None):
+    def __init__(self, engine: Engine, config: EngineConfig, remote: RemoteCache | None = None,
+                 step_thread: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.config = config
         self.remote = remote
@@ -79,9 +80,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        # Always the same thread: OpenMP keeps its worker team per calling thread, and a
-        # step landing on a different pool thread each time pays for a new team.
-        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # Always the same thread, the one that loaded the model (services/engine/__main__.py): OpenMP
+        # keeps a worker team per thread that starts parallel work, and two teams compete for the cores.
+        self._step_thread = step_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
         self.metrics = metrics.ReplicaMetrics(config.replica_id)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ROWS = (1, 4, 16, 64)
 LAYERS = 8              # distinct weights timed: enough that they stream from memory, not cache
-VERSION = 1             # bump when the candidates or the method change: old answers are then ignored
+VERSION = 2             # bump when the candidates or the method change: old answers are then ignored
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ def candidates() -> list[str]:
         kinds.append("fp16w")
     if torch.backends.mkldnn.is_available():
         kinds.append("packed")
+        from services.engine.models.linear import native_bf16
+
+        if native_bf16():             # bf16 only where the CPU multiplies it natively (the quality bar)
+            kinds.append("bf16w")
     return kinds
 
 

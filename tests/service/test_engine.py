@@ -11,6 +11,7 @@ import torch
 from mesh.errors import InvalidArgument, ResourceExhausted
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
+from services.engine.models.linear import native_bf16
 from services.engine.plan import decide
 from services.engine.request import FinishReason, SamplingParams, StepOutput
 from services.engine.scheduler import SchedulerConfig
@@ -255,3 +256,22 @@ def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRu
         got = [lp.logprob for o in outs for lp in o.logprobs]
         want = [lp.logprob for o in unfused[rid] for lp in o.logprobs]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="oneDNN multiplies bf16 natively only with AVX512-BF16 or AMX")
+def test_bf16_weight_gemms_stay_within_bf16s_error(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """bf16w (a candidate for `auto` on CPUs that multiply bf16 natively) rounds weights and inputs
+    of the GEMMs to bf16: its first token's logprob is within bf16's error of transformers' float32,
+    and the first greedy tokens agree (bench/quality.py measures 16 prompts x 128 tokens)."""
+    model, tokenizer = hf
+    engine = Engine(ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="bf16w"),
+                                kv_cache_bytes=64 << 20))
+    for prompt in PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        outs = run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=4, logprobs=True)))["p"]
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        assert tokens(outs)[0] == int(ref.sequences[0, len(ids)])
+        ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
+        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < 0.1

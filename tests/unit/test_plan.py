@@ -93,5 +93,5 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
         assert (p.matmul, p.matmul_large, p.split_rows) == ("q4", "fp16w", 4)
         assert "q4 matmuls up to 4 rows, fp16w above" in str(p)
     assert decide(device="cpu", dtype="float32", tuned=tuned).matmul == "exact"   # the exact mode stays exact
-    with pytest.raises(ValueError, match="q4 matmuls run float32 on the CPU only"):
+    with pytest.raises(ValueError, match="q4 and bf16w matmuls run in a float32 model on the CPU only"):
         ExecutionPlan("cuda", "bfloat16", "q4", "triton", "triton", "off")
