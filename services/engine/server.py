@@ -79,6 +79,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._publisher: asyncio.Task[None] | None = None
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._wakeup = asyncio.Event()
+        self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
         # Always the same thread, the one that loaded the model (services/engine/__main__.py): OpenMP
         # keeps a worker team per thread that starts parallel work, and two teams compete for the cores.
@@ -96,6 +97,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self._publisher = asyncio.create_task(self.remote.run_publisher(self.engine.outbox, self._publish_wakeup))
 
     async def close(self) -> None:
+        self._stopping = True
         for task in (self._loop_task, self._publisher):
             if task is not None:
                 task.cancel()
@@ -105,25 +107,34 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await self.remote.close()
 
     async def _run_loop(self) -> None:
-        while True:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
             await self._wakeup.wait()
-            self._wakeup.clear()
-            while self.engine.has_work():
-                try:
-                    outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, self.engine.step)
-                except Exception:
-                    # A model failure must not kill the loop: fail the requests in flight, keep serving.
-                    log.exception("engine step failed")
-                    outputs = self.engine.fail_all()
-                now = time.monotonic()
-                self._observe_step()
-                if self.engine.outbox:
-                    self._publish_wakeup.set()
-                for out in outputs:
-                    self._tokens.append((now, len(out.new_ids)))
-                    queue = self.queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+            self._wakeup.clear()              # a request added from here on sets it again
+            if self.engine.has_work():
+                await loop.run_in_executor(self._step_thread, self._steps, loop)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the step thread: step while there is work, handing each step's outputs to the event loop
+        without waiting for it, so the next step starts at once (the loop sends the tokens meanwhile)."""
+        while self.engine.has_work() and not self._stopping:
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                # A model failure must not kill the loop: fail the requests in flight, keep serving.
+                log.exception("engine step failed")
+                outputs = self.engine.fail_all()
+            loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
+
+    def _deliver(self, outputs: list[StepOutput], now: float) -> None:
+        self._observe_step()
+        if self.engine.outbox:
+            self._publish_wakeup.set()
+        for out in outputs:
+            self._tokens.append((now, len(out.new_ids)))
+            queue = self.queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     def _observe_step(self) -> None:
         engine, blocks, stats = self.engine, self.engine.blocks, self.engine.stats
