@@ -99,8 +99,10 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),
     _m("infermesh_engine_generated_tokens_total", "counter", "engine", "replica",
        "Tokens generated; rate() gives tokens/s"),
-    _m("infermesh_engine_plan_info", "gauge", "engine", "replica device dtype matmul attention ops graphs",
-       "Always 1: the replica's execution plan (device, dtype, matmul kind, kernels, graph mode) as labels"),
+    _m("infermesh_engine_plan_info", "gauge", "engine",
+       "replica device dtype matmul attention ops graphs matmul_large split_rows",
+       "Always 1: the replica's execution plan (device, dtype, matmul kinds and the rows they split at, "
+       "kernels, graph mode) as labels"),
     # -- cache -----------------------------------------------------------------------------
     _m("infermesh_cache_session_lookups_total", "counter", "cache", "result", "Session lookups: hit or miss"),
     _m("infermesh_cache_sessions", "gauge", "cache", "", "Live session contexts held"),

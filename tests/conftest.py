@@ -1,12 +1,40 @@
-"""Shared fixtures: the default model's folder (pulled by `make setup`)."""
+"""Shared fixtures: the default model's folder (pulled by `make setup`); and, as root, the meshes'
+fixed gRPC ports kept out of Linux's ephemeral range for the session."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from mesh import models
+
+# The end-to-end meshes listen on 50051 + offset (offsets up to ~1,900): inside Linux's ephemeral
+# range (32768-60999), so any outgoing connection that happens to take one of them as its local
+# port makes a later mesh fail to bind it ("Address already in use").
+MESH_PORTS = (50000, 51999)
+RESERVED = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    reserve_mesh_ports()
+
+
+def reserve_mesh_ports() -> None:
+    """As root, add MESH_PORTS to net.ipv4.ip_local_reserved_ports (they are then never handed out
+    as ephemeral ports; listening on them explicitly still works).  Without root, leave it."""
+    low, high = MESH_PORTS
+    try:
+        current = RESERVED.read_text().strip()
+    except OSError:
+        return
+    if f"{low}-{high}" in current.split(",") or os.geteuid() != 0:
+        return
+    try:
+        RESERVED.write_text(",".join(filter(None, [current, f"{low}-{high}"])) + "\n")
+    except OSError:
+        pass                       # a read-only /proc/sys (some containers): the tests run as before
 
 
 @pytest.fixture(scope="session")

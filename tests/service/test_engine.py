@@ -223,6 +223,20 @@ def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # typ
         assert tokens(outs) == ref
 
 
+def test_q4_plans_rank_greedy_rows_only_above_their_split(model_dir: Path) -> None:
+    """With the head in the model's own 8-bit blocks, small batches take its full product; above the
+    plan's split the int8 ranking (rescored in fp32) picks the same tokens as the full argmax."""
+    plan = dataclasses.replace(decide(device="cpu", dtype="float32", matmul="q4"), matmul_large="fp16w",
+                               split_rows=4)
+    fast = ModelRunner(model_dir, plan, kv_cache_bytes=64 << 20)
+    hidden = torch.randn(64, fast.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert fast.model.greedy(hidden[:4]) is None
+    shortcut = fast.model.greedy(hidden)
+    assert shortcut is not None and torch.equal(shortcut, fast.model.logits(hidden).argmax(dim=-1))
+    alone = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="q4"), kv_cache_bytes=64 << 20)
+    assert alone.model.greedy(hidden) is None                  # one kind at every size: the blocks always
+
+
 def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
     """The fast modes' fused CPU ops (kernels/cpu_ops.cpp) give the tokens the same mode gives with
     the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks

@@ -116,12 +116,14 @@ class LlamaModel:
         head = self.embed if tied else w("lm_head.weight")                           # (V, H)
         self.lm_head = head_kind(plan.matmul)(head, None)
         # Greedy shortcut (fast modes on the CPU): an int8 copy of the head ranks the vocabulary,
-        # then the top candidates are rescored exactly in fp32.  See greedy().  Not needed when the
-        # head is the model's own 8-bit blocks: its full product reads no more than the copy would.
+        # then the top candidates are rescored exactly in fp32.  See greedy().  With the head in the
+        # model's own 8-bit blocks, only for batches above the plan's split: up to it the blocks'
+        # full product reads no more than the copy would.
         exact_blocks = isinstance(self.lm_head, BlockLinear) and self.lm_head.lossless
-        cpu_fast = plan.matmul != "exact" and plan.device == "cpu" and not exact_blocks
+        cpu_fast = plan.matmul != "exact" and plan.device == "cpu" and (not exact_blocks or bool(plan.matmul_large))
         self.head_weight = head if cpu_fast else None
         self.approx_head = Int8Linear(head, None) if cpu_fast and has_fbgemm() else None
+        self.greedy_min_rows = plan.split_rows + 1 if exact_blocks else 1
         # RoPE tables as transformers builds them: float32 inverse frequencies times positions.
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -174,7 +176,7 @@ class LlamaModel:
         The int8 head is within a small error of the fp32 logits, so the true argmax is among
         its top 64 unless 64 tokens tie within that error; the candidates are rescored in fp32
         and, sorted by id, ties resolve to the lowest id exactly as a full argmax does."""
-        if self.approx_head is None or self.head_weight is None:
+        if self.approx_head is None or self.head_weight is None or hidden.shape[0] < self.greedy_min_rows:
             return None
         approx = self.approx_head(hidden.float())                                   # (S, V)
         candidates = approx.topk(self.GREEDY_CANDIDATES, dim=-1).indices.sort(dim=-1).values  # (S, K)
