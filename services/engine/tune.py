@@ -97,8 +97,13 @@ def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: i
     weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in gemms] for _ in range(min(layers, LAYERS))]
     table: dict[str, list[float]] = {}
     for kind in kinds:
-        calls = [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
-        table[kind] = [_time(calls, rows, reps) * layers / len(weights) for rows in ROWS]
+        if kind == "q4" and any(k % 32 for _, k in gemms):
+            continue                                  # no 32-weight blocks along these inputs
+        try:
+            calls = [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
+            table[kind] = [_time(calls, rows, reps) * layers / len(weights) for rows in ROWS]
+        except (RuntimeError, ValueError) as exc:      # a kind this build or shape cannot run: not a candidate
+            log.warning("matmul kind %s left out of tuning: %s", kind, exc)
     return table
 
 
@@ -143,7 +148,11 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
     kinds = candidates()
     if not kinds:
         return None
-    layers, gemms = shapes(folder)
+    try:
+        layers, gemms = shapes(folder)
+    except (OSError, KeyError, ValueError) as exc:
+        log.warning("cannot read the model's shapes to tune for (%s): the unmeasured default plan", exc)
+        return None
     cache = _cache_file(layers, gemms, kinds)
     if use_cache and cache.exists():
         try:
@@ -151,7 +160,10 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
         except (ValueError, TypeError):
             log.warning("ignoring an unreadable tuning cache %s", cache)
     started = time.monotonic()
-    tuned = choose(measure(layers, gemms, kinds))
+    table = measure(layers, gemms, kinds)
+    if not table:
+        return None
+    tuned = choose(table)
     log.info("tuned the CPU matmuls in %.1f s: %s", time.monotonic() - started, describe(tuned))
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(cache, json.dumps(asdict(tuned), indent=1).encode())

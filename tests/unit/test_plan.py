@@ -4,6 +4,7 @@ can hold is one its registries carry out."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels import cpu_ops
 from services.engine import plan
@@ -95,3 +96,12 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
     assert decide(device="cpu", dtype="float32", tuned=tuned).matmul == "exact"   # the exact mode stays exact
     with pytest.raises(ValueError, match="q4 and bf16w matmuls run in a float32 model on the CPU only"):
         ExecutionPlan("cuda", "bfloat16", "q4", "triton", "triton", "off")
+
+
+def test_tuning_leaves_out_what_cannot_run_and_falls_back_without_shapes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.engine import tune
+
+    kinds = ["q4", "fp16w"] if "fbgemm" in torch.backends.quantized.supported_engines else ["q4"]
+    table = tune.measure(2, [(64, 40), (40, 64)], kinds, reps=1)
+    assert "q4" not in table                          # 40 inputs: no 32-weight blocks
+    assert tune.tune(tmp_path) is None                # no config.json to read shapes from: the default plan
