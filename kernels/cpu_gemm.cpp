@@ -34,6 +34,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_api.h"
+
 namespace {
 
 #include "cpu_common.h"
@@ -284,6 +286,12 @@ Tensor q8_linear(const Tensor& x, const Tensor& packed, int64_t out_features) {
 }
 
 }  // namespace
+
+namespace infermesh_cpu {
+Tensor q4_linear(const Tensor& x, const Tensor& packed, int64_t out_features) {
+  return ::q4_linear(x, packed, out_features);
+}
+}  // namespace infermesh_cpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(infermesh, m) {
   m.def("q4_linear(Tensor x, Tensor packed, int out_features) -> Tensor");

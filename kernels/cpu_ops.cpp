@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_api.h"
+
 namespace {
 
 #include "cpu_common.h"
@@ -416,6 +418,21 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 }
 
 }  // namespace
+
+namespace infermesh_cpu {
+Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+                              const Tensor& context_lens, double scale) {
+  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+}
+Tensor add_rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, double eps) {
+  return ::add_rms_norm(x, residual, weight, eps);
+}
+void rope_and_write_kv(const Tensor& qkv, const Tensor& positions, const Tensor& cos, const Tensor& sin,
+                       const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots, int64_t num_heads) {
+  ::rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, num_heads);
+}
+Tensor silu_and_mul(const Tensor& gate_up) { return ::silu_and_mul(gate_up); }
+}  // namespace infermesh_cpu
 
 STABLE_TORCH_LIBRARY(infermesh, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

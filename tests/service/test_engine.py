@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_ops
 from mesh.errors import InvalidArgument, ResourceExhausted
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
@@ -289,3 +290,22 @@ def test_bf16_weight_gemms_stay_within_bf16s_error(model_dir: Path, hf) -> None:
         assert tokens(outs)[0] == int(ref.sequences[0, len(ids)])
         ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
         assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < 0.1
+
+
+def test_fused_q4_decode_layers_equal_the_op_by_op_forward(model_dir: Path) -> None:
+    """decode_layer_q4 (one CPU-library call per layer in pure-decode steps) calls the same ops in the
+    same order as the Python forward: the same tokens and bit-identical logprobs."""
+    if not cpu_ops.load():
+        pytest.skip("the CPU library is not built")
+    plan = decide(device="cpu", dtype="float32", matmul="q4")
+    fused, plain = (ModelRunner(model_dir, plan, kv_cache_bytes=64 << 20) for _ in range(2))
+    assert fused.model.fused_layers is not None
+    plain.model.fused_layers = None
+    prompts = [[1, *range(300, 340)], [1, *range(500, 520)], [1, *range(700, 790)]]
+    results = []
+    for runner in (fused, plain):
+        engine = Engine(runner)
+        outs = run(engine, *(engine.make_request(str(i), p, SamplingParams(max_tokens=12, logprobs=True))
+                             for i, p in enumerate(prompts)))
+        results.append({k: [(lp.token_id, lp.logprob) for o in v for lp in o.logprobs] for k, v in outs.items()})
+    assert results[0] == results[1]

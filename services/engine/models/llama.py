@@ -22,7 +22,17 @@ import torch
 
 from services.engine.models import ops as op_sets
 from services.engine.models.attention import Attention, AttentionMetadata
-from services.engine.models.linear import BlockLinear, Concat, Int8Linear, Linear, has_fbgemm, head_kind, linear_kind
+from services.engine.models.linear import (
+    BlockLinear,
+    Concat,
+    Int8Linear,
+    Linear,
+    Q4Linear,
+    SplitLinear,
+    has_fbgemm,
+    head_kind,
+    linear_kind,
+)
 from services.engine.plan import ExecutionPlan
 
 
@@ -69,6 +79,29 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: Concat               # H -> 2 I
     down: Linear                  # I -> H
+
+
+def _fused_q4_layers(layers: list[Layer]) -> list[tuple[torch.Tensor, ...]] | None:
+    """Per layer (input_norm, qkv, o, post_norm, gate_up, down) packed weights for decode_layer_q4, or
+    None unless every GEMM is one lossless q4 product without bias (directly or as a split's small kind)."""
+    def packed(linear: Any) -> torch.Tensor | None:
+        if isinstance(linear, Concat):
+            if len(linear.parts) != 1:
+                return None
+            linear = linear.parts[0]
+        if isinstance(linear, SplitLinear):
+            linear = linear.small
+        ok = isinstance(linear, Q4Linear) and linear.lossless and linear.bias is None
+        return linear.weight if ok else None
+
+    out = []
+    for layer in layers:
+        parts = [packed(layer.qkv), packed(layer.o), packed(layer.gate_up), packed(layer.down)]
+        if any(p is None for p in parts):
+            return None
+        qkv, o, gate_up, down = parts
+        out.append((layer.input_norm, qkv, o, layer.post_norm, gate_up, down))
+    return out  # type: ignore[return-value]
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -133,6 +166,10 @@ class LlamaModel:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.attention = Attention(plan.attention, d ** -0.5)
         self.ops: Any = op_sets.load(plan.ops)      # add_rms_norm, rope_and_write_kv, silu_and_mul
+        # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library
+        # (decode_layer_q4: the same ops in the same order) when every layer's GEMMs are lossless q4.
+        self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") else None
+        self.fused_rows = plan.split_rows if plan.matmul_large else 1 << 30
 
     @property
     def needs_decode_mask(self) -> bool:
@@ -153,6 +190,15 @@ class LlamaModel:
         eps = c.rms_norm_eps
         x = self.embed[input_ids]                                                  # (T, H) residual stream
         update: torch.Tensor | None = None                                         # (T, H) not yet added to x
+        if self.fused_layers is not None and meta.decode_rows is not None and not meta.prefills \
+                and t <= self.fused_rows:
+            for weights, (k_cache, v_cache) in zip(self.fused_layers, kv, strict=True):
+                update = torch.ops.infermesh.decode_layer_q4(
+                    x, update, *weights, eps, positions, self.cos, self.sin, k_cache, v_cache, meta.slots,
+                    meta.decode_tables, meta.decode_lens, self.attention.scale, c.num_heads, c.num_kv_heads,
+                    c.head_dim, c.intermediate_size)
+            rows = x[logits_rows]
+            return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
             qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
