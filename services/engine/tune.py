@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_ops
-from mesh.files import write_atomic
+from mesh.files import exclusive_lock, write_atomic
 from mesh.models import home
 
 log = logging.getLogger(__name__)
@@ -154,20 +154,22 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
         log.warning("cannot read the model's shapes to tune for (%s): the unmeasured default plan", exc)
         return None
     cache = _cache_file(layers, gemms, kinds)
-    if use_cache and cache.exists():
-        try:
-            return Tuned(**json.loads(cache.read_text()))
-        except (ValueError, TypeError):
-            log.warning("ignoring an unreadable tuning cache %s", cache)
-    started = time.monotonic()
-    table = measure(layers, gemms, kinds)
-    if not table:
-        return None
-    tuned = choose(table)
-    log.info("tuned the CPU matmuls in %.1f s: %s", time.monotonic() - started, describe(tuned))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(cache, json.dumps(asdict(tuned), indent=1).encode())
-    return tuned
+    # Engines starting together (`infermesh up --engines N`) measure one at a time: the first writes
+    # the answer and the others read it, instead of all timing each other's contention.
+    with exclusive_lock(cache.with_suffix(".lock")):
+        if use_cache and cache.exists():
+            try:
+                return Tuned(**json.loads(cache.read_text()))
+            except (ValueError, TypeError):
+                log.warning("ignoring an unreadable tuning cache %s", cache)
+        started = time.monotonic()
+        table = measure(layers, gemms, kinds)
+        if not table:
+            return None
+        tuned = choose(table)
+        log.info("tuned the CPU matmuls in %.1f s: %s", time.monotonic() - started, describe(tuned))
+        write_atomic(cache, json.dumps(asdict(tuned), indent=1).encode())
+        return tuned
 
 
 def describe(tuned: Tuned) -> str:
