@@ -177,8 +177,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
     up.add_argument("--model", action="append", help="model NAME (default: the default model)")
     up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto",
-                    help="engines' compute: auto = fastest exact-enough for the device; float32 = transformers' "
-                         "bits; int8 = int8 weights (faster on CPU, a quantized model)")
+                    help="engines' compute: auto = the matmul kinds measured fastest on this machine, none less "
+                         "precise than bf16 (`infermesh tune`); float32 = transformers' bits; int8 = int8 weights "
+                         "(faster on CPU, a quantized model)")
     up.add_argument("--discovery", choices=("static", "consul"), default="static")
     up.add_argument("--host", default="127.0.0.1", help="edge bind address (non-loopback needs API keys)")
     up.add_argument("--port-offset", type=int, default=0, help="add this to every port")
