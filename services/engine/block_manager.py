@@ -91,12 +91,10 @@ class BlockManager:
         """
         hit = self.match_prefix(tokens, salt)
         table = BlockTable(root=root(self.namespace, salt))
-        parent = table.root
         for block in hit:
             self._take(block)
-            parent = self.block_hash[block]  # type: ignore[assignment]
             table.blocks.append(block)
-            table.hashes.append(parent)
+            table.hashes.append(self.block_hash[block])  # type: ignore[arg-type]
         for _ in range(self.blocks_for(len(tokens)) - len(hit)):
             table.blocks.append(self._new_block())
         cached_tokens = len(hit) * self.block_size

@@ -158,7 +158,6 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
     """The fast paths (auto on CPU) differ from transformers only slightly: greedy tokens
     agree on these prompts and the logprobs are close.  q4 multiplies by the model's own weights
     (its GGUF's 4-bit blocks, repacked losslessly): only the order of sums differs."""
-    model, tokenizer = hf
     small, _, large = matmul.partition("+")
     plan = decide(device="cpu", dtype="float32", matmul=small)
     if large:                                   # q4 for up to 2 rows, fp16w above (prefill)
@@ -169,15 +168,24 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
                    for layer in fast.model.layers)
     engine = Engine(fast)
     for prompt in PROMPTS:
-        ids = chat_ids(tokenizer, prompt)
-        outs = run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=16, logprobs=True)))["p"]
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-        assert tokens(outs) == ref.sequences[0, len(ids):].tolist()
-        ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
+        outs, ref_tokens, ref_lp = against_transformers(engine, hf, prompt, 16)
+        assert tokens(outs) == ref_tokens
         # fp16-rounded weights move logprobs by a few thousandths; oneDNN's fp32 by far less.
-        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < (1e-3 if matmul in ("packed", "q4") else 1e-2)
+        assert abs(outs[0].logprobs[0].logprob - ref_lp) < (1e-3 if matmul in ("packed", "q4") else 1e-2)
+
+
+def against_transformers(engine: Engine, hf, prompt: str, n: int  # type: ignore[no-untyped-def]
+                         ) -> tuple[list[StepOutput], list[int], float]:
+    """The engine's n greedy tokens (with logprobs) for the chat `prompt`, transformers' n tokens, and
+    transformers' logprob of the engine's first token."""
+    model, tokenizer = hf
+    ids = chat_ids(tokenizer, prompt)
+    outs = run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=n, logprobs=True)))["p"]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
+    return outs, ref.sequences[0, len(ids):].tolist(), float(ref_lp)
 
 
 def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:
@@ -278,18 +286,12 @@ def test_bf16_weight_gemms_stay_within_bf16s_error(model_dir: Path, hf) -> None:
     """bf16w (a candidate for `auto` on CPUs that multiply bf16 natively) rounds weights and inputs
     of the GEMMs to bf16: its first token's logprob is within bf16's error of transformers' float32,
     and the first greedy tokens agree (bench/quality.py measures 16 prompts x 128 tokens)."""
-    model, tokenizer = hf
     engine = Engine(ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="bf16w"),
                                 kv_cache_bytes=64 << 20))
     for prompt in PROMPTS:
-        ids = chat_ids(tokenizer, prompt)
-        outs = run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=4, logprobs=True)))["p"]
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-        assert tokens(outs)[0] == int(ref.sequences[0, len(ids)])
-        ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
-        assert abs(outs[0].logprobs[0].logprob - float(ref_lp)) < 0.1
+        outs, ref_tokens, ref_lp = against_transformers(engine, hf, prompt, 4)
+        assert tokens(outs)[0] == ref_tokens[0]
+        assert abs(outs[0].logprobs[0].logprob - ref_lp) < 0.1
 
 
 def test_fused_q4_decode_layers_equal_the_op_by_op_forward(model_dir: Path) -> None:
