@@ -23,6 +23,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -48,26 +49,7 @@ constexpr int kRows = 4;          // rows of x multiplied by one dequantized blo
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {                                    // subnormal half: normalize
-    exp = 113;
-    while (!(man & 0x400)) { man <<= 1; --exp; }
-    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
+  return half_bits_to_float(h);
 }
 
 // The block's 32 weights as floats (the scalar path, and the tails of nothing: K is a multiple of 32).

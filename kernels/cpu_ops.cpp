@@ -26,6 +26,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
@@ -165,21 +166,262 @@ inline void weighted_sum(const float* p, const float* const* rows, int64_t n, in
 }
 
 // ------------------------------------------------------------------------------ paged attention
+//
+// Decode attention reads every cached key and value of every sequence once per layer, so it is
+// bound by how fast those rows stream in: the cache may hold them in float16 (half the bytes), and
+// each (sequence, kv head) item is one pass over its keys with an online softmax (a running max and
+// sum, rescaling the output when the max grows), where the g query heads of the kv head share every
+// row loaded.  With AVX-512 and a head_dim of 32, 64 or 128 a tile of 16 keys is scored for a head
+// by 16 FMA chains reduced together into one vector of 16 scores; elsewhere the portable two-pass
+// loops below (scores, softmax, weighted sum) run on float rows, converted from float16 first.
 
 // Keys are taken in tiles: a tile's K (then V) rows stay in L1 while each head of the group uses them.
 constexpr int64_t kTile = 16;
+
+
+// n elements of a cache row as float.
+inline void kv_to_float(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void kv_to_float(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_bits_to_float(src[i]);
+}
+
+// n floats into a cache row (float16: rounded to nearest even, as torch's .half()).
+inline void float_to_kv(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void float_to_kv(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = float_to_half_bits(src[i]);
+}
+
+// The portable item: the g heads' scores for all `len` keys, a softmax per head, then the weighted
+// sum of the value rows.  q: (g, d) scaled queries; krows/vrows: float rows; o: (g, d).
+void attend_two_pass(const float* q, int64_t g, int64_t d, const float* const* krows, const float* const* vrows,
+                     int64_t len, float* scores, float* o) {
+  for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+    const int64_t t1 = std::min(len, t0 + kTile);
+    for (int64_t i = 0; i < g; ++i) {
+      const float* qi = q + i * d;
+      float* si = scores + i * len;
+      int64_t j = t0;
+      for (; j + 4 <= t1; j += 4) dot4(qi, krows + j, d, si + j);
+      for (; j < t1; ++j) si[j] = dot(qi, krows[j], d);
+    }
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    float* si = scores + i * len;
+    const float m = *std::max_element(si, si + len);
+    const float inv = 1.0f / exp_shift_sum(si, len, m);
+    for (int64_t j = 0; j < len; ++j) si[j] *= inv;
+  }
+  std::fill(o, o + g * d, 0.0f);
+  for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+    const int64_t n = std::min(len, t0 + kTile) - t0;
+    for (int64_t i = 0; i < g; ++i) weighted_sum(scores + i * len + t0, vrows + t0, n, d, o + i * d);
+  }
+}
+
+#ifdef __AVX512F__
+// exp(x) as exp8 computes it, 16 lanes: 0 below exp's normal range, +inf above it.
+inline __m512 exp16(__m512 x) {
+  const __m512 max_x = _mm512_set1_ps(88.3762626647949f);
+  const __m512 min_x = _mm512_set1_ps(-87.3365447505531f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, min_x, _CMP_LT_OQ);
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, max_x, _CMP_GT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, min_x), max_x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+  y = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), y);
+  return _mm512_mask_blend_ps(overflow, y, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane j of the result is the sum of all 16 lanes of a[j]: 16 horizontal sums in 45 shuffles and adds.
+inline __m512 reduce16(const __m512* a) {
+  __m512 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)   // per 128-bit lane: (a0, a1, a0, a1) partial sums
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)   // per 128-bit lane: (a0, a1, a2, a3)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)   // 128-bit lanes: (A lanes 0+1, A lanes 2+3, B 0+1, B 2+3)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Prefetch the rows of keys [t0, t1) into cache: the rows of one item are scattered over blocks
+// (and strided by the other kv heads), which the hardware prefetchers follow poorly.
+template <typename T>
+inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t t0, int64_t t1, int64_t bytes) {
+  for (int64_t j = t0; j < t1; ++j)
+    for (int64_t off = 0; off < bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(krows[j]) + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vrows[j]) + off, _MM_HINT_T0);
+    }
+}
+
+// One item in one pass, DV vectors of 16 per head row.  q: (G, 16 DV) scaled queries; o: (G, 16 DV).
+// Per tile: each head's 16 scores (16 FMA chains reduced together), the online-softmax update, then
+// every head's output gains the tile's value rows, each row loaded once for all G heads.
+template <int DV, int G, typename T>
+void attend_online(const float* q, const T* const* krows, const T* const* vrows, int64_t len, float* o) {
+  constexpr int64_t D = 16 * DV;
+  constexpr int64_t kAhead = 4 * kTile;         // keys prefetched ahead of the tile being computed
+  alignas(64) float p[G][kTile];
+  float m[G], l[G];
+  __m512 out[G][DV];
+  for (int i = 0; i < G; ++i) {
+    m[i] = -std::numeric_limits<float>::max();
+    l[i] = 0.0f;
+    for (int c = 0; c < DV; ++c) out[i][c] = _mm512_setzero_ps();
+  }
+  prefetch_rows(krows, vrows, 0, std::min(len, kAhead), D * sizeof(T));
+  for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+    const int64_t n = std::min(kTile, len - t0);
+    prefetch_rows(krows, vrows, std::min(len, t0 + kAhead), std::min(len, t0 + kAhead + kTile), D * sizeof(T));
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int i = 0; i < G; ++i) {
+      __m512 qv[DV], acc[kTile];
+      for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + i * D + 16 * c);
+      for (int64_t j = 0; j < kTile; ++j) {
+        if (j >= n) {
+          acc[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* k = krows[t0 + j];
+        __m512 a = _mm512_mul_ps(qv[0], load16(k));
+        for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
+        acc[j] = a;
+      }
+      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::max()), valid, reduce16(acc));
+      const float mnew = std::max(m[i], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+      const float correction = std::exp(m[i] - mnew);
+      l[i] = l[i] * correction + _mm512_reduce_add_ps(e);
+      m[i] = mnew;
+      _mm512_store_ps(p[i], e);
+      const __m512 cv = _mm512_set1_ps(correction);
+      for (int c = 0; c < DV; ++c) out[i][c] = _mm512_mul_ps(out[i][c], cv);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 v[DV];
+      for (int c = 0; c < DV; ++c) v[c] = load16(vrows[t0 + j] + 16 * c);
+      for (int i = 0; i < G; ++i) {
+        const __m512 w = _mm512_set1_ps(p[i][j]);
+        for (int c = 0; c < DV; ++c) out[i][c] = _mm512_fmadd_ps(w, v[c], out[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + i * D + 16 * c, _mm512_mul_ps(out[i][c], inv));
+  }
+}
+
+// attend_online for this head_dim and group size, or false: the portable path takes the item.
+template <typename T>
+bool attend_vector(const float* q, int64_t g, int64_t d, const T* const* krows, const T* const* vrows, int64_t len,
+                   float* o) {
+#define INFERMESH_ATTEND(DV, G) \
+  if (d == 16 * (DV) && g == (G)) return attend_online<DV, G>(q, krows, vrows, len, o), true;
+#define INFERMESH_ATTEND_G(DV) \
+  INFERMESH_ATTEND(DV, 1) INFERMESH_ATTEND(DV, 2) INFERMESH_ATTEND(DV, 3) INFERMESH_ATTEND(DV, 4) \
+  INFERMESH_ATTEND(DV, 5) INFERMESH_ATTEND(DV, 6) INFERMESH_ATTEND(DV, 7) INFERMESH_ATTEND(DV, 8)
+  INFERMESH_ATTEND_G(2) INFERMESH_ATTEND_G(4) INFERMESH_ATTEND_G(8)
+#undef INFERMESH_ATTEND_G
+#undef INFERMESH_ATTEND
+  return false;
+}
+#endif
+
+// Runs items [begin, end) of the (sequence, kv head) list over a cache of element type T.
+template <typename T>
+void attend_items(int64_t begin, int64_t end, const float* qp, int64_t qs0, int64_t qs1, const T* kp, const T* vp,
+                  const int64_t* tables, int64_t width, const int64_t* lens, int64_t max_len, int64_t kh, int64_t g,
+                  int64_t d, int64_t bs, int64_t h, float scale, float* op_) {
+  const int64_t row = kh * d;                    // elements between one token's rows in the cache
+  std::vector<const T*> krows(max_len), vrows(max_len);
+  std::vector<float> qbuf(g * d);
+  // The portable path's float rows (converted when the cache is float16) and scores.
+  std::vector<float> scores, kconv, vconv;
+  std::vector<const float*> kf, vf;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t s = item / kh, head = item % kh;
+    const int64_t len = lens[s];
+    const int64_t* table = tables + s * width;
+    for (int64_t first = 0; first < len; first += bs) {
+      const int64_t base = table[first / bs] * bs * row + head * d;
+      for (int64_t j = first; j < std::min(len, first + bs); ++j) {
+        krows[j] = kp + base + (j - first) * row;
+        vrows[j] = vp + base + (j - first) * row;
+      }
+    }
+    // Scaled copies of the group's queries: the scale is applied once, not per key.
+    for (int64_t i = 0; i < g; ++i) {
+      const float* src = qp + s * qs0 + (head * g + i) * qs1;
+      for (int64_t c = 0; c < d; ++c) qbuf[i * d + c] = src[c] * scale;
+    }
+    float* o = op_ + s * h * d + head * g * d;   // (g, d): this group's output rows
+#ifdef __AVX512F__
+    if (attend_vector(qbuf.data(), g, d, krows.data(), vrows.data(), len, o)) continue;
+#endif
+    scores.resize(g * len);
+    kf.resize(len);
+    vf.resize(len);
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < len; ++j) {
+        kf[j] = krows[j];
+        vf[j] = vrows[j];
+      }
+    } else {
+      kconv.resize(len * d);
+      vconv.resize(len * d);
+      for (int64_t j = 0; j < len; ++j) {
+        kv_to_float(krows[j], d, kconv.data() + j * d);
+        kv_to_float(vrows[j], d, vconv.data() + j * d);
+        kf[j] = kconv.data() + j * d;
+        vf[j] = vconv.data() + j * d;
+      }
+    }
+    attend_two_pass(qbuf.data(), g, d, kf.data(), vf.data(), len, scores.data(), o);
+  }
+}
 
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
                               const Tensor& context_lens, double scale) {
   const char* op = "paged_decode_attention";
   check_float(q, op, "q", 3);
   CHECK(q.stride(2) == 1, op, ": q's last dim must be contiguous, got strides ", str(q.strides()));
-  check_float(k_cache, op, "k_cache", 4);
-  check_float(v_cache, op, "v_cache", 4);
-  check_contiguous(k_cache, op, "k_cache");
-  check_contiguous(v_cache, op, "v_cache");
-  CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache ", str(k_cache.sizes()), " and v_cache ",
-        str(v_cache.sizes()), " differ");
+  const bool half = check_kv_cache(k_cache, op, "k_cache");
+  check_kv_cache(v_cache, op, "v_cache");
+  CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(), op, ": k_cache ",
+        str(k_cache.sizes()), " ", k_cache.scalar_type(), " and v_cache ", str(v_cache.sizes()), " ",
+        v_cache.scalar_type(), " differ");
   check_index(block_tables, op, "block_tables", 2);
   check_index(context_lens, op, "context_lens", 1);
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
@@ -204,10 +446,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
 
   Tensor out = torch::stable::new_empty(q, {b, h, d});
   const int64_t g = h / kh;                      // query heads per kv head
-  const int64_t row = kh * d;                    // floats between one token's rows in the cache
   const float* qp = q.const_data_ptr<float>();
-  const float* kp = k_cache.const_data_ptr<float>();
-  const float* vp = v_cache.const_data_ptr<float>();
   float* op_ = out.mutable_data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const float fscale = static_cast<float>(scale);
@@ -227,49 +466,12 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   bounds.resize(parts + 1, items);
 
   torch::stable::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(g * max_len);      // (g, L): scores, then probabilities
-    std::vector<const float*> krows(max_len), vrows(max_len);
-    std::vector<float> qbuf(g * d);
-    for (int64_t item = bounds[begin]; item < bounds[end]; ++item) {
-      const int64_t s = item / kh, head = item % kh;
-      const int64_t len = lens[s];
-      const int64_t* table = tables + s * width;
-      for (int64_t first = 0; first < len; first += bs) {
-        const int64_t base = table[first / bs] * bs * row + head * d;
-        for (int64_t j = first; j < std::min(len, first + bs); ++j) {
-          krows[j] = kp + base + (j - first) * row;
-          vrows[j] = vp + base + (j - first) * row;
-        }
-      }
-      // Scaled copies of the group's queries: the scale is applied once, not per key.
-      for (int64_t i = 0; i < g; ++i) {
-        const float* src = qp + s * qs0 + (head * g + i) * qs1;
-        for (int64_t c = 0; c < d; ++c) qbuf[i * d + c] = src[c] * fscale;
-      }
-      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-        const int64_t t1 = std::min(len, t0 + kTile);
-        for (int64_t i = 0; i < g; ++i) {
-          const float* qi = qbuf.data() + i * d;
-          float* si = scores.data() + i * len;
-          int64_t j = t0;
-          for (; j + 4 <= t1; j += 4) dot4(qi, krows.data() + j, d, si + j);
-          for (; j < t1; ++j) si[j] = dot(qi, krows[j], d);
-        }
-      }
-      for (int64_t i = 0; i < g; ++i) {
-        float* si = scores.data() + i * len;
-        const float m = *std::max_element(si, si + len);
-        const float inv = 1.0f / exp_shift_sum(si, len, m);
-        for (int64_t j = 0; j < len; ++j) si[j] *= inv;
-      }
-      float* o = op_ + s * h * d + head * g * d;   // (g, d): this group's output rows
-      std::fill(o, o + g * d, 0.0f);
-      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-        const int64_t n = std::min(len, t0 + kTile) - t0;
-        for (int64_t i = 0; i < g; ++i)
-          weighted_sum(scores.data() + i * len + t0, vrows.data() + t0, n, d, o + i * d);
-      }
-    }
+    if (half)
+      attend_items(bounds[begin], bounds[end], qp, qs0, qs1, static_cast<const uint16_t*>(k_cache.const_data_ptr()),
+                   static_cast<const uint16_t*>(v_cache.const_data_ptr()), tables, width, lens, max_len, kh, g, d, bs, h, fscale, op_);
+    else
+      attend_items(bounds[begin], bounds[end], qp, qs0, qs1, k_cache.const_data_ptr<float>(),
+                   v_cache.const_data_ptr<float>(), tables, width, lens, max_len, kh, g, d, bs, h, fscale, op_);
   });
   return out;
 }
@@ -324,10 +526,10 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& positions, const Tensor&
   check_float(sin, op, "sin", 2);
   check_contiguous(cos, op, "cos");
   check_contiguous(sin, op, "sin");
-  check_float(k_cache, op, "k_cache", 4);
-  check_float(v_cache, op, "v_cache", 4);
-  check_contiguous(k_cache, op, "k_cache");
-  check_contiguous(v_cache, op, "v_cache");
+  const bool half_cache = check_kv_cache(k_cache, op, "k_cache");
+  check_kv_cache(v_cache, op, "v_cache");
+  CHECK(k_cache.scalar_type() == v_cache.scalar_type(), op, ": k_cache is ", k_cache.scalar_type(), ", v_cache ",
+        v_cache.scalar_type());
   check_index(positions, op, "positions", 1);
   check_index(slots, op, "slots", 1);
   const int64_t t = qkv.size(0), total_heads = qkv.size(1), d = qkv.size(2);
@@ -353,8 +555,8 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& positions, const Tensor&
   float* xp = qkv.mutable_data_ptr<float>();
   const float* cp = cos.const_data_ptr<float>();
   const float* sp = sin.const_data_ptr<float>();
-  float* kc = k_cache.mutable_data_ptr<float>();
-  float* vc = v_cache.mutable_data_ptr<float>();
+  void* kc = k_cache.mutable_data_ptr();
+  void* vc = v_cache.mutable_data_ptr();
   const int64_t half = d / 2, rotated = num_heads + kh, kv_row = kh * d;
   torch::stable::parallel_for(0, t, grain_rows(total_heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -380,8 +582,13 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& positions, const Tensor&
           x[half + i] = x2 * c[half + i] + x1 * s[half + i];
         }
       }
-      std::memcpy(kc + slot[r] * kv_row, row + num_heads * d, kv_row * sizeof(float));
-      std::memcpy(vc + slot[r] * kv_row, row + rotated * d, kv_row * sizeof(float));
+      if (half_cache) {
+        float_to_kv(row + num_heads * d, kv_row, static_cast<uint16_t*>(kc) + slot[r] * kv_row);
+        float_to_kv(row + rotated * d, kv_row, static_cast<uint16_t*>(vc) + slot[r] * kv_row);
+      } else {
+        float_to_kv(row + num_heads * d, kv_row, static_cast<float*>(kc) + slot[r] * kv_row);
+        float_to_kv(row + rotated * d, kv_row, static_cast<float*>(vc) + slot[r] * kv_row);
+      }
     }
   });
 }

@@ -4,7 +4,9 @@ The cache of one layer is `(num_blocks, block_size, kv_heads, head_dim)` for K a
 a request's tokens live in the blocks its block table names, in order.  Decode rows (one
 query each) are attended together in one call; prefill chunks each attend their own
 prefix.  `_reference()` is the plain per-sequence definition the fast paths are tested
-against.  Grouped-query attention: `heads` is a multiple of `kv_heads`.
+against.  Grouped-query attention: `heads` is a multiple of `kv_heads`.  The cache may hold a
+narrower dtype than the queries (float16 KV for a float32 model): rows are rounded when written
+and widened to the queries' dtype when read.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
              v: torch.Tensor) -> None:
     """Store new keys/values.  slots: (T,) flat slot = block * block_size + offset; k, v: (T, KH, D)."""
     kh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kh, d).index_copy_(0, slots, k)
-    v_cache.view(-1, kh, d).index_copy_(0, slots, v)
+    k_cache.view(-1, kh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kh, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(B, max_blocks) block ids -> (B, KH, max_blocks * block_size, D) contiguous per row."""
+def gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, max_blocks) block ids -> (B, KH, max_blocks * block_size, D) contiguous per row, in `dtype`
+    (default: the cache's)."""
     b, nb = block_tables.shape
     bs, kh, d = cache.shape[1:]
-    return cache.index_select(0, block_tables.reshape(-1)).view(b, nb * bs, kh, d).transpose(1, 2)
+    rows = cache.index_select(0, block_tables.reshape(-1)).view(b, nb * bs, kh, d).transpose(1, 2)
+    return rows if dtype is None else rows.to(dtype)
 
 
 def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -45,8 +49,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     """One query per row.  q: (B, H, D); block_tables: (B, max_blocks) padded with any valid id;
     context_lens: (B,) keys per row, including the current token; mask: decode_mask() of the
     same, when the caller has it.  Returns (B, H, D)."""
-    k = gather(k_cache, block_tables)                                           # (B, KH, L, D)
-    v = gather(v_cache, block_tables)
+    k = gather(k_cache, block_tables, q.dtype)                                  # (B, KH, L, D)
+    v = gather(v_cache, block_tables, q.dtype)
     if mask is None:
         mask = decode_mask(block_tables, context_lens, k_cache.shape[1], q.dtype)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
@@ -60,8 +64,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
 
     q: (T, H, D); block_table: (num_blocks,).  Returns (T, H, D)."""
     t = q.shape[0]
-    k = gather(k_cache, block_table[None])[:, :, : start + t]                    # (1, KH, S+T, D)
-    v = gather(v_cache, block_table[None])[:, :, : start + t]
+    k = gather(k_cache, block_table[None], q.dtype)[:, :, : start + t]           # (1, KH, S+T, D)
+    v = gather(v_cache, block_table[None], q.dtype)[:, :, : start + t]
     keys = torch.arange(start + t, device=q.device)
     mask = keys[None, :] <= (start + torch.arange(t, device=q.device))[:, None]  # (T, S+T) causal
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,

@@ -95,12 +95,16 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_shared_cache_errors_total", "counter", "engine", "replica",
        "Failed calls to the shared KV cache (each leaves it alone for a few seconds)"),
     _m("infermesh_engine_preemptions_total", "counter", "engine", "replica", "Requests preempted for KV blocks"),
+    _m("infermesh_engine_draft_tokens_total", "counter", "engine", "replica",
+       "Speculative draft tokens verified (prompt lookup)"),
+    _m("infermesh_engine_draft_accepted_tokens_total", "counter", "engine", "replica",
+       "Of the draft tokens verified, those accepted"),
     _m("infermesh_engine_step_seconds", "histogram", "engine", "replica", "Duration of one engine step"),
     _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),
     _m("infermesh_engine_generated_tokens_total", "counter", "engine", "replica",
        "Tokens generated; rate() gives tokens/s"),
     _m("infermesh_engine_plan_info", "gauge", "engine",
-       "replica device dtype matmul attention ops graphs matmul_large split_rows",
+       "replica device dtype matmul attention ops graphs matmul_large split_rows kv_dtype",
        "Always 1: the replica's execution plan (device, dtype, matmul kinds and the rows they split at, "
        "kernels, graph mode) as labels"),
     # -- cache -----------------------------------------------------------------------------

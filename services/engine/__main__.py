@@ -14,8 +14,8 @@ from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.models import served_model
 from mesh.service import run_service, serve_grpc
-from services.engine import kv_transfer, plan
-from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, EngineConfig
+from services.engine import kv_transfer, plan, speculate
+from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, KV_DTYPES, EngineConfig
 from services.engine.engine import Engine
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
@@ -40,12 +40,21 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     p.add_argument("--kv-cache-mb", type=int, default=EngineConfig.kv_cache_mb)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="what the KV cache holds; auto: float16 where the fused CPU ops attend (twice the tokens "
+                        "per MB), else the model's dtype")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                    help="requests queued beyond the running batch before refusing (RESOURCE_EXHAUSTED); the "
                         "router sheds this replica only when its queue is here (default %(default)s)")
+    p.add_argument("--speculate", type=int, default=EngineConfig.speculate, metavar="N",
+                   help="prompt-lookup speculative decoding: up to N draft tokens per request and step, verified "
+                        "in the step (output unchanged); -1 auto: 3 on the CPU, off on a GPU; 0 off")
+    p.add_argument("--speculate-rows", type=int, default=0, metavar="ROWS",
+                   help="draft only while a step's rows (decode rows + drafts) stay within ROWS; 0 auto: the "
+                        "plan's small-batch range")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="auto",
                    help="auto: on a GPU, capture pure-decode steps as CUDA graphs for batch sizes up to "
                         "--max-running (cuda), else off; off: launch every kernel from Python; eager: the "
@@ -66,8 +75,10 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
         return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
                             replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
                             dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
+                            kv_dtype=a.kv_dtype,
                             block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
                             max_running=a.max_running, max_waiting=a.max_waiting, cuda_graphs=a.cuda_graphs,
+                            speculate=a.speculate, speculate_rows=a.speculate_rows,
                             metrics_port=a.metrics_port,
                             discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
                             cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout)
@@ -83,12 +94,16 @@ async def serve(config: EngineConfig) -> None:
     runner = await asyncio.get_running_loop().run_in_executor(step_thread, load, config)
     remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
-    servicer = EngineServicer(Engine(runner, config.max_waiting, limits, outbox), config, remote, step_thread)
+    speculation = speculate.for_plan(runner.plan, config.speculate, config.speculate_rows)
+    engine = Engine(runner, config.max_waiting, limits, outbox, speculation)
+    servicer = EngineServicer(engine, config, remote, step_thread)
     service = Service("meshpb.v1.Engine", config.host, config.port)
     add_to(service, servicer)
     servicer.start()
-    log.info("engine %s serving %s (%d KV blocks of %d tokens) at %s%s", config.replica_id, config.model,
-             runner.num_blocks, runner.block_size, service.address,
+    log.info("engine %s serving %s (%d KV blocks of %d tokens%s) at %s%s", config.replica_id, config.model,
+             runner.num_blocks, runner.block_size,
+             f"; up to {speculation.max_draft} draft tokens while steps have at most {speculation.max_rows} rows"
+             if speculation.max_draft else "", service.address,
              f"; shared KV cache {remote.address} as {config.model}@{remote.version}" if remote is not None else "")
     await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
                      on_stop=servicer.close, model=config.model, model_version=config.model_version,

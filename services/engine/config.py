@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")   # auto: float16 with the fused CPU ops, else dtype
 # Pure-decode steps.  auto: CUDA graphs on a GPU, else off; eager: the graphs' static buffers without
 # capture (their logic, on any device); cuda: captured graphs (a GPU only).
 GRAPHS = ("off", "eager", "cuda")           # what a plan runs (services/engine/plan.py)
@@ -29,9 +30,12 @@ class EngineConfig:
     max_waiting: int = 256             # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
     threads: int = 0                   # torch CPU threads; 0: torch's default
     kv_cache_mb: int = 1024            # KV cache budget; decides how many blocks exist
+    kv_dtype: str = "auto"             # KV_DTYPES: what the KV cache holds
     block_size: int = 16               # tokens per KV block
     max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
     max_running: int = 64              # sequences per step
+    speculate: int = -1                # prompt-lookup draft tokens per request and step; -1 auto, 0 off
+    speculate_rows: int = 0            # draft while a step's rows stay within this; 0 auto (speculate.py)
     cuda_graphs: str = "auto"          # GRAPH_MODES; auto: pure-decode steps replay CUDA graphs on a GPU
     metrics_port: int = 0              # Prometheus /metrics; 0: off
     discovery: str = "static"          # static | consul: where this engine announces itself
@@ -47,6 +51,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is not one of {DEVICES}")
         if not 0 < self.port < 65536:
@@ -57,6 +63,8 @@ class EngineConfig:
             raise ValueError("max_batched_tokens and max_running must be at least 1")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs {self.cuda_graphs!r} is not one of {GRAPH_MODES}")
+        if self.speculate < -1 or self.speculate > 16 or self.speculate_rows < 0:
+            raise ValueError("speculate must be -1 (auto) to 16 and speculate_rows >= 0")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.max_waiting < 1:

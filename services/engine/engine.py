@@ -11,6 +11,9 @@ computed into `outbox`, which the server's publisher drains.
 
 A step that raises (a model failure) leaves the engine usable: the server calls fail_all(),
 which ends every request the engine holds with FinishReason.ERROR.
+
+With speculation on (services/engine/speculate.py), a step may verify draft tokens of its decode
+rows: a request's step output then carries every token the step accepted, in order.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ from services.engine.request import (
     StepOutput,
     TokenLogprob,
 )
-from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
+from services.engine.speculate import Lookup, SpeculationConfig
 from services.engine.stats import EngineStats, Timing
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None,
-                 outbox: Outbox | None = None):
+                 outbox: Outbox | None = None, speculation: SpeculationConfig | None = None):
         self.runner = runner
+        self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
@@ -48,6 +53,7 @@ class Engine:
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._requests: dict[str, Request] = {}
+        self._drafted: list[Request] = []       # requests given a draft for the step being run
         self._lock = threading.Lock()
         self.stats = EngineStats()
 
@@ -129,6 +135,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """schedule -> run the model -> postprocess: each running request's new token, or its end."""
         outputs = self._drain()
+        if self.speculation.max_draft:
+            self._propose()
         batch = self.scheduler.schedule()
         with self.stats.step(batch):
             if batch.chunks:
@@ -138,7 +146,7 @@ class Engine:
     def fail_all(self) -> list[StepOutput]:
         """After a model failure: end every request the engine holds with FinishReason.ERROR (the server
         fails their calls) and keep serving.  The failed step may have left any of them half-computed."""
-        return [self._finish(req, FinishReason.ERROR, None, ()) for req in list(self._requests.values())]
+        return [self._finish(req, FinishReason.ERROR, (), ()) for req in list(self._requests.values())]
 
     def _drain(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -152,8 +160,39 @@ class Engine:
         for request_id in aborts:
             aborted = self._requests.get(request_id)
             if aborted is not None:
-                outputs.append(self._finish(aborted, FinishReason.ABORT, None, ()))
+                outputs.append(self._finish(aborted, FinishReason.ABORT, (), ()))
         return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for this step's decode rows, while the step stays within the row budget.
+
+        Only when every running request is decoding and none waits: a step that admits or prefills
+        is not bound by reading the weights, and a waiting request's first token matters more."""
+        for req in self._drafted:
+            req.draft = []
+        self._drafted = []
+        spec = self.speculation
+        running = self.scheduler.running
+        spare = spec.max_rows - len(running)
+        if spare <= 0 or self.scheduler.num_waiting or self._inbox:
+            return
+        if any(r.num_computed != len(r.all_ids) - 1 for r in running):
+            return
+        limit = self.runner.max_context
+        for req in sorted(running, key=lambda r: (r.priority, r.arrival)):
+            if req.lookup is None:
+                req.lookup = Lookup(spec.min_ngram, spec.max_ngram, draft_len=spec.max_draft)
+            # Every accepted draft and the token after them must fit max_tokens and the context.
+            room = min(req.max_tokens - req.num_generated, limit - len(req.all_ids)) - 1
+            k = min(req.lookup.draft_len, spare, room)
+            if k <= 0:
+                continue
+            req.draft = req.lookup.propose(req.all_ids, k)
+            if req.draft:
+                self._drafted.append(req)
+                spare -= len(req.draft)
+                if spare <= 0:
+                    return
 
     def _run(self, batch: Batch) -> torch.Tensor:
         """The model on the batch: (S, V) logits of its sampled rows, or (S,) token ids if all are greedy."""
@@ -187,36 +226,66 @@ class Engine:
             self.outbox.put(hashes, exported.kv, exported.ready)
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
-        """logits: (S, V), or (S,) token ids when every sampled row was greedy."""
-        sampled = [c.request for c in batch.chunks if c.sample]
+        """logits: (S, V), or (S,) token ids when every sampled row was greedy; a chunk with drafts has
+        1 + draft rows.  Row i of a chunk is sampled as the token at its own position would be without
+        drafts; drafts are kept while they equal what was sampled (speculate.py)."""
+        sampled = [c for c in batch.chunks if c.sample]
+        rows = [(c.request, i) for c in sampled for i in range(1 + c.draft)]
         if logits.dim() == 1:
             tokens = logits.tolist()
         else:
-            tokens = sampler.sample_batch(logits, [r.sampling for r in sampled], [r.num_generated for r in sampled])
+            tokens = sampler.sample_batch(logits, [r.sampling for r, _ in rows],
+                                          [r.num_generated + i for r, i in rows])
         outputs = []
-        for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
-            params = req.sampling
-            logprobs: tuple[TokenLogprob, ...] = ()
-            if params.logprobs:
-                logprobs = (sampler.token_logprob(logits[row], token, params.top_logprobs),)
-            req.append(token)
+        row = 0
+        for chunk in sampled:
+            req, params = chunk.request, chunk.request.sampling
+            new: list[int] = []
+            logprobs: list[TokenLogprob] = []
             reason = None
-            if not params.ignore_eos and (token in self.runner.eos_token_ids or token in params.stop_token_ids):
-                reason = FinishReason.STOP
-            elif req.num_generated >= req.max_tokens or len(req.all_ids) >= self.runner.max_context:
-                reason = FinishReason.LENGTH
+            for i in range(1 + chunk.draft):
+                token = tokens[row + i]
+                if params.logprobs:
+                    logprobs.append(sampler.token_logprob(logits[row + i], token, params.top_logprobs))
+                req.append(token)
+                new.append(token)
+                reason = self._finish_reason(req, token)
+                if reason is not None or i == chunk.draft or token != req.draft[i]:
+                    break
+            row += 1 + chunk.draft
+            if chunk.draft:
+                self._verified(chunk, new)
             if reason is not None:
-                outputs.append(self._finish(req, reason, token, logprobs))
+                outputs.append(self._finish(req, reason, tuple(new), tuple(logprobs)))
             else:
-                outputs.append(StepOutput(req.request_id, (token,), logprobs))
+                outputs.append(StepOutput(req.request_id, tuple(new), tuple(logprobs)))
         return outputs
 
-    def _finish(self, req: Request, reason: FinishReason, token: int | None,
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.sampling
+        if not params.ignore_eos and (token in self.runner.eos_token_ids or token in params.stop_token_ids):
+            return FinishReason.STOP
+        if req.num_generated >= req.max_tokens or len(req.all_ids) >= self.runner.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    def _verified(self, chunk: Chunk, new: list[int]) -> None:
+        """After a chunk with drafts: the accepted drafts' KV is valid (their rows ran on the tokens
+        that were then sampled), so it counts as computed; the rest is overwritten later."""
+        req = chunk.request
+        accepted = next((i for i, t in enumerate(new[:chunk.draft]) if t != req.draft[i]), min(len(new), chunk.draft))
+        req.num_computed = chunk.start + 1 + min(accepted, len(new) - 1)
+        self.blocks.commit(req.table, req.all_ids, req.num_computed)
+        self.stats.drafted(chunk.draft, accepted)
+        if req.lookup is not None:
+            req.lookup.update(chunk.draft, accepted, self.speculation.max_draft)
+
+    def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...],
                 logprobs: tuple[TokenLogprob, ...]) -> StepOutput:
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         req.finish_reason = reason
         self.stats.finished(req.request_id)
-        return StepOutput(req.request_id, () if token is None else (token,), logprobs, reason,
+        return StepOutput(req.request_id, tokens, logprobs, reason,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
                           cached_tokens=req.num_cached_tokens)

@@ -20,6 +20,9 @@ PREFIX_QUERIED = Counter("infermesh_engine_prefix_query_tokens_total", "Prompt t
                          LABELS)
 PREFIX_HIT = Counter("infermesh_engine_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", LABELS)
 PREEMPTIONS = Counter("infermesh_engine_preemptions_total", "Requests preempted for lack of KV blocks", LABELS)
+DRAFTED = Counter("infermesh_engine_draft_tokens_total", "Speculative draft tokens verified (prompt lookup)", LABELS)
+ACCEPTED = Counter("infermesh_engine_draft_accepted_tokens_total", "Of the draft tokens verified, those accepted",
+                   LABELS)
 STEP = Histogram("infermesh_engine_step_seconds", "Duration of one engine step", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 STEP_TOKENS = Counter("infermesh_engine_step_tokens_total", "Tokens computed (prefill and decode)", LABELS)
@@ -35,7 +38,7 @@ REQUESTS = Counter("infermesh_engine_requests_total",
                    ["replica", "finish_reason"])
 TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
-PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs", "matmul_large", "split_rows")
+PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs", "matmul_large", "split_rows", "kv_dtype")
 PLAN = Gauge("infermesh_engine_plan_info", "The replica's execution plan (services/engine/plan.py) as labels; 1",
              ["replica", *PLAN_LABELS])
 
@@ -86,25 +89,29 @@ class ReplicaMetrics:
         self.kv_used, self.kv_free = KV_USED.labels(replica), KV_FREE.labels(replica)
         self.queried, self.hit = PREFIX_QUERIED.labels(replica), PREFIX_HIT.labels(replica)
         self.preemptions = PREEMPTIONS.labels(replica)
+        self.drafted, self.accepted = DRAFTED.labels(replica), ACCEPTED.labels(replica)
         self.step, self.step_tokens = STEP.labels(replica), STEP_TOKENS.labels(replica)
         self.generated = GENERATED.labels(replica)
         self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
         self.queue_wait, self.batch = QUEUE_WAIT.labels(replica), BATCH.labels(replica)
         self.replica = replica
-        self._seen = (0, 0, 0)  # prefix queries, prefix hits, preemptions already counted
+        self._seen = (0, 0, 0, 0, 0)  # prefix queries, hits, preemptions, drafted, accepted already counted
         self._plan: tuple[str, ...] = ()
 
     def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
-                     preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0) -> None:
+                     preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0, drafted: int = 0,
+                     accepted: int = 0) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(used)
         self.kv_free.set(free)
-        seen_q, seen_h, seen_p = self._seen
+        seen_q, seen_h, seen_p, seen_d, seen_a = self._seen
         self.queried.inc(queries - seen_q)
         self.hit.inc(hits - seen_h)
         self.preemptions.inc(preemptions - seen_p)
-        self._seen = (queries, hits, preemptions)
+        self.drafted.inc(drafted - seen_d)
+        self.accepted.inc(accepted - seen_a)
+        self._seen = (queries, hits, preemptions, drafted, accepted)
         if step_tokens:
             self.step.observe(step_s)
             self.step_tokens.inc(step_tokens)

@@ -41,6 +41,7 @@ class ModelRunner:
         self.plan = plan
         self.device = torch.device(plan.device)
         self.dtype: torch.dtype = plan.torch_dtype
+        self.kv_dtype: torch.dtype = plan.kv_torch_dtype
         self.matmul = plan.matmul
         model_type = json.loads((self.folder / "config.json").read_text()).get("model_type")
         if model_type not in ARCHITECTURES:
@@ -54,12 +55,12 @@ class ModelRunner:
         self.block_size = block_size
         c = self.config
         # K and V, every layer, one block: the unit the KV budget is counted in.
-        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        self.block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
         self.num_blocks = max(1, kv_cache_bytes // self.block_bytes)
         self.scratch_block = self.num_blocks        # never handed out: padded rows write here
         shape = (self.num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+        self.kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(c.num_layers)]
         self.graphs: DecodeGraphs | None = None
         if plan.graphs != "off":
             try:
@@ -82,7 +83,8 @@ class ModelRunner:
 
     def run(self, chunks: Sequence[Chunk], greedy: bool = False) -> torch.Tensor:
         """Compute every chunk.  For the chunks with sample=True, in order, return (S, V) float32
-        logits, or with greedy=True (S,) argmax token ids, on the CPU: the step's one wait for the GPU."""
+        logits, or with greedy=True (S,) argmax token ids, on the CPU: the step's one wait for the GPU.
+        A chunk with drafts gives 1 + draft rows: its last real token's, then each draft token's."""
         return self.launch(chunks, greedy).cpu()
 
     @torch.inference_mode()
@@ -92,7 +94,7 @@ class ModelRunner:
         # A pure-decode step: every chunk one token that is sampled (a one-token prefill chunk that
         # does not reach the prompt's end samples nothing, so it takes the eager path).
         if self.graphs is not None and chunks and len(chunks) <= self.graphs.max_batch \
-                and all(c.num_tokens == 1 and c.start > 0 and c.sample for c in chunks):
+                and all(c.num_tokens == 1 and c.start > 0 and c.sample and not c.draft for c in chunks):
             return self._run_graph(chunks, greedy)
         ids: list[int] = []
         positions: list[int] = []
@@ -106,18 +108,22 @@ class ModelRunner:
         for chunk in chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             row = len(ids)
-            ids.extend(req.all_ids[start:start + n])
+            ids.extend(req.all_ids[start:start + n - chunk.draft])
+            ids.extend(req.draft[:chunk.draft])
             positions.extend(range(start, start + n))
             slots.extend(self._slots(req.table.blocks, start, n))
-            if n == 1 and start > 0:
-                decode_rows.append(row)
-                decode_tables.append(self._decode_table(req.table.blocks, start))
-                decode_lens.append(start + 1)
+            if start > 0 and (n == 1 or chunk.draft):
+                # A decode row, or a decode row and its drafts: each a decode row of its own, attending
+                # the positions before it (written to the cache before any row attends).
+                for i in range(n):
+                    decode_rows.append(row + i)
+                    decode_tables.append(self._decode_table(req.table.blocks, start + i))
+                    decode_lens.append(start + i + 1)
             else:
                 prefill_spans.append((row, n, start))
                 prefill_tables.append(req.table.blocks)
             if chunk.sample:
-                logits_rows.append(row + n - 1)
+                logits_rows.extend(range(row + n - 1 - chunk.draft, row + n))
         width = max((len(t) for t in decode_tables), default=0)
         flat_tables = padded_tables(decode_tables, width)
         t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = kv_transfer.int64_parts(

@@ -10,7 +10,9 @@ What `auto` means today:
   (services/engine/tune.py, cached): typically `q4` (the model's own 4-bit blocks) for small
   batches and `fp16w` or `packed` above `split_rows` rows; without a model to measure, `fp16w` with
   FBGEMM (`packed` with oneDNN only, else `exact`).  Decode attention and the norm/RoPE/SiLU ops
-  are the fused CPU library (kernels/cpu_ops.cpp) when it builds, else torch's.  No graphs.
+  are the fused CPU library (kernels/cpu_ops.cpp) when it builds, else torch's; with the fused
+  library (not `exact`) the KV cache holds float16 (half the bytes decode attention streams,
+  twice the tokens per GB).  No graphs.
   An explicit --dtype float32 is the bit-exact mode: `exact` matmuls and the torch ops
   (transformers' own math); --dtype int8 quantizes the weights.
 - CUDA: bfloat16, `fused` GEMMs (q/k/v and gate/up one call each), Triton decode attention and
@@ -36,6 +38,7 @@ from services.engine.config import GRAPHS, EngineConfig
 MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4", "bf16w")
 ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
 OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
+KV_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ExecutionPlan:
     graphs: str          # config.GRAPHS; "eager": the graphs' padded buffers without capture (tests)
     matmul_large: str = ""   # MATMULS: the kind above split_rows rows; "": `matmul` at every size
     split_rows: int = 0
+    kv_dtype: str = ""       # KV_DTYPES: what the KV cache holds; "": `dtype`
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", ("cpu", "cuda")), ("dtype", ("float32", "bfloat16")), ("matmul", MATMULS),
@@ -64,34 +68,44 @@ class ExecutionPlan:
             raise ValueError("q4 and bf16w matmuls run in a float32 model on the CPU only")
         if (self.attention == "fused" or self.ops == "cpu") and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError("the fused CPU ops run float32 on the CPU only")
+        if self.kv_dtype and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        if self.kv_dtype not in ("", self.dtype) and self.device != "cpu":
+            raise ValueError("a KV cache dtype other than the model's runs on the CPU only")
+        if self.kv_dtype == "bfloat16" and (self.attention == "fused" or self.ops == "cpu"):
+            raise ValueError("the fused CPU ops keep the KV cache in float32 or float16")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.kv_dtype or self.dtype)
+
     def labels(self) -> dict[str, str]:
         """The plan as names, for the log line, GetInfo and the info metric."""
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: str(v) for k, v in asdict(self).items()} | {"kv_dtype": self.kv_dtype or self.dtype}
 
     def __str__(self) -> str:
         matmuls = (f"{self.matmul} matmuls up to {self.split_rows} rows, {self.matmul_large} above"
                    if self.matmul_large else f"{self.matmul} matmuls")
         return (f"{self.device} {self.dtype}, {matmuls}, {self.attention} decode attention, "
-                f"{self.ops} ops, graphs {self.graphs}")
+                f"{self.ops} ops, {self.kv_dtype or self.dtype} KV cache, graphs {self.graphs}")
 
 
 def for_config(config: EngineConfig) -> ExecutionPlan:
     """The engine's plan: on a CPU with dtype auto, the matmul kinds measured for its model here."""
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     tuned = tune.tune(Path(config.model_path)) if (device, config.dtype) == ("cpu", "auto") else None
-    return decide(config.device, config.dtype, config.cuda_graphs, tuned=tuned)
+    return decide(config.device, config.dtype, config.cuda_graphs, tuned=tuned, kv_dtype=config.kv_dtype)
 
 
 def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matmul: str = "auto",
-           attention: str = "auto", tuned: tune.Tuned | None = None) -> ExecutionPlan:
-    """The plan for this machine.  device, dtype and graphs as the engine's flags take them; matmul and
-    attention are `auto` but for tests and benchmarks that pin one; `tuned`: the CPU kinds measured
-    for the model (tune.py), else the unmeasured default."""
+           attention: str = "auto", tuned: tune.Tuned | None = None, kv_dtype: str = "auto") -> ExecutionPlan:
+    """The plan for this machine.  device, dtype, graphs and kv_dtype as the engine's flags take them;
+    matmul and attention are `auto` but for tests and benchmarks that pin one; `tuned`: the CPU kinds
+    measured for the model (tune.py), else the unmeasured default."""
     device = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "int8" and device != "cpu":
         raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
@@ -119,7 +133,12 @@ def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matm
     ops = "cpu" if attention == "fused" else "triton" if attention == "triton" and matmul != "exact" else "torch"
     if graphs == "auto":
         graphs = "cuda" if device == "cuda" else "off"
-    return ExecutionPlan(device, compute, matmul, attention, ops, graphs, large, rows)
+    if kv_dtype == "auto":
+        # float16 K and V where the fused CPU library attends (it widens them as it reads); the bit-exact
+        # float32 mode and the GPU keep the model's dtype.
+        kv_dtype = "float16" if attention == "fused" else compute
+    return ExecutionPlan(device, compute, matmul, attention, ops, graphs, large, rows,
+                         "" if kv_dtype == compute else kv_dtype)
 
 
 def _matmul(device: str, dtype: str) -> str:

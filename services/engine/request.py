@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from mesh.errors import InvalidArgument
 from services.engine.block_manager import BlockTable
+from services.engine.speculate import Lookup
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +93,9 @@ class Request:
     num_preemptions: int = 0
     table: BlockTable = field(default_factory=BlockTable)
     staged: list[StagedBlock] = field(default_factory=list)   # in position order; emptied at admission
+    # Speculation (services/engine/speculate.py): this step's draft tokens, and the n-gram index they come from.
+    draft: list[int] = field(default_factory=list)
+    lookup: Lookup | None = None
 
     def __post_init__(self) -> None:
         # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.

@@ -42,6 +42,7 @@ class Chunk(NamedTuple):
     start: int          # first position computed this step
     num_tokens: int     # positions start .. start+num_tokens-1
     sample: bool        # the chunk reaches the end of the request's tokens: sample the next one
+    draft: int = 0      # of num_tokens, the last `draft` are request.draft's tokens, each row sampled
 
 
 class Batch(NamedTuple):
@@ -88,6 +89,10 @@ class Scheduler:
             req = self.running[i]
             n = min(len(req.all_ids) - req.num_computed, budget)
             target = req.num_computed + n
+            # A decode row may carry its draft (speculate.py) when the budget and free blocks allow.
+            draft = len(req.draft) if n == 1 and target == len(req.all_ids) and budget > len(req.draft) else 0
+            if draft and not self.blocks.can_grow(req.table, target + draft):
+                draft = 0
             while not self.blocks.can_grow(req.table, target):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -96,9 +101,9 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted, and every request after it before that
-            self.blocks.grow(req.table, target)
-            chunks.append(Chunk(req, req.num_computed, n, target == len(req.all_ids)))
-            budget -= n
+            self.blocks.grow(req.table, target + draft)
+            chunks.append(Chunk(req, req.num_computed, n + draft, target == len(req.all_ids), draft))
+            budget -= n + draft
             i += 1
         if not preempted:
             self._admit(chunks, budget, imports)
@@ -150,7 +155,8 @@ class Scheduler:
         """After the model ran: the chunks' KV is in the cache; register full blocks."""
         for chunk in batch.chunks:
             req = chunk.request
-            req.num_computed = chunk.start + chunk.num_tokens
+            # Draft rows' KV counts once their tokens are accepted (Engine._postprocess).
+            req.num_computed = chunk.start + chunk.num_tokens - chunk.draft
             self.blocks.commit(req.table, req.all_ids, req.num_computed)
 
     def finish(self, request: Request) -> None:

@@ -140,7 +140,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         engine, blocks, stats = self.engine, self.engine.blocks, self.engine.stats
         self.metrics.observe_step(engine.num_running, engine.num_waiting, blocks.num_used_blocks,
                                   blocks.num_free_blocks, blocks.queries, blocks.hits, stats.preemptions,
-                                  stats.last_step_s, stats.last_step_tokens, stats.last_batch_size)
+                                  stats.last_step_s, stats.last_step_tokens, stats.last_batch_size,
+                                  stats.draft_tokens, stats.accepted_tokens)
 
     @rpc_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -302,7 +303,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             max_waiting=self.engine.max_waiting,
             plan=engine_pb2.ExecutionPlan(device=plan.device, dtype=plan.dtype, matmul=plan.matmul,
                                           attention=plan.attention, ops=plan.ops, graphs=plan.graphs,
-                                          matmul_large=plan.matmul_large, split_rows=plan.split_rows),
+                                          matmul_large=plan.matmul_large, split_rows=plan.split_rows,
+                                          kv_dtype=plan.kv_dtype or plan.dtype),
         )
 
 

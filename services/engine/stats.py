@@ -37,6 +37,8 @@ class EngineStats:
         self.last_step_tokens = 0       # tokens computed and sequences run (0 after an idle step)
         self.last_batch_size = 0
         self.preemptions = 0            # since start
+        self.draft_tokens = 0           # speculation, since start: draft tokens verified,
+        self.accepted_tokens = 0        # and of them, accepted
         self._timings: dict[str, Timing] = {}
         self._lock = threading.Lock()
 
@@ -50,6 +52,10 @@ class EngineStats:
         timing = self._timings.get(request_id)
         if timing is not None:
             timing.finished_ns = time.time_ns()
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
 
     def pop_timing(self, request_id: str) -> Timing | None:
         """The request's phase timings (once: the entry is dropped)."""

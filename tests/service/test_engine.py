@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from kernels import cpu_ops
 from mesh.errors import InvalidArgument, ResourceExhausted
@@ -159,7 +160,7 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
     agree on these prompts and the logprobs are close.  q4 multiplies by the model's own weights
     (its GGUF's 4-bit blocks, repacked losslessly): only the order of sums differs."""
     small, _, large = matmul.partition("+")
-    plan = decide(device="cpu", dtype="float32", matmul=small)
+    plan = decide(device="cpu", dtype="float32", matmul=small, kv_dtype="float32")   # float16 KV: below
     if large:                                   # q4 for up to 2 rows, fp16w above (prefill)
         plan = dataclasses.replace(plan, matmul_large=large, split_rows=2)
     fast = ModelRunner(model_dir, plan, kv_cache_bytes=64 << 20)
@@ -172,6 +173,29 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
         assert tokens(outs) == ref_tokens
         # fp16-rounded weights move logprobs by a few thousandths; oneDNN's fp32 by far less.
         assert abs(outs[0].logprobs[0].logprob - ref_lp) < (1e-3 if matmul in ("packed", "q4") else 1e-2)
+
+
+def test_float16_kv_cache_stays_close_to_float32(model_dir: Path) -> None:
+    """The float16 KV cache auto runs with the fused CPU ops: the same greedy text as a float32 cache
+    for the first tokens of each prompt (bench/quality.py: 16 of 16 essays identical over 128 tokens),
+    and the log-probs of the shared tokens within a few ten-thousandths."""
+    half = decide(device="cpu", dtype="float32", matmul="q4")
+    if half.kv_dtype != "float16":
+        pytest.skip("the fused CPU ops are off: no float16 KV cache in the plan")
+    full = dataclasses.replace(half, kv_dtype="")
+    runners = [ModelRunner(model_dir, p, kv_cache_bytes=64 << 20) for p in (full, half)]
+    assert runners[1].kv[0][0].dtype == torch.float16 and runners[1].num_blocks == 2 * runners[0].num_blocks
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    for prompt in PROMPTS:
+        ids = chat_ids(tokenizer, prompt)
+        outs = []
+        for r in runners:
+            engine = Engine(r)
+            outs.append(run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=24, logprobs=True)))["p"])
+        a, b = [[lp for o in out for lp in o.logprobs] for out in outs]
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x.token_id != y.token_id), len(a))
+        assert first >= 8, f"{prompt!r}: float16 KV diverged at token {first}"
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a[:first], b[:first], strict=True)) < 5e-3
 
 
 def against_transformers(engine: Engine, hf, prompt: str, n: int  # type: ignore[no-untyped-def]
@@ -251,7 +275,10 @@ def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRu
     the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks
     (chunked prefill and joins mid-run); the exact mode never uses them."""
     assert (runner.plan.attention, runner.plan.ops) == ("torch", "torch")
-    fast = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="fp16w"), kv_cache_bytes=64 << 20)
+    # Both over a float32 KV cache: rounding K and V to float16 would magnify the ops' last-bit differences
+    # into the cache (test_float16_kv_cache_stays_close_to_float32 bounds what float16 KV itself costs).
+    fast = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="fp16w", kv_dtype="float32"),
+                       kv_cache_bytes=64 << 20)
     if fast.plan.attention != "fused":
         pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built")
     # The same mode with the torch ops throughout (norms, RoPE, KV write, SiLU and decode attention).

@@ -130,12 +130,12 @@ def test_get_info_and_metrics_report_the_execution_plan(folder: Path) -> None:
         async with serving(folder) as (stub, _):
             info = await stub.GetInfo(engine_pb2.EngineInfoRequest())
             assert (info.plan.device, info.plan.dtype, info.plan.matmul, info.plan.attention, info.plan.ops,
-                    info.plan.graphs, info.plan.matmul_large) == ("cpu", "float32", "exact", "torch", "torch", "off",
-                                                                   "")
+                    info.plan.graphs, info.plan.matmul_large, info.plan.kv_dtype) == (
+                "cpu", "float32", "exact", "torch", "torch", "off", "", "float32")
             assert (info.device, info.dtype) == ("cpu", "float32")
             labels = {"replica": "engine-t", "device": "cpu", "dtype": "float32", "matmul": "exact",
                       "attention": "torch", "ops": "torch", "graphs": "off", "matmul_large": "",
-                      "split_rows": "0"}
+                      "split_rows": "0", "kv_dtype": "float32"}
             assert REGISTRY.get_sample_value("infermesh_engine_plan_info", labels) == 1.0
         assert REGISTRY.get_sample_value("infermesh_engine_plan_info", labels) is None   # withdrawn at close
 

@@ -1,7 +1,13 @@
 """The fused CPU ops (kernels/cpu_ops.cpp) against their torch references: kernels/torch_ops.py (the
-engine's torch path) and, for paged decode attention, paged_attention._reference() (float64)."""
+engine's torch path) and, for paged decode attention, paged_attention._reference() (float64).
+The KV cache may be float16: attention widens its rows exactly, the write rounds as torch's .half()."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +60,25 @@ def test_paged_decode_attention_matches_reference(lens: list[int], bs: int, head
         torch.testing.assert_close(out[i:i + 1], ref, **TOL)
 
 
+@pytest.mark.parametrize("lens,bs,heads,kh,d", [
+    ([10, 3, 16, 1, 33], 4, 9, 3, 16),     # the vector path (head_dim 16 is not one of its sizes: portable)
+    ([200, 64, 129, 17], 16, 9, 3, 64),    # the engine's shape: AVX-512 one-pass where the CPU has it
+    ([300, 2, 77], 16, 32, 4, 128),        # groups of 8, head_dim 128
+    ([31, 1], 16, 12, 12, 32),             # no grouping, head_dim 32
+    ([40, 5], 8, 8, 1, 12),                # head_dim 12: the portable loops, rows converted first
+])
+def test_paged_decode_attention_reads_a_float16_cache(lens: list[int], bs: int, heads: int, kh: int, d: int) -> None:
+    k, v, tables, padded = paged_case(lens, bs, kh, d, seed=len(lens) + d + 1)
+    k, v = k.half(), v.half()
+    q = torch.randn(len(lens), heads, d, generator=gen(2))
+    out = ops.paged_decode_attention(q, k, v, padded, torch.tensor(lens), d ** -0.5)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        ref = pa._reference(q[i:i + 1], k.float(), v.float(), table, n - 1, d ** -0.5)   # the widened rows
+        torch.testing.assert_close(out[i:i + 1], ref, **TOL)
+    # The torch decode path reads the same cache the same way.
+    torch.testing.assert_close(out, pa.decode(q, k, v, padded, torch.tensor(lens), d ** -0.5), **TOL)
+
+
 def test_paged_decode_attention_takes_q_as_a_view_of_qkv() -> None:
     """The forward passes q as qkv[:, :heads]: rows strided, each head's D values contiguous."""
     lens = [5, 20]
@@ -73,6 +98,10 @@ def test_paged_decode_attention_refuses_bad_input() -> None:
         ops.paged_decode_attention(q, k, v, padded, torch.tensor([9]), 1.0)
     with pytest.raises(RuntimeError, match="not a block id"):
         ops.paged_decode_attention(q, k, v, torch.full_like(padded, k.shape[0]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        ops.paged_decode_attention(q, k.bfloat16(), v.bfloat16(), padded, torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="differ"):
+        ops.paged_decode_attention(q, k, v.half(), padded, torch.tensor([5]), 1.0)
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (16, 576), (300, 576), (5, 37)])
@@ -122,6 +151,48 @@ def test_rope_and_write_kv(t: int, heads: int, kh: int, d: int) -> None:
     assert torch.equal(qkv[:, heads + kh:], expected_v)            # v is not rotated
     torch.testing.assert_close(k_cache, ref_k, **TOL)
     assert torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("t,heads,kh,d", [(16, 9, 3, 64), (3, 2, 1, 6)])
+def test_rope_and_write_kv_into_a_float16_cache(t: int, heads: int, kh: int, d: int) -> None:
+    """Rounded to nearest even, as torch's .half() rounds: the torch path writes the same bits."""
+    g = gen(t + 100)
+    cos, sin = rope_tables(128, d)
+    qkv = torch.randn(t, heads + 2 * kh, d, generator=g) * 300.0     # some values lose mantissa bits
+    qkv[0, heads, 0] = 1e-6                                          # a subnormal half
+    qkv[0, heads + kh, 0] = 70000.0                                  # beyond float16: inf, as .half()
+    positions = torch.randint(0, 128, (t,), generator=g)
+    slots = torch.randperm(40 * 4, generator=g)[:t]
+    k_cache, v_cache = torch.zeros(40, 4, kh, d, dtype=torch.float16), torch.zeros(40, 4, kh, d, dtype=torch.float16)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want = qkv.clone()
+    torch_ops.rope_and_write_kv(want, positions, cos, sin, ref_k, ref_v, slots, heads)
+    ops.rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, heads)
+    assert torch.equal(v_cache, ref_v)
+    torch.testing.assert_close(k_cache.float(), ref_k.float(), rtol=1e-3, atol=1e-6)   # k: rotations agree to rounding
+    assert torch.equal(v_cache.view(-1, kh, d)[slots], qkv[:, heads + kh:].half())
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_the_other_instruction_set_paths_attend_alike(isa: str) -> None:
+    """The AVX2 and portable builds read and write float16 caches as the native one does."""
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    script = (
+        "import torch; from kernels import cpu_ops, paged_attention as pa; assert cpu_ops.load();"
+        "g = torch.Generator().manual_seed(0); ops = torch.ops.infermesh;"
+        "k = torch.randn(20, 16, 3, 64, generator=g).half(); v = torch.randn(20, 16, 3, 64, generator=g).half();"
+        "q = torch.randn(2, 9, 64, generator=g); t = torch.randperm(20, generator=g)[:10].view(2, 5);"
+        "n = torch.tensor([70, 33]); out = ops.paged_decode_attention(q, k, v, t, n, 0.125);"
+        "torch.testing.assert_close(out, pa.decode(q, k.float(), v.float(), t, n, 0.125), rtol=1e-5, atol=1e-5);"
+        "x = torch.randn(3, 15, 64, generator=g) * 1000; kc = torch.zeros(4, 4, 3, 64, dtype=torch.float16);"
+        "vc = torch.zeros_like(kc); c = torch.ones(8, 64); s = torch.zeros(8, 64);"
+        "ops.rope_and_write_kv(x, torch.tensor([0, 1, 2]), c, s, kc, vc, torch.tensor([0, 5, 9]), 9);"
+        "assert torch.equal(kc.view(-1, 3, 64)[[0, 5, 9]], x[:, 9:12].half());"
+        "assert torch.equal(vc.view(-1, 3, 64)[[0, 5, 9]], x[:, 12:].half()); print('ok')")
+    env = {**os.environ, "INFERMESH_CPU_ISA": isa, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
 def test_rope_refuses_positions_past_the_table() -> None:

@@ -77,8 +77,20 @@ def test_every_name_has_its_implementation() -> None:
 def test_labels_name_every_field() -> None:
     p = decide(device="cuda")
     assert p.labels() == {"device": "cuda", "dtype": "bfloat16", "matmul": "fused", "attention": "triton",
-                          "ops": "triton", "graphs": "cuda", "matmul_large": "", "split_rows": "0"}
-    assert str(p) == "cuda bfloat16, fused matmuls, triton decode attention, triton ops, graphs cuda"
+                          "ops": "triton", "graphs": "cuda", "matmul_large": "", "split_rows": "0",
+                          "kv_dtype": "bfloat16"}
+    assert str(p) == "cuda bfloat16, fused matmuls, triton decode attention, triton ops, bfloat16 KV cache, graphs cuda"
+
+
+def test_kv_cache_is_float16_where_the_fused_cpu_ops_attend() -> None:
+    fused = decide(device="cpu", dtype="auto", matmul="fp16w")
+    if fused.attention == "fused":
+        assert fused.kv_dtype == "float16" and fused.kv_torch_dtype == torch.float16
+    exact = decide(device="cpu", dtype="float32")
+    assert exact.kv_torch_dtype == torch.float32 and exact.labels()["kv_dtype"] == "float32"
+    assert decide(device="cpu", dtype="auto", matmul="fp16w", kv_dtype="float32").kv_torch_dtype == torch.float32
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        ExecutionPlan("cuda", "bfloat16", "fused", "triton", "triton", "cuda", kv_dtype="float16")
 
 
 def test_a_measured_choice_becomes_the_cpu_plan() -> None:

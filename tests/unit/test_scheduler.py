@@ -614,4 +614,35 @@ def test_finish_of_preempted_request_frees_nothing_twice() -> None:
 
 def test_chunk_is_a_named_tuple_of_request_start_size_sample() -> None:
     r = req("a", [1])
-    assert Chunk(r, 0, 1, True) == (r, 0, 1, True)
+    assert Chunk(r, 0, 1, True) == (r, 0, 1, True, 0)       # draft: 0 unless speculation drafted
+
+
+def test_a_decode_row_carries_its_draft_and_commit_counts_only_the_real_token() -> None:
+    s = sched(num_blocks=8, block_size=4, max_batched_tokens=8)
+    a = req("a", [1, 2, 3])
+    s.add(a)
+    s.commit(s.schedule())
+    a.append(7)                                   # decoding: one token to compute, position 3
+    a.draft = [8, 9, 10]
+    batch = s.schedule()
+    assert [(c.start, c.num_tokens, c.sample, c.draft) for c in batch.chunks] == [(3, 4, True, 3)]
+    assert len(a.table) == 2                      # blocks for the draft positions 4..6 as well
+    s.commit(batch)
+    assert a.num_computed == 4                    # the drafts count once accepted (the engine's call)
+
+
+def test_drafts_are_dropped_when_the_budget_or_the_blocks_run_short() -> None:
+    s = sched(num_blocks=8, block_size=4, max_batched_tokens=3)
+    a = req("a", [1, 2])
+    s.add(a)
+    s.commit(s.schedule())
+    a.append(5)
+    a.draft = [6, 7, 8]                           # 1 + 3 rows > the budget of 3
+    assert [(c.num_tokens, c.draft) for c in s.schedule().chunks] == [(1, 0)]
+    tight = sched(num_blocks=1, block_size=4, max_batched_tokens=8)
+    b = req("b", [1, 2])
+    tight.add(b)
+    tight.commit(tight.schedule())
+    b.append(5)
+    b.draft = [6, 7, 8]                           # positions up to 5 need a second block: none is free
+    assert [(c.num_tokens, c.draft) for c in tight.schedule().chunks] == [(1, 0)]
