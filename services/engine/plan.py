@@ -44,7 +44,7 @@ KV_DTYPES = ("float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class ExecutionPlan:
     device: str          # cpu | cuda
-    dtype: str           # float32 | bfloat16: activations and the KV cache (int8 weights run in float32)
+    dtype: str           # float32 | bfloat16: activations; the KV cache too unless kv_dtype (int8 weights: float32)
     matmul: str          # MATMULS
     attention: str       # ATTENTIONS
     ops: str             # OPS
