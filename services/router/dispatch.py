@@ -135,7 +135,7 @@ class Dispatcher:
                 pool = [r for r in self.table.all() if r.model != model or not version or r.model_version == version]
                 if stream.ids:                         # a stream continues on the model it started with
                     pool = [r for r in pool if r.model == streamed]
-                plan = call.plan(pool, now())
+                plan = call.plan(pool, now(), context.time_remaining())
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
                     if plan.degraded:
                         metrics.FAILOVER.labels("3").inc()

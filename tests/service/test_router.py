@@ -360,6 +360,24 @@ def test_saturated_replicas_shed_with_unavailable_and_retry_after() -> None:
     run(scenario)
 
 
+def test_a_request_whose_deadline_the_queues_would_outlast_is_refused_at_once() -> None:
+    """20 queued at 2.5 requests/s: ~8 s of queue.  A call with 3 s left is refused now (UNAVAILABLE,
+    retry-after when the queue will have drained enough) instead of waiting to time out; with 20 s it runs."""
+    async def scenario() -> None:
+        async with running(waiting=20) as mesh:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in mesh.router.Generate(chat(("user", "hi")), timeout=3):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "2 late" in (err.value.details() or "") and "deadline" in (err.value.details() or "")
+            # 8 s of queue less what is left of the 3 s when the router plans (tokenizing took some)
+            assert dict(err.value.trailing_metadata() or ())["retry-after"] in ("5", "6")
+            assert mesh.script.calls == []
+            assert ids_of(await collect(mesh, chat(("user", "hi")))) != []      # timeout=20: room to wait
+
+    run(scenario)
+
+
 def test_engines_out_of_resources_end_in_unavailable_with_retry_after() -> None:
     async def scenario() -> None:
         script = Script([Behaviour(fail_after=0, code=grpc.StatusCode.RESOURCE_EXHAUSTED) for _ in range(2)])

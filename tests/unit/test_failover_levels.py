@@ -162,6 +162,23 @@ def test_retry_after_is_clamped_and_has_a_default_when_no_clock_tells() -> None:
     assert caught.value.retry_after_s == 5 and caught.value.detail == f"{FULL}: no replica"
 
 
+def test_a_queue_that_would_outlast_the_requests_deadline_is_late() -> None:
+    """queued / finished-per-second is the expected wait; a request with less time left is refused there
+    (and sent to a shorter queue), not queued to time out."""
+    f = failover(fallbacks={})
+    long, short = rep("a", waiting=40), rep("b", waiting=4)
+    long.qps = short.qps = 2.0                       # 20 s and 2 s of queue
+    assert f.queue_wait_s(long) == 20.0 and f.refusal(long, 0.0, deadline_s=5.0) == "late"
+    assert f.refusal(long, 0.0, deadline_s=30.0) == "" and f.refusal(long, 0.0) == ""   # no deadline: no limit
+    assert ids(f.plan(FULL, [long, short], 0.0, deadline_s=5.0).candidates) == ["b"]
+    idle = rep("c", waiting=40)                      # no request finished in its window yet: no estimate
+    assert f.refusal(idle, 0.0, deadline_s=1.0) == ""
+    with pytest.raises(Saturated) as caught:
+        f.plan(FULL, [long], 0.0, deadline_s=5.0)
+    assert caught.value.retry_after_s == 15          # until 15 s of the queue have drained
+    assert "1 late (queue wait ~20 s at the shortest, beyond the request's deadline of 5 s)" in caught.value.detail
+
+
 def test_excluded_or_saturated_replicas_suggest_retrying_soon() -> None:
     f = failover(fallbacks={}, max_queued=4)
     with pytest.raises(Saturated) as caught:

@@ -19,6 +19,7 @@ from services.router.failover.config import BreakerConfig, FailoverConfig
 from services.router.failover.levels import (
     EXCLUDED,
     ISOLATED,
+    LATE,
     OPEN,
     PROBING,
     SATURATED,
@@ -32,7 +33,7 @@ from services.router.failover.probes import ProbeVerdicts
 from services.router.failover.window import OutcomeWindow, p99
 
 __all__ = [
-    "CAUSES", "EXCLUDED", "ISOLATED", "OPEN", "PROBING", "SATURATED", "UNHEALTHY",
+    "CAUSES", "EXCLUDED", "ISOLATED", "LATE", "OPEN", "PROBING", "SATURATED", "UNHEALTHY",
     "Attempt", "Breaker", "BreakerConfig", "BreakerState", "Call", "Failover", "FailoverConfig", "FallbackChain",
     "OutcomeWindow", "Pass", "Plan", "ProbeVerdicts", "RetryBudget", "Saturated", "Step", "p99",
 ]

@@ -42,13 +42,14 @@ class Call:
         self._attempt: Attempt | None = None    # started and not yet ended
         failover.note_request(now)
 
-    def plan(self, replicas: Sequence[Replica], now: float) -> Plan:
+    def plan(self, replicas: Sequence[Replica], now: float, deadline_s: float | None = None) -> Plan:
         """Failover.plan for this call: the replicas it failed on are excluded, and it takes
-        the pass of the planned model's breaker (a probe, when that one is half-open)."""
+        the pass of the planned model's breaker (a probe, when that one is half-open).
+        deadline_s: the seconds the request has left, if it has a deadline."""
         if self.done:
             raise RuntimeError("the call is over: no more attempts")
         try:
-            plan = self.failover.plan(self.model, replicas, now, self.failed_on, self._model_passes)
+            plan = self.failover.plan(self.model, replicas, now, self.failed_on, self._model_passes, deadline_s)
         except Saturated:
             self._finish(now)
             raise

@@ -5,7 +5,9 @@
         that passes after the isolation, and when its breaker allows.
     L2  a replica whose breaker is open is not admitted (its requests are retried elsewhere,
         call.py), nor is one whose breaker is half-open with every probe out, nor one whose
-        engine queue is at its bound (the engine's max_waiting, or `max_queued`): saturated.
+        engine queue is at its bound (the engine's max_waiting, or `max_queued`): saturated,
+        nor, for a request with a deadline, one whose queue would make it wait longer than
+        that (queued requests / the requests it finishes per second): late.
     L3  when the requested model's breaker refuses, or none of its replicas is admitted, the
         request goes to the next model of its fallback chain that has one: degraded, with
         the chain's confidence.  When no model of the chain has one: Saturated, with a
@@ -30,8 +32,8 @@ from services.router.failover.config import FailoverConfig
 from services.router.replicas import Replica
 
 # Why a replica is not admitted (refusal's answers; metrics labels), in the order checked.
-UNHEALTHY, ISOLATED, OPEN, PROBING, SATURATED, EXCLUDED = (
-    "unhealthy", "isolated", "open", "probing", "saturated", "excluded")
+UNHEALTHY, ISOLATED, OPEN, PROBING, SATURATED, LATE, EXCLUDED = (
+    "unhealthy", "isolated", "open", "probing", "saturated", "late", "excluded")
 
 
 class Saturated(Unavailable):
@@ -115,8 +117,10 @@ class Failover:
         return None if isolated is None else isolated[1]
 
     # -- L1 + L2: admission ------------------------------------------------------------
-    def refusal(self, replica: Replica, now: float, exclude: Collection[str] = frozenset()) -> str:
-        """Why `replica` is not admitted now (UNHEALTHY ... EXCLUDED), or "" when it is."""
+    def refusal(self, replica: Replica, now: float, exclude: Collection[str] = frozenset(),
+                deadline_s: float | None = None) -> str:
+        """Why `replica` is not admitted now (UNHEALTHY ... EXCLUDED), or "" when it is.
+        deadline_s: the seconds the request has left, if it has a deadline."""
         if not replica.healthy:
             return UNHEALTHY
         if replica.replica_id in self._isolated:
@@ -126,9 +130,17 @@ class Failover:
             return OPEN if breaker.state(now) is BreakerState.OPEN else PROBING
         if self._saturated(replica):
             return SATURATED
+        if deadline_s is not None and self.queue_wait_s(replica) > deadline_s:
+            return LATE
         if replica.replica_id in exclude:
             return EXCLUDED
         return ""
+
+    @staticmethod
+    def queue_wait_s(replica: Replica) -> float:
+        """The expected wait in the replica's engine queue: the requests queued there over the requests
+        it finishes per second (its load report's window); 0 while it reports none finished."""
+        return replica.queued / replica.qps if replica.qps > 0 else 0.0
 
     def _saturated(self, replica: Replica) -> bool:
         if self.config.max_queued is not None:
@@ -137,11 +149,12 @@ class Failover:
 
     # -- L3: the plan ------------------------------------------------------------------
     def plan(self, model: str, replicas: Sequence[Replica], now: float, exclude: Collection[str] = frozenset(),
-             held: Mapping[str, Pass] | None = None) -> Plan:
+             held: Mapping[str, Pass] | None = None, deadline_s: float | None = None) -> Plan:
         """The admitted replicas of the first model of `model`'s chain that has any; raises
         Saturated when none has.  exclude: replica ids the request already failed on.
         held: model -> the model-breaker pass the request holds (Call's), which admits the
-        model even while its half-open breaker has every probe out."""
+        model even while its half-open breaker has every probe out.  deadline_s: the seconds the
+        request has left (a replica whose queue would outlast them is refused as LATE)."""
         held = held or {}
         passed_over: list[str] = []
         recoveries: list[float] = []
@@ -154,19 +167,25 @@ class Failover:
                 continue
             refused: Counter[str] = Counter()
             candidates = []
+            waits: list[float] = []
             for r in replicas:
                 if r.model != step.model:
                     continue
-                why = self.refusal(r, now, exclude)
+                why = self.refusal(r, now, exclude, deadline_s)
                 if why:
                     refused[why] += 1
-                    recoveries.append(self._replica_recovery(r, why, now))
+                    recoveries.append(self._replica_recovery(r, why, now, deadline_s))
+                    if why == LATE:
+                        waits.append(self.queue_wait_s(r))
                 else:
                     candidates.append(r)
             if candidates:
                 why_degraded = "; ".join(passed_over)
                 return Plan(step.model, candidates, step.model != model, step.confidence, why_degraded)
             counts = ", ".join(f"{n} {why}" for why, n in sorted(refused.items())) or "no replica"
+            if waits:
+                counts += (f" (queue wait ~{min(waits):.0f} s at the shortest, beyond the request's deadline of "
+                           f"{deadline_s:.0f} s)")
             passed_over.append(f"{step.model}: {counts}")
         raise Saturated(model, self._retry_after(recoveries), "; ".join(passed_over))
 
@@ -175,7 +194,9 @@ class Failover:
         half_open_at = breaker.half_open_at
         return 0.0 if half_open_at is None else max(half_open_at - now, 0.0)
 
-    def _replica_recovery(self, replica: Replica, why: str, now: float) -> float:
+    def _replica_recovery(self, replica: Replica, why: str, now: float, deadline_s: float | None = None) -> float:
+        if why == LATE and deadline_s is not None:
+            return self.queue_wait_s(replica) - deadline_s      # until the queue has drained that much
         if why in (UNHEALTHY, ISOLATED):
             return self.config.unknown_retry_after_s     # the health checks will tell; no clock says when
         if why in (OPEN, PROBING):
