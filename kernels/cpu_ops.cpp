@@ -363,7 +363,7 @@ bool attend_vector(const float* q, int64_t g, int64_t d, const T* const* krows, 
 template <typename T>
 void attend_items(int64_t begin, int64_t end, const float* qp, int64_t qs0, int64_t qs1, const T* kp, const T* vp,
                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t max_len, int64_t kh, int64_t g,
-                  int64_t d, int64_t bs, int64_t h, float scale, float* op_) {
+                  int64_t d, int64_t bs, int64_t h, float scale, int64_t window, float* op_) {
   const int64_t row = kh * d;                    // elements between one token's rows in the cache
   std::vector<const T*> krows(max_len), vrows(max_len);
   std::vector<float> qbuf(g * d);
@@ -387,34 +387,40 @@ void attend_items(int64_t begin, int64_t end, const float* qp, int64_t qs0, int6
       for (int64_t c = 0; c < d; ++c) qbuf[i * d + c] = src[c] * scale;
     }
     float* o = op_ + s * h * d + head * g * d;   // (g, d): this group's output rows
+    // A sliding window attends the last `window` keys only: the item's rows start there.
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+    const T* const* kr = krows.data() + lo;
+    const T* const* vr = vrows.data() + lo;
+    const int64_t n = len - lo;
 #ifdef __AVX512F__
-    if (attend_vector(qbuf.data(), g, d, krows.data(), vrows.data(), len, o)) continue;
+    if (attend_vector(qbuf.data(), g, d, kr, vr, n, o)) continue;
 #endif
-    scores.resize(g * len);
-    kf.resize(len);
-    vf.resize(len);
+    scores.resize(g * n);
+    kf.resize(n);
+    vf.resize(n);
     if constexpr (std::is_same_v<T, float>) {
-      for (int64_t j = 0; j < len; ++j) {
-        kf[j] = krows[j];
-        vf[j] = vrows[j];
+      for (int64_t j = 0; j < n; ++j) {
+        kf[j] = kr[j];
+        vf[j] = vr[j];
       }
     } else {
-      kconv.resize(len * d);
-      vconv.resize(len * d);
-      for (int64_t j = 0; j < len; ++j) {
-        kv_to_float(krows[j], d, kconv.data() + j * d);
-        kv_to_float(vrows[j], d, vconv.data() + j * d);
+      kconv.resize(n * d);
+      vconv.resize(n * d);
+      for (int64_t j = 0; j < n; ++j) {
+        kv_to_float(kr[j], d, kconv.data() + j * d);
+        kv_to_float(vr[j], d, vconv.data() + j * d);
         kf[j] = kconv.data() + j * d;
         vf[j] = vconv.data() + j * d;
       }
     }
-    attend_two_pass(qbuf.data(), g, d, kf.data(), vf.data(), len, scores.data(), o);
+    attend_two_pass(qbuf.data(), g, d, kf.data(), vf.data(), n, scores.data(), o);
   }
 }
 
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
-                              const Tensor& context_lens, double scale) {
+                              const Tensor& context_lens, double scale, int64_t window) {
   const char* op = "paged_decode_attention";
+  CHECK(window >= 0, op, ": window must be >= 0 (0: every key), got ", window);
   check_float(q, op, "q", 3);
   CHECK(q.stride(2) == 1, op, ": q's last dim must be contiguous, got strides ", str(q.strides()));
   const bool half = check_kv_cache(k_cache, op, "k_cache");
@@ -468,10 +474,10 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   torch::stable::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     if (half)
       attend_items(bounds[begin], bounds[end], qp, qs0, qs1, static_cast<const uint16_t*>(k_cache.const_data_ptr()),
-                   static_cast<const uint16_t*>(v_cache.const_data_ptr()), tables, width, lens, max_len, kh, g, d, bs, h, fscale, op_);
+                   static_cast<const uint16_t*>(v_cache.const_data_ptr()), tables, width, lens, max_len, kh, g, d, bs, h, fscale, window, op_);
     else
       attend_items(bounds[begin], bounds[end], qp, qs0, qs1, k_cache.const_data_ptr<float>(),
-                   v_cache.const_data_ptr<float>(), tables, width, lens, max_len, kh, g, d, bs, h, fscale, op_);
+                   v_cache.const_data_ptr<float>(), tables, width, lens, max_len, kh, g, d, bs, h, fscale, window, op_);
   });
   return out;
 }
@@ -628,8 +634,8 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 
 namespace infermesh_cpu {
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
-                              const Tensor& context_lens, double scale) {
-  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+                              const Tensor& context_lens, double scale, int64_t window) {
+  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window);
 }
 Tensor add_rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, double eps) {
   return ::add_rms_norm(x, residual, weight, eps);
@@ -643,7 +649,7 @@ Tensor silu_and_mul(const Tensor& gate_up) { return ::silu_and_mul(gate_up); }
 
 STABLE_TORCH_LIBRARY(infermesh, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_and_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots, int num_heads) -> ()");

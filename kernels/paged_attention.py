@@ -33,48 +33,66 @@ def gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype |
 
 
 def decode_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask decode() applies: 0 for a row's keys, -inf for the padding after them.
+                dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+    """The additive mask decode() applies: 0 for a row's keys, -inf for the padding after them (and,
+    with a sliding window, for the keys before the row's last `window`).
 
     (B, 1, 1, max_blocks * block_size).  The same for every layer, so callers build it once
     per step; SDPA takes a float mask as is, where a boolean one is converted on every call."""
     length = block_tables.shape[1] * block_size
     keys = torch.arange(length, device=block_tables.device)[None, :]
     mask = torch.zeros(context_lens.shape[0], length, dtype=dtype, device=block_tables.device)
-    return mask.masked_fill_(keys >= context_lens[:, None], float("-inf"))[:, None, None, :]
+    outside = keys >= context_lens[:, None]
+    if window:
+        outside |= keys < context_lens[:, None] - window
+    return mask.masked_fill_(outside, float("-inf"))[:, None, None, :]
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+           context_lens: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+           window: int = 0) -> torch.Tensor:
     """One query per row.  q: (B, H, D); block_tables: (B, max_blocks) padded with any valid id;
     context_lens: (B,) keys per row, including the current token; mask: decode_mask() of the
-    same, when the caller has it.  Returns (B, H, D)."""
+    same, when the caller has it; window: attend only each row's last `window` keys (0: all).
+    Returns (B, H, D)."""
     k = gather(k_cache, block_tables, q.dtype)                                  # (B, KH, L, D)
     v = gather(v_cache, block_tables, q.dtype)
     if mask is None:
-        mask = decode_mask(block_tables, context_lens, k_cache.shape[1], q.dtype)
+        mask = decode_mask(block_tables, context_lens, k_cache.shape[1], q.dtype, window)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=True)                       # (B, H, 1, D)
     return out.squeeze(2)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-            start: int, scale: float) -> torch.Tensor:
-    """A chunk of one sequence: queries at positions start .. start+T-1 attend keys 0 .. start+T-1.
+            start: int, scale: float, window: int = 0) -> torch.Tensor:
+    """A chunk of one sequence: queries at positions start .. start+T-1 attend keys 0 .. start+T-1
+    (with a sliding window, only the last `window` of them each).
 
     q: (T, H, D); block_table: (num_blocks,).  Returns (T, H, D)."""
     t = q.shape[0]
     k = gather(k_cache, block_table[None], q.dtype)[:, :, : start + t]           # (1, KH, S+T, D)
     v = gather(v_cache, block_table[None], q.dtype)[:, :, : start + t]
     keys = torch.arange(start + t, device=q.device)
-    mask = keys[None, :] <= (start + torch.arange(t, device=q.device))[:, None]  # (T, S+T) causal
+    query = (start + torch.arange(t, device=q.device))[:, None]
+    mask = keys[None, :] <= query                                                # (T, S+T) causal
+    if window:
+        mask &= keys[None, :] > query - window
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=True)                       # (1, H, T, D)
     return out[0].transpose(0, 1)
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A whole prompt from position 0, keys straight from the projection.  (T, H|KH, D) -> (T, H, D)."""
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """A whole prompt from position 0, keys straight from the projection.  (T, H|KH, D) -> (T, H, D).
+    window: each query attends only its last `window` positions (0: all before it)."""
+    t = q.shape[0]
+    if window and t > window:
+        pos = torch.arange(t, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                          v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -79,6 +79,24 @@ def test_paged_decode_attention_reads_a_float16_cache(lens: list[int], bs: int, 
     torch.testing.assert_close(out, pa.decode(q, k, v, padded, torch.tensor(lens), d ** -0.5), **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 12])                     # the one-pass vector path and the portable one
+def test_paged_decode_attention_with_a_sliding_window(dtype: torch.dtype, d: int) -> None:
+    """window W: each row attends its last W keys only, as the torch path's windowed mask does."""
+    lens = [40, 7, 16, 33]
+    k, v, _, padded = paged_case(lens, 4, 2, d, seed=11)
+    k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(len(lens), 6, d, generator=gen(5))
+    n = torch.tensor(lens)
+    for window in (1, 8, 16, 100):
+        out = ops.paged_decode_attention(q, k, v, padded, n, 0.2, window)
+        torch.testing.assert_close(out, pa.decode(q, k, v, padded, n, 0.2, window=window), **TOL)
+    assert not torch.allclose(ops.paged_decode_attention(q, k, v, padded, n, 0.2, 8),
+                              ops.paged_decode_attention(q, k, v, padded, n, 0.2))
+    with pytest.raises(RuntimeError, match="window"):
+        ops.paged_decode_attention(q, k, v, padded, n, 0.2, -1)
+
+
 def test_paged_decode_attention_takes_q_as_a_view_of_qkv() -> None:
     """The forward passes q as qkv[:, :heads]: rows strided, each head's D values contiguous."""
     lens = [5, 20]

@@ -51,7 +51,7 @@ def _triton_decode() -> Callable[..., torch.Tensor]:
     return paged_attention_triton.decode
 
 
-# decode(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale) -> (B, H, D)
+# decode(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale[, window]) -> (B, H, D)
 DECODE: dict[str, Callable[[], Callable[..., Any]]] = {"torch": _torch_decode, "fused": _fused_decode,
                                                        "triton": _triton_decode}
 
@@ -67,27 +67,36 @@ class Attention:
         self.needs_decode_mask = kind == "torch"
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """The decode rows' attention.  q: (B, H, D) -> (B, H, D)."""
+               meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+        """The decode rows' attention.  q: (B, H, D) -> (B, H, D).  window: attend only the last `window`
+        keys (a sliding-window layer); 0: all."""
         assert meta.decode_tables is not None and meta.decode_lens is not None
+        if window:
+            if self.kind == "triton":
+                raise ValueError("sliding-window attention is not in the Triton decode kernel yet")
+            if self.needs_decode_mask:     # the step's mask is the full one: this layer builds its own
+                return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, None,
+                                    window)
+            return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, window)
         if self.needs_decode_mask:
             return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale,
                                 meta.decode_mask)
         return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: (T, heads, D), k and v: (T, kv_heads, D), already written to the cache -> (T, heads, D)."""
+                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+        """q: (T, heads, D), k and v: (T, kv_heads, D), already written to the cache -> (T, heads, D).
+        window: a sliding-window layer's size (each query attends its last `window` positions); 0: full."""
         if meta.decode_rows is not None and not meta.prefills:
             # Pure decode step (the common case): every row is a decode row, in order.
-            return self.decode(q, k_cache, v_cache, meta)
+            return self.decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self.decode(q[meta.decode_rows], k_cache, v_cache, meta)
+            out[meta.decode_rows] = self.decode(q[meta.decode_rows], k_cache, v_cache, meta, window)
         for first, rows, start, table in meta.prefills:
             sl = slice(first, first + rows)
             if start == 0:
-                out[sl] = paged_attention.causal(q[sl], k[sl], v[sl], self.scale)
+                out[sl] = paged_attention.causal(q[sl], k[sl], v[sl], self.scale, window)
             else:
-                out[sl] = paged_attention.prefill(q[sl], k_cache, v_cache, table, start, self.scale)
+                out[sl] = paged_attention.prefill(q[sl], k_cache, v_cache, table, start, self.scale, window)
         return out

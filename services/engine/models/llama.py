@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2 shapes; SmolLM2 here) over a paged KV cache.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3 shapes; SmolLM2 here) over a paged KV cache.
 
 One call runs a ragged batch: the tokens of every scheduled chunk, flattened, go through
 the projections together (where batching pays); attention then runs per group: all
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from services.engine.models import ops as op_sets
+from services.engine.models import rope
 from services.engine.models.attention import Attention, AttentionMetadata
 from services.engine.models.linear import (
     BlockLinear,
@@ -50,30 +51,57 @@ class LlamaConfig:
     max_position: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    rope_scaling: tuple[tuple[str, Any], ...] = ()   # rope_parameters beyond the type's defaults (models/rope.py)
+    qk_norm: bool = False                 # Qwen3: RMSNorm over each head's q and k before RoPE
+    windows: tuple[int, ...] = ()         # per layer: sliding-window size, 0 = full attention; () = all full
 
     @classmethod
     def from_folder(cls, folder: Path) -> LlamaConfig:
         """config.json of a folder whose model_type the registry (models/__init__.py) maps here."""
         c = json.loads((folder / "config.json").read_text())
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"rope scaling {rope!r} is not supported yet")
+        params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope.check(params)
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
             head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate_size=c["intermediate_size"],
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rope_theta=float(params.get("rope_theta", c.get("rope_theta", 10000.0))),
             max_position=c.get("max_position_embeddings", 2048),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             qkv_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
+            rope_scaling=tuple(sorted((k, v) for k, v in params.items() if k != "rope_theta")),
+            qk_norm=c.get("model_type") == "qwen3",
+            windows=_windows(c),
         )
+
+
+def _windows(c: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers applies them: Mistral slides every
+    layer when `sliding_window` is set; Qwen2/3 name each layer's kind in `layer_types` (with
+    use_sliding_window)."""
+    window = c.get("sliding_window") or 0
+    layers = c["num_hidden_layers"]
+    if not window:
+        return ()
+    if c.get("model_type") == "mistral" and "layer_types" not in c:
+        return (int(window),) * layers
+    kinds = c.get("layer_types")
+    if kinds is None:
+        if not c.get("use_sliding_window", False):
+            return ()
+        kinds = ["sliding_attention" if i >= c.get("max_window_layers", layers) else "full_attention"
+                 for i in range(layers)]
+    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
 
 
 @dataclass
 class Layer:
     input_norm: torch.Tensor      # (H,)
+    q_norm: torch.Tensor | None   # (D,) Qwen3's per-head norms, else None
+    k_norm: torch.Tensor | None
     qkv: Concat                   # H -> (heads + 2 kv_heads) * D
     o: Linear                     # heads*D -> H
     post_norm: torch.Tensor
@@ -102,6 +130,13 @@ def _fused_q4_layers(layers: list[Layer]) -> list[tuple[torch.Tensor, ...]] | No
         qkv, o, gate_up, down = parts
         out.append((layer.input_norm, qkv, o, layer.post_norm, gate_up, down))
     return out  # type: ignore[return-value]
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over each head's vector, op for op as transformers' Qwen3RMSNorm (float32 math)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -137,6 +172,8 @@ class LlamaModel:
             a = p + "self_attn."
             self.layers.append(Layer(
                 input_norm=w(p + "input_layernorm.weight"),
+                q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
                 qkv=Concat(linear, [w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")],
                            [opt(a + "q_proj.bias"), opt(a + "k_proj.bias"), opt(a + "v_proj.bias")]),
                 o=linear(w(a + "o_proj.weight"), None),
@@ -157,18 +194,25 @@ class LlamaModel:
         self.head_weight = head if cpu_fast else None
         self.approx_head = Int8Linear(head, None) if cpu_fast and has_fbgemm() else None
         self.greedy_min_rows = plan.split_rows + 1 if exact_blocks else 1
-        # RoPE tables as transformers builds them: float32 inverse frequencies times positions.
+        # RoPE tables as transformers builds them: float32 inverse frequencies (the variant's, models/rope.py)
+        # times positions; cos and sin scaled by the variant's attention factor (yarn's; 1 otherwise).
         d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        inv_freq, scale = rope.frequencies(dict(config.rope_scaling), config.rope_theta, d)
         freqs = torch.arange(config.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)                                   # (P, D)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+        self.windows = config.windows or (0,) * config.num_layers
+        if any(self.windows) and plan.attention == "triton":
+            raise ValueError("sliding_window: the Triton decode kernel has no sliding window yet; run this model "
+                             "with --device cpu")
         self.attention = Attention(plan.attention, d ** -0.5)
         self.ops: Any = op_sets.load(plan.ops)      # add_rms_norm, rope_and_write_kv, silu_and_mul
         # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library
         # (decode_layer_q4: the same ops in the same order) when every layer's GEMMs are lossless q4.
-        self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") else None
+        plain = not config.qk_norm and not any(self.windows)      # what decode_layer_q4 computes
+        self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") \
+            and plain else None
         self.fused_rows = plan.split_rows if plan.matmul_large else 1 << 30
 
     @property
@@ -199,12 +243,15 @@ class LlamaModel:
                     c.head_dim, c.intermediate_size)
             rows = x[logits_rows]
             return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv, strict=True):
             h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
             qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qkv[:, : c.num_heads] = _head_norm(qkv[:, : c.num_heads], layer.q_norm, eps)
+                qkv[:, c.num_heads: qk_heads] = _head_norm(qkv[:, c.num_heads: qk_heads], layer.k_norm, eps)
             ops.rope_and_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slots, c.num_heads)
             q, k, v = qkv[:, : c.num_heads], qkv[:, c.num_heads: qk_heads], qkv[:, qk_heads:]
-            attn = self.attention(q, k, v, k_cache, v_cache, meta)                 # (T, heads, D)
+            attn = self.attention(q, k, v, k_cache, v_cache, meta, window)         # (T, heads, D)
             h = ops.add_rms_norm(x, layer.o(attn.reshape(t, c.num_heads * c.head_dim)), layer.post_norm, eps)
             update = layer.down(ops.silu_and_mul(layer.gate_up(h)))
         rows = x[logits_rows]                                                      # (S, H)

@@ -1,0 +1,122 @@
+"""Architectures and RoPE variants beyond SmolLM2, on tiny random-weight models that transformers builds
+from a config (offline): greedy output equal to transformers' `generate` in the float32 mode, ragged
+prompts run together, and within rounding in the fused CPU mode.
+
+Covered here: Llama with linear, llama3 and yarn RoPE scaling (a short original context, so scaling
+changes the frequencies that matter); Qwen2 (q/k/v biases); Qwen3 (per-head q/k RMSNorm, explicit
+head_dim); Mistral with
+a sliding window shorter than the prompts (prefill, chunked prefill and decode each honour it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from services.engine.models.llama import LlamaConfig as OurConfig
+from services.engine.plan import decide
+from services.engine.request import SamplingParams
+from services.engine.scheduler import SchedulerConfig
+
+COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "initializer_range": 0.2, "tie_word_embeddings": False}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+    "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                                             "rope_theta": 500000.0}}),
+    "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 8.0,
+                                                 "original_max_position_embeddings": 32, "rope_theta": 10000.0}}),
+    "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "qwen3": ("qwen3", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "mistral-window": ("mistral", {"sliding_window": 12, "head_dim": 16}),
+}
+_g = torch.Generator().manual_seed(3)
+PROMPTS = [torch.randint(4, 512, (n,), generator=_g).tolist() for n in (5, 17, 30, 9)]
+NEW = 24
+
+
+def build(kind: str, extra: dict[str, Any], folder: Path) -> Any:
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[kind]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    kind, extra = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, build(kind, extra, folder)
+
+
+def reference(model: Any, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def generate(runner: ModelRunner, budget: int = 512) -> dict[str, list[int]]:
+    engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=budget))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=NEW, ignore_eos=True)))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.new_ids
+    return got
+
+
+def test_the_config_is_read_as_transformers_reads_it(case: tuple[str, Path, Any]) -> None:
+    name, folder, _ = case
+    config = OurConfig.from_folder(folder)
+    assert config.qk_norm == (name == "qwen3")
+    assert config.windows == ((12, 12) if name == "mistral-window" else ())
+    assert dict(config.rope_scaling).get("rope_type", "default") == CASES[name][1].get(
+        "rope_parameters", {}).get("rope_type", "default")
+
+
+@pytest.mark.parametrize("budget", [512, 8])    # 8: prompts prefill in chunks that read the cache
+def test_float32_greedy_equals_transformers(case: tuple[str, Path, Any], budget: int) -> None:
+    _, folder, model = case
+    runner = ModelRunner(folder, decide(device="cpu", dtype="float32"), kv_cache_bytes=8 << 20, block_size=4)
+    got = generate(runner, budget)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[str(i)] == reference(model, prompt), f"prompt {i} ({len(prompt)} tokens)"
+
+
+def test_the_fused_cpu_mode_agrees(case: tuple[str, Path, Any]) -> None:
+    """packed fp32 GEMMs with the fused CPU ops (decode attention with its window) and a float32 KV cache:
+    the same greedy tokens as transformers on these decisive random weights."""
+    _, folder, model = case
+    plan = decide(device="cpu", dtype="float32", matmul="packed", kv_dtype="float32")
+    if plan.attention != "fused":
+        pytest.skip("the fused CPU ops are off")
+    got = generate(ModelRunner(folder, plan, kv_cache_bytes=8 << 20, block_size=4))
+    for i, prompt in enumerate(PROMPTS):
+        assert got[str(i)] == reference(model, prompt), f"prompt {i}"
+
+
+def test_unsupported_rope_is_refused_naming_the_field(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", **COMMON, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(ValueError, match="rope_parameters.rope_type 'dynamic' is not supported"):
+        OurConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", **COMMON, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(ValueError, match="lacks low_freq_factor, high_freq_factor"):
+        OurConfig.from_folder(tmp_path)
