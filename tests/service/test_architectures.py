@@ -4,7 +4,7 @@ prompts run together, and within rounding in the fused CPU mode.
 
 Covered here: Llama with linear, llama3 and yarn RoPE scaling (a short original context, so scaling
 changes the frequencies that matter); Qwen2 (q/k/v biases); Qwen3 (per-head q/k RMSNorm, explicit
-head_dim); Mistral with
+head_dim); Gemma 3 (see its case); Phi-3 (fused projections); Mistral with
 a sliding window shorter than the prompts (prefill, chunked prefill and decode each honour it)."""
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "qwen3": ("qwen3", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "mistral-window": ("mistral", {"sliding_window": 12, "head_dim": 16}),
+    # Gemma 3: alternating local (window 12, theta 10k) and global (theta 1M, linear x4) layers, (1 + w)
+    # norms around both blocks, q/k norms, GELU, scaled embeddings, query_pre_attn_scalar.
+    "gemma3": ("gemma3_text", {"head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 24,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1000000.0}}}),
+    "phi3": ("phi3", {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}),   # fused qkv_proj, gate_up_proj
 }
 _g = torch.Generator().manual_seed(3)
 PROMPTS = [torch.randint(4, 512, (n,), generator=_g).tolist() for n in (5, 17, 30, 9)]
@@ -46,11 +54,18 @@ def build(kind: str, extra: dict[str, Any], folder: Path) -> Any:
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[kind]
+                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+                  "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config}[kind]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[kind]
+                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "gemma3_text": transformers.Gemma3ForCausalLM, "phi3": transformers.Phi3ForCausalLM}[kind]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    with torch.no_grad():    # norms away from their init (1, or Gemma's 0): every block's output matters
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn(param.shape) * 0.5 + (3.0 if "post_" in name and kind.startswith("gemma")
+                                                                else 0.0))
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
     model.generation_config.eos_token_id = None
@@ -84,10 +99,15 @@ def generate(runner: ModelRunner, budget: int = 512) -> dict[str, list[int]]:
 def test_the_config_is_read_as_transformers_reads_it(case: tuple[str, Path, Any]) -> None:
     name, folder, _ = case
     config = OurConfig.from_folder(folder)
-    assert config.qk_norm == (name == "qwen3")
-    assert config.windows == ((12, 12) if name == "mistral-window" else ())
-    assert dict(config.rope_scaling).get("rope_type", "default") == CASES[name][1].get(
-        "rope_parameters", {}).get("rope_type", "default")
+    assert config.qk_norm == (name in ("qwen3", "gemma3"))
+    assert config.windows == {"mistral-window": (12, 12), "gemma3": (12, 0)}.get(name, ())
+    if name == "gemma3":
+        assert config.norm_offset == 1.0 and config.sandwich_norms and config.activation == "gelu_tanh"
+        assert [dict(r)["rope_theta"] for r in config.layer_rope] == [10000.0, 1000000.0]
+        assert config.attn_scale == 24 ** -0.5 and config.embed_scale == 64 ** 0.5
+    else:
+        assert dict(config.rope_scaling).get("rope_type", "default") == CASES[name][1].get(
+            "rope_parameters", {}).get("rope_type", "default")
 
 
 @pytest.mark.parametrize("budget", [512, 8])    # 8: prompts prefill in chunks that read the cache

@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3 shapes; SmolLM2 here) over a paged KV cache.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3; SmolLM2 here) over a paged KV cache.
 
 One call runs a ragged batch: the tokens of every scheduled chunk, flattened, go through
 the projections together (where batching pays); attention then runs per group: all
@@ -52,15 +52,44 @@ class LlamaConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     rope_scaling: tuple[tuple[str, Any], ...] = ()   # rope_parameters beyond the type's defaults (models/rope.py)
-    qk_norm: bool = False                 # Qwen3: RMSNorm over each head's q and k before RoPE
+    qk_norm: bool = False                 # Qwen3, Gemma 3: RMSNorm over each head's q and k before RoPE
     windows: tuple[int, ...] = ()         # per layer: sliding-window size, 0 = full attention; () = all full
+    # Gemma 3's differences from Llama, off by default:
+    layer_rope: tuple[tuple[tuple[str, Any], ...], ...] = ()   # per layer rope_parameters (theta included)
+    embed_scale: float = 1.0              # embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    norm_offset: float = 0.0              # every RMSNorm multiplies by (offset + weight) (Gemma: 1)
+    sandwich_norms: bool = False          # norms on the attention and MLP outputs too (Gemma)
+    activation: str = "silu"              # the MLP's gate: silu | gelu_tanh
+    attn_scale: float = 0.0               # attention's softmax scale; 0: head_dim ** -0.5
 
     @classmethod
     def from_folder(cls, folder: Path) -> LlamaConfig:
         """config.json of a folder whose model_type the registry (models/__init__.py) maps here."""
         c = json.loads((folder / "config.json").read_text())
+        model_type = c.get("model_type")
         params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        layer_rope: tuple[tuple[tuple[str, Any], ...], ...] = ()
+        if params and all(isinstance(v, dict) for v in params.values()):
+            # Per layer kind (Gemma 3: local layers turn at another theta than global ones).
+            kinds = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+            missing = sorted(set(kinds) - set(params))
+            if missing:
+                raise ValueError(f"rope_parameters has no entry for layer type(s) {', '.join(missing)}")
+            for kind in set(kinds):
+                rope.check(params[kind])
+            layer_rope = tuple(tuple(sorted(params[kind].items())) for kind in kinds)
+            params = dict(params.get("full_attention") or next(iter(params.values())))
         rope.check(params)
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if c.get(field) is not None:
+                raise ValueError(f"{field} ({c[field]}) is not supported yet (Gemma 2's soft-capping)")
+        if c.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention is not supported: the engine decodes causally")
+        activation = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+        activations = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+        if activation not in activations:
+            raise ValueError(f"hidden_act {activation!r} is not supported (silu, gelu_pytorch_tanh)")
+        gemma = model_type == "gemma3_text"
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
@@ -72,8 +101,14 @@ class LlamaConfig:
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             qkv_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
             rope_scaling=tuple(sorted((k, v) for k, v in params.items() if k != "rope_theta")),
-            qk_norm=c.get("model_type") == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             windows=_windows(c),
+            layer_rope=layer_rope,
+            embed_scale=c["hidden_size"] ** 0.5 if gemma else 1.0,
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            activation=activations[activation],
+            attn_scale=c["query_pre_attn_scalar"] ** -0.5 if gemma and c.get("query_pre_attn_scalar") else 0.0,
         )
 
 
@@ -85,7 +120,7 @@ def _windows(c: dict[str, Any]) -> tuple[int, ...]:
     layers = c["num_hidden_layers"]
     if not window:
         return ()
-    if c.get("model_type") == "mistral" and "layer_types" not in c:
+    if c.get("model_type") in ("mistral", "phi3") and "layer_types" not in c:
         return (int(window),) * layers
     kinds = c.get("layer_types")
     if kinds is None:
@@ -104,9 +139,11 @@ class Layer:
     k_norm: torch.Tensor | None
     qkv: Concat                   # H -> (heads + 2 kv_heads) * D
     o: Linear                     # heads*D -> H
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor       # the norm before the MLP
     gate_up: Concat               # H -> 2 I
     down: Linear                  # I -> H
+    attn_out_norm: torch.Tensor | None = None   # Gemma: the attention's output is normalized before the add,
+    mlp_out_norm: torch.Tensor | None = None    # and the MLP's
 
 
 def _fused_q4_layers(layers: list[Layer]) -> list[tuple[torch.Tensor, ...]] | None:
@@ -130,6 +167,23 @@ def _fused_q4_layers(layers: list[Layer]) -> list[tuple[torch.Tensor, ...]] | No
         qkv, o, gate_up, down = parts
         out.append((layer.input_norm, qkv, o, layer.post_norm, gate_up, down))
     return out  # type: ignore[return-value]
+
+
+def _split_fused(weights: dict[str, torch.Tensor], config: LlamaConfig) -> None:
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split them (in place, as
+    views) under the names the Llama layout uses."""
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        fused = weights.pop(p + "self_attn.qkv_proj.weight", None)
+        if fused is not None:
+            q, k, v = fused.split([q_rows, kv_rows, kv_rows])
+            weights.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                            p + "self_attn.v_proj.weight": v})
+        fused = weights.pop(p + "mlp.gate_up_proj.weight", None)
+        if fused is not None:
+            gate, up = fused.chunk(2)
+            weights.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,23 +219,33 @@ class LlamaModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
+        def norm(name: str) -> torch.Tensor:
+            """An RMSNorm weight as the forward multiplies by it: Gemma's (1 + w), taken in float32."""
+            if not config.norm_offset:
+                return w(name)
+            return (weights[name].float() + config.norm_offset).to(device=device, dtype=dtype).contiguous()
+
+        _split_fused(weights, config)          # Phi-3's fused qkv_proj / gate_up_proj, as separate tensors
         self.embed = w("model.embed_tokens.weight")                               # (V, H)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             self.layers.append(Layer(
-                input_norm=w(p + "input_layernorm.weight"),
-                q_norm=w(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=w(a + "k_norm.weight") if config.qk_norm else None,
+                input_norm=norm(p + "input_layernorm.weight"),
+                q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
                 qkv=Concat(linear, [w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")],
                            [opt(a + "q_proj.bias"), opt(a + "k_proj.bias"), opt(a + "v_proj.bias")]),
                 o=linear(w(a + "o_proj.weight"), None),
-                post_norm=w(p + "post_attention_layernorm.weight"),
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms
+                                    else "post_attention_layernorm.weight")),
                 gate_up=Concat(linear, [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], [None, None]),
                 down=linear(w(p + "mlp.down_proj.weight"), None),
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
             ))
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         head = self.embed if tied else w("lm_head.weight")                           # (V, H)
         self.lm_head = head_kind(plan.matmul)(head, None)
@@ -197,20 +261,30 @@ class LlamaModel:
         # RoPE tables as transformers builds them: float32 inverse frequencies (the variant's, models/rope.py)
         # times positions; cos and sin scaled by the variant's attention factor (yarn's; 1 otherwise).
         d = config.head_dim
-        inv_freq, scale = rope.frequencies(dict(config.rope_scaling), config.rope_theta, d)
-        freqs = torch.arange(config.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)                                   # (P, D)
-        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+
+        def tables(params: dict[str, Any], theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+            inv_freq, scale = rope.frequencies(params, theta, d)
+            freqs = torch.arange(config.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)                               # (P, D)
+            return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device,
+                                                                                           dtype=dtype)
+
+        self.cos, self.sin = tables(dict(config.rope_scaling), config.rope_theta)
+        # Per layer (cos, sin): one table per distinct rope_parameters (Gemma 3: local and global layers).
+        distinct = {key: tables(dict(key), float(dict(key).get("rope_theta", config.rope_theta)))
+                    for key in set(config.layer_rope)}
+        self.rope_tables = [distinct[key] for key in config.layer_rope] if config.layer_rope else \
+            [(self.cos, self.sin)] * config.num_layers
         self.windows = config.windows or (0,) * config.num_layers
         if any(self.windows) and plan.attention == "triton":
             raise ValueError("sliding_window: the Triton decode kernel has no sliding window yet; run this model "
                              "with --device cpu")
-        self.attention = Attention(plan.attention, d ** -0.5)
+        self.attention = Attention(plan.attention, config.attn_scale or d ** -0.5)
         self.ops: Any = op_sets.load(plan.ops)      # add_rms_norm, rope_and_write_kv, silu_and_mul
         # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library
         # (decode_layer_q4: the same ops in the same order) when every layer's GEMMs are lossless q4.
-        plain = not config.qk_norm and not any(self.windows)      # what decode_layer_q4 computes
+        plain = not (config.qk_norm or any(self.windows) or config.layer_rope or config.sandwich_norms
+                     or config.embed_scale != 1.0 or config.activation != "silu")   # what decode_layer_q4 computes
         self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") \
             and plain else None
         self.fused_rows = plan.split_rows if plan.matmul_large else 1 << 30
@@ -233,6 +307,8 @@ class LlamaModel:
         qk_heads = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
         x = self.embed[input_ids]                                                  # (T, H) residual stream
+        if c.embed_scale != 1.0:
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         update: torch.Tensor | None = None                                         # (T, H) not yet added to x
         if self.fused_layers is not None and meta.decode_rows is not None and not meta.prefills \
                 and t <= self.fused_rows:
@@ -243,17 +319,28 @@ class LlamaModel:
                     c.head_dim, c.intermediate_size)
             rows = x[logits_rows]
             return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
-        for layer, window, (k_cache, v_cache) in zip(self.layers, self.windows, kv, strict=True):
+        for layer, window, (cos, sin), (k_cache, v_cache) in zip(self.layers, self.windows, self.rope_tables, kv,
+                                                                 strict=True):
             h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
             qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv[:, : c.num_heads] = _head_norm(qkv[:, : c.num_heads], layer.q_norm, eps)
                 qkv[:, c.num_heads: qk_heads] = _head_norm(qkv[:, c.num_heads: qk_heads], layer.k_norm, eps)
-            ops.rope_and_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slots, c.num_heads)
+            ops.rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, meta.slots, c.num_heads)
             q, k, v = qkv[:, : c.num_heads], qkv[:, c.num_heads: qk_heads], qkv[:, qk_heads:]
             attn = self.attention(q, k, v, k_cache, v_cache, meta, window)         # (T, heads, D)
-            h = ops.add_rms_norm(x, layer.o(attn.reshape(t, c.num_heads * c.head_dim)), layer.post_norm, eps)
-            update = layer.down(ops.silu_and_mul(layer.gate_up(h)))
+            out = layer.o(attn.reshape(t, c.num_heads * c.head_dim))
+            if layer.attn_out_norm is not None:
+                out = ops.add_rms_norm(out, None, layer.attn_out_norm, eps)
+            h = ops.add_rms_norm(x, out, layer.post_norm, eps)                     # x += out
+            gate_up = layer.gate_up(h)
+            if c.activation == "silu":
+                update = layer.down(ops.silu_and_mul(gate_up))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                update = layer.down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+            if layer.mlp_out_norm is not None:
+                update = ops.add_rms_norm(update, None, layer.mlp_out_norm, eps)
         rows = x[logits_rows]                                                      # (S, H)
         return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
 

@@ -1,0 +1,83 @@
+"""Bring your own model, end to end: a tiny random-weight model of each architecture (transformers
+builds it from a config, offline; the SmolLM2 tokenizer and chat template stand in for its own),
+registered with `infermesh model register`, served by `infermesh up --model NAME --dtype float32`, and
+asked with the `openai` package for chat completions of mixed lengths at once: each answer equals
+transformers' greedy `generate` on the same chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from tests.e2e.conftest import OFFSET, running_mesh
+from tests.service.test_architectures import CASES, build
+
+ARCHITECTURES = ["llama3", "llama-yarn", "mistral-window", "qwen2", "qwen3", "gemma3", "phi3"]
+CHATS = [[{"role": "user", "content": "Hi"}],
+         [{"role": "system", "content": "You answer in French."},
+          {"role": "user", "content": "Describe the water cycle in detail, step by step, for a child of ten."}],
+         [{"role": "user", "content": "Count: one two three four five six seven eight nine ten eleven twelve"}]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(model_dir: Path) -> list[Path]:
+    return [f for f in model_dir.iterdir()
+            if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, tokenizer_files: list[Path]) -> None:
+    from transformers import AutoTokenizer
+
+    kind, extra = CASES[name]
+    folder = tmp_path / name
+    folder.mkdir()
+    model = build(kind, {**extra, "vocab_size": 49152}, folder)        # the SmolLM2 tokenizer's vocabulary
+    for f in tokenizer_files:
+        shutil.copy(f, folder / f.name)
+    env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "register", f"tiny-{name}", str(folder)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    want = []
+    for chat in CHATS:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
+        want.append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+    assert sum(len(w) for w in want) > 3 * NEW           # real text to compare, not empty strings
+
+    offset = OFFSET + 300
+    with running_mesh(["--model", f"tiny-{name}", "--dtype", "float32", "--engines", "1", "--insecure-mesh"],
+                      offset, tmp_path / "up.log", env={"INFERMESH_HOME": str(tmp_path / "home")}) as mesh:
+        client = openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def ask(chat: list[dict[str, str]]) -> Any:
+            return await client.chat.completions.create(
+                model=f"tiny-{name}", messages=chat, max_tokens=NEW, temperature=0,  # type: ignore[arg-type]
+                extra_body={"ignore_eos": True})
+
+        async def all_at_once() -> list[Any]:
+            try:
+                return list(await asyncio.gather(*(ask(chat) for chat in CHATS)))
+            finally:
+                await client.close()
+
+        replies = asyncio.run(all_at_once())
+    for chat, reply, expected in zip(CHATS, replies, want, strict=True):
+        assert reply.choices[0].message.content == expected, json.dumps(chat)
+        assert reply.usage.completion_tokens == NEW
