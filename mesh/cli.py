@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def _cmd_up(a: argparse.Namespace) -> int:
@@ -124,7 +125,14 @@ def _cmd_model(a: argparse.Namespace) -> int:
         elif a.action == "path":
             print(models.path(a.name))
         elif a.action == "register":
+            engine_check(models.validate_folder(a.folder))
             print(models.register(a.name, a.folder))
+        elif a.action == "inspect":
+            folder = models.path(a.name)
+            info = models.describe_folder(folder)
+            info["engine"] = engine_view(folder)
+            for key, value in info.items():
+                print(f"{key + ':':<16} {value}")
         else:
             for entry in models.list_models():
                 print(f"{entry['name']:<20} {'present' if entry['present'] else 'absent':<8} {entry['path']}")
@@ -132,6 +140,36 @@ def _cmd_model(a: argparse.Namespace) -> int:
         print(f"infermesh model: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def engine_check(folder: Path) -> None:
+    """Raise ModelError when the engine cannot run the folder's config (the field it refuses named)."""
+    from mesh import models
+    from services.engine.models.llama import LlamaConfig
+
+    try:
+        LlamaConfig.from_folder(folder)
+    except (ValueError, KeyError) as exc:
+        raise models.ModelError(f"{folder}: the engine cannot run this config: {exc}") from exc
+
+
+def engine_view(folder: Path) -> str:
+    """How an engine on this machine would run the folder with default flags, without measuring anything."""
+    import torch
+
+    from mesh import models
+    from services.engine import plan, tune
+
+    try:
+        engine_check(folder)
+    except models.ModelError as exc:
+        return f"not runnable: {exc}"
+    if torch.cuda.is_available():
+        return str(plan.decide())
+    tuned = tune.cached(folder)
+    chosen = plan.decide(tuned=tuned)
+    return str(chosen) if tuned is not None else \
+        f"{chosen} (not tuned here yet: the engine measures its matmul kinds at first start, or `infermesh tune`)"
 
 
 def _cmd_top(a: argparse.Namespace) -> int:
@@ -217,9 +255,12 @@ def parser() -> argparse.ArgumentParser:
     for action, text in (("pull", "fetch and convert a model once"), ("path", "print a model's folder")):
         m = msub.add_parser(action, help=text)
         m.add_argument("name")
-    reg = msub.add_parser("register", help="register a local Hugging Face Llama-family folder")
+    reg = msub.add_parser("register", help="register a local Hugging Face folder (an architecture the engine runs)")
     reg.add_argument("name")
     reg.add_argument("folder")
+    ins = msub.add_parser("inspect", help="architecture, parameters, context, dtype, quantization, chat template, "
+                                          "and how the engine would run it here")
+    ins.add_argument("name", help="model NAME, or a folder")
     msub.add_parser("list", help="known models")
     model.set_defaults(func=_cmd_model)
 

@@ -79,3 +79,57 @@ def write_marker(folder: Path, spec: ModelSpec, sha256: str, extra: dict[str, An
         **extra,
     }
     write_atomic(folder / MARKER, json.dumps(marker, indent=2) + "\n")
+
+
+def describe_folder(folder: str | Path) -> dict[str, Any]:
+    """What a folder holds, read from its files without loading a weight: architecture, parameters (from
+    the safetensors headers), context, dtype, quantization, chat template, end-of-sequence ids, RoPE and
+    sliding window, and where it came from (the conversion marker)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    params, dtypes = 0, set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in entry["shape"]:
+                count *= dim
+            params += count
+            dtypes.add(entry["dtype"])
+    tokenizer_config = folder / "tokenizer_config.json"
+    template = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file() or (
+        tokenizer_config.is_file() and bool(json.loads(tokenizer_config.read_text()).get("chat_template")))
+    marker = read_marker(folder) or {}
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope_text = ", ".join(f"{kind}: {v.get('rope_type', 'default')}" for kind, v in sorted(rope.items()))
+    else:
+        rope_text = str(rope.get("rope_type", rope.get("type", "default")) if rope else "default")
+    quantization = config.get("quantization_config", {}).get("quant_method") if isinstance(
+        config.get("quantization_config"), dict) else None
+    source = str(marker.get("source", ""))
+    if not quantization and source.lower().endswith(".gguf"):
+        quantization = (f"converted from {source.rsplit('/', 1)[-1]} (stored dequantized; the engine re-packs "
+                        "4- and 8-bit blocks where that is lossless)")
+    return {
+        "folder": str(folder.resolve()),
+        "architecture": config.get("model_type"),
+        "supported": config.get("model_type") in SUPPORTED_MODEL_TYPES,
+        "parameters": params,
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "heads": f"{config.get('num_attention_heads')} query / "
+                 f"{config.get('num_key_value_heads', config.get('num_attention_heads'))} kv",
+        "context": config.get("max_position_embeddings"),
+        "dtype": ", ".join(sorted(dtypes)) or config.get("torch_dtype") or config.get("dtype"),
+        "quantization": quantization or "none",
+        "rope": rope_text,
+        "sliding_window": config.get("sliding_window"),
+        "chat_template": template,
+        "eos_token_ids": sorted(eos_token_ids(folder)),
+        "source": source or "local folder",
+    }

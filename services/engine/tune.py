@@ -172,6 +172,17 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
         return tuned
 
 
+def cached(folder: Path) -> Tuned | None:
+    """The answer tune() would return from its cache for the model at `folder` on this CPU, or None when it
+    has not been measured here yet (nothing is timed)."""
+    kinds = candidates()
+    try:
+        layers, gemms = shapes(folder)
+        return Tuned(**json.loads(_cache_file(layers, gemms, kinds).read_text())) if kinds else None
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def describe(tuned: Tuned) -> str:
     head = f"{tuned.small}" + (f" up to {tuned.rows} rows, {tuned.large} above" if tuned.large else " at every size")
     cells = "; ".join(f"{k} " + "/".join(f"{ms:.1f}" for ms in v) for k, v in tuned.ms.items())

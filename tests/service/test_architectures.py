@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from mesh.errors import InvalidArgument
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.models.llama import LlamaConfig as OurConfig
@@ -140,3 +141,68 @@ def test_unsupported_rope_is_refused_naming_the_field(tmp_path: Path) -> None:
         "model_type": "llama", **COMMON, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}))
     with pytest.raises(ValueError, match="lacks low_freq_factor, high_freq_factor"):
         OurConfig.from_folder(tmp_path)
+
+
+def test_a_32k_token_prompt_prefills_in_chunks_and_matches_transformers(tmp_path: Path) -> None:
+    """A long-context config (32k + 64 positions): a 32,000-token prompt goes through chunked prefill (each
+    chunk attending every earlier block of the paged cache) and its first tokens equal transformers'."""
+    folder = tmp_path / "long"
+    model = build("llama", {"max_position_embeddings": 32768 + 64,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, folder)
+    prompt = torch.randint(4, 512, (32000,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, -4:].tolist()
+    runner = ModelRunner(folder, decide(device="cpu", dtype="float32"), kv_cache_bytes=24 << 20)
+    assert runner.num_blocks * runner.block_size >= 32004
+    engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=2048))
+    engine.add(engine.make_request("long", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+    got: list[int] = []
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            got += out.new_ids
+        steps += 1
+    assert got == want and steps >= 32000 // 2048
+    # Beyond what the cache can ever hold: refused at once, naming the limit and the flag to raise.
+    small = Engine(ModelRunner(folder, decide(device="cpu", dtype="float32"), kv_cache_bytes=4 << 20))
+    with pytest.raises(InvalidArgument, match="can never fit this engine's KV cache.*--kv-cache-mb"):
+        small.make_request("too-long", prompt, SamplingParams(max_tokens=4))
+
+
+def test_model_register_checks_the_config_and_inspect_describes_the_model(tmp_path: Path) -> None:
+    """`infermesh model register` refuses what the engine cannot run (naming the field) before it is
+    registered; `infermesh model inspect` reads a registered model without loading it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "gemma"
+    kind, extra = CASES["gemma3"]
+    build(kind, extra, folder)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mesh.cli", "model", *args], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    assert cli("register", "tiny-gemma", str(folder)).returncode == 0
+    shown = cli("inspect", "tiny-gemma")
+    assert shown.returncode == 0, shown.stderr
+    lines = dict(line.split(":", 1) for line in shown.stdout.splitlines())
+    params = sum(p.numel() for p in build(kind, extra, tmp_path / "again").parameters())
+    assert lines["architecture"].strip() == "gemma3_text" and int(lines["parameters"]) == params
+    assert lines["context"].strip() == "256" and lines["chat_template"].strip() == "True"
+    assert lines["sliding_window"].strip() == "12" and "full_attention: linear" in lines["rope"]
+    assert lines["engine"].strip().startswith("cpu float32")
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["final_logit_softcapping"] = 30.0
+    (bad / "config.json").write_text(json.dumps(config))
+    refused = cli("register", "bad", str(bad))
+    assert refused.returncode == 1 and "final_logit_softcapping" in refused.stderr
+    assert "bad" not in cli("list").stdout
