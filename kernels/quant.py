@@ -6,10 +6,11 @@ packing, and the torch references the tests hold the kernels to.
 - q8: per block an fp16 scale d and int8 q: weight = d * q (34 bytes per 32 weights).
 
 `pack_q4` / `pack_q8` also say whether the packing is lossless: a model converted from a GGUF whose
-tensors were Q4_1 / Q8_0 (the default model's are) holds weights that are exactly such blocks, and
-they come back bit for bit; then the kernels multiply by the model's own weights and the execution
-plan may choose them without changing the model.  Otherwise the packed weights are a quantized
-model, chosen only on request.
+tensors were Q4_1, Q4_0 or Q8_0 (the default model's are Q4_1 and Q8_0) holds weights that are exactly
+such blocks, and they come back bit for bit (Q4_0's d * (q - 8) is d * q + m with m = -8 d, which
+pack_q4 tries per block when the min/max fit is not exact); then the kernels multiply by the model's
+own weights and the execution plan may choose them without changing the model.  Otherwise the packed
+weights are a quantized model, chosen only on request.
 """
 
 from __future__ import annotations
@@ -43,14 +44,28 @@ def _half_bytes(values: torch.Tensor) -> torch.Tensor:
     return values.contiguous().view(torch.uint8).reshape(*values.shape, 2)
 
 
+def _q4_fit(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, exact): the nearest 4-bit q for each weight under (d, m), and per block whether d * q + m gives
+    every weight back exactly (as the kernels compute it, in float32)."""
+    df, mf = d.float().unsqueeze(-1), m.float().unsqueeze(-1)      # d may be negative (Q4_0's often is)
+    q = torch.where(df != 0, torch.round((blocks - mf) / torch.where(df != 0, df, 1.0)), 0.0).clamp(0, 15)
+    return q.to(torch.uint8), (df * q + mf == blocks).all(-1)
+
+
 def pack_q4(weight: torch.Tensor) -> Packed:
     blocks = _blocks(weight)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
-    d = ((hi - lo) / 15).half()
-    m = lo.half()
-    df, mf = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
-    q = torch.where(df > 0, torch.round((blocks - mf) / torch.where(df > 0, df, 1.0)), 0.0).clamp(0, 15)
-    q = q.to(torch.uint8)
+    d, m = ((hi - lo) / 15).half(), lo.half()                                   # Q4_1's fit: min and range
+    q, exact = _q4_fit(blocks, d, m)
+    if not bool(exact.all()):
+        # Q4_0's: the weight of largest magnitude is -8 d, and m = -8 d.
+        big = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        d0 = (big / -8).half()
+        m0 = (d0.float() * -8).half()
+        q0, exact0 = _q4_fit(blocks, d0, m0)
+        take = ~exact & exact0
+        d, m = torch.where(take, d0, d), torch.where(take, m0, m)
+        q = torch.where(take.unsqueeze(-1), q0, q)
     nibbles = q[..., :16] | (q[..., 16:] << 4)                                   # (N, B, 16)
     data = torch.cat([_half_bytes(d), _half_bytes(m), nibbles], dim=-1)          # (N, B, 20)
     packed = Packed(data.reshape(blocks.shape[0], -1).contiguous(), blocks.shape[0], blocks.shape[1] * BLOCK, False)

@@ -124,6 +124,8 @@ def _cmd_model(a: argparse.Namespace) -> int:
             print(models.pull(a.name))
         elif a.action == "path":
             print(models.path(a.name))
+        elif a.action == "register" and a.folder.lower().endswith(".gguf"):
+            print(models.import_gguf(a.name, a.folder, check=engine_check))
         elif a.action == "register":
             engine_check(models.validate_folder(a.folder))
             print(models.register(a.name, a.folder))
@@ -255,9 +257,10 @@ def parser() -> argparse.ArgumentParser:
     for action, text in (("pull", "fetch and convert a model once"), ("path", "print a model's folder")):
         m = msub.add_parser(action, help=text)
         m.add_argument("name")
-    reg = msub.add_parser("register", help="register a local Hugging Face folder (an architecture the engine runs)")
+    reg = msub.add_parser("register", help="register a local Hugging Face folder (an architecture the engine runs), "
+                                           "or convert and register a GGUF file")
     reg.add_argument("name")
-    reg.add_argument("folder")
+    reg.add_argument("folder", help="a Hugging Face folder, or FILE.gguf")
     ins = msub.add_parser("inspect", help="architecture, parameters, context, dtype, quantization, chat template, "
                                           "and how the engine would run it here")
     ins.add_argument("name", help="model NAME, or a folder")

