@@ -35,6 +35,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    model_defaults: tuple[str, ...] = ()   # fields the client left unset: the model's generation_config decides
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
     s = spec.sampling
     sampling = common_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-        ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+        ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        model_defaults=list(s.model_defaults))
     if s.seed is not None:
         sampling.seed = s.seed
     req = router_pb2.RouterGenerateRequest(

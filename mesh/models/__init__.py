@@ -21,11 +21,20 @@ from mesh.models.catalog import (
     canonical,
 )
 from mesh.models.download import import_gguf, pull, verify_sha256
-from mesh.models.folder import MARKER, describe_folder, eos_token_ids, is_present, read_marker, validate_folder
+from mesh.models.folder import (
+    MARKER,
+    describe_folder,
+    eos_token_ids,
+    is_present,
+    read_marker,
+    sampling_defaults,
+    validate_folder,
+)
 from mesh.models.store import home, list_models, models_dir, path, register, served_model
 
 __all__ = [
     "ALIASES", "CATALOG", "DEFAULT_MODEL", "MARKER", "SUPPORTED_MODEL_TYPES", "ModelError", "ModelSpec",
-    "canonical", "eos_token_ids", "home", "import_gguf", "is_present", "list_models", "models_dir", "path", "pull",
-    "describe_folder", "read_marker", "register", "served_model", "validate_folder", "verify_sha256",
+    "canonical", "eos_token_ids", "home", "import_gguf", "is_present", "list_models", "models_dir", "path",
+    "pull", "describe_folder", "read_marker", "register", "sampling_defaults", "served_model",
+    "validate_folder", "verify_sha256",
 ]

@@ -55,6 +55,24 @@ def eos_token_ids(folder: str | Path) -> frozenset[int]:
     return frozenset(ids)
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+
+
+def sampling_defaults(folder: str | Path) -> dict[str, float]:
+    """The sampling values the model's generation_config.json sets (temperature, top_p, top_k), for requests
+    that leave them unset; `do_sample: false` there means greedy (temperature 0), as transformers reads it."""
+    file = Path(folder) / "generation_config.json"
+    try:
+        config = json.loads(file.read_text()) if file.exists() else {}
+    except (OSError, ValueError):
+        return {}
+    defaults = {name: float(config[name]) for name in SAMPLING_DEFAULTS
+                if isinstance(config.get(name), (int, float)) and not isinstance(config.get(name), bool)}
+    if config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
 def is_present(folder: str | Path) -> bool:
     """True when `folder` holds a completed conversion (its marker file exists)."""
     return (Path(folder) / MARKER).is_file()

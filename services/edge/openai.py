@@ -99,6 +99,8 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logpro
         stop=_stops(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        # Left out (or null): the model's generation_config.json value where it has one, else the above.
+        model_defaults=tuple(name for name in ("temperature", "top_p", "top_k") if body.get(name) is None),
     )
 
 

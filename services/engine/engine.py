@@ -89,6 +89,9 @@ class Engine:
             raise InvalidArgument(f"priority {priority} is not 0 (interactive) or 1 (batch)")
         if len(cache_salt) > 256:
             raise InvalidArgument(f"cache_salt is {len(cache_salt)} bytes; at most 256")
+        if getattr(self.runner.model, "dynamic", False) and len(prompt_ids) > self.runner.config.max_position:
+            # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
+            cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
         req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
         req.priority = priority
         return req

@@ -49,7 +49,7 @@ class ModelRunner:
         config_cls, model_cls = ARCHITECTURES[model_type]
         self.config = config_cls.from_folder(self.folder)
         self.model = model_cls(self.config, weights if weights is not None else load_weights(self.folder), plan)
-        self.max_context = self.config.max_position
+        self.max_context = self.model.max_context
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = eos_token_ids(self.folder)
         self.block_size = block_size
@@ -93,7 +93,7 @@ class ModelRunner:
         (tests/gpu checks that with CUDA's sync debug mode)."""
         # A pure-decode step: every chunk one token that is sampled (a one-token prefill chunk that
         # does not reach the prompt's end samples nothing, so it takes the eager path).
-        if self.graphs is not None and chunks and len(chunks) <= self.graphs.max_batch \
+        if self.graphs is not None and chunks and len(chunks) <= self.graphs.max_batch and not self.model.dynamic \
                 and all(c.num_tokens == 1 and c.start > 0 and c.sample and not c.draft for c in chunks):
             return self._run_graph(chunks, greedy)
         ids: list[int] = []
@@ -105,6 +105,8 @@ class ModelRunner:
         prefill_spans: list[tuple[int, int, int]] = []
         prefill_tables: list[list[int]] = []
         logits_rows: list[int] = []
+        lengths: list[int] = []          # dynamic NTK RoPE: the sequence length each row is rotated at
+        limit = self.config.max_position
         for chunk in chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             row = len(ids)
@@ -112,6 +114,9 @@ class ModelRunner:
             ids.extend(req.draft[:chunk.draft])
             positions.extend(range(start, start + n))
             slots.extend(self._slots(req.table.blocks, start, n))
+            if self.model.dynamic:       # as transformers' generate: the prompt at its length, later tokens at p + 1
+                prompt = len(req.prompt_ids)
+                lengths.extend(max(limit, prompt if p < prompt else p + 1) for p in range(start, start + n))
             if start > 0 and (n == 1 or chunk.draft):
                 # A decode row, or a decode row and its drafts: each a decode row of its own, attending
                 # the positions before it (written to the cache before any row attends).
@@ -140,7 +145,8 @@ class ModelRunner:
             prefills=tuple((row, n, start, table) for (row, n, start), table in zip(prefill_spans, t_ptables,
                                                                                     strict=True)),
         )
-        hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows)
+        rope_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device) if lengths else None
+        hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows, rope_lengths)
         if greedy and hidden.shape[0]:
             tokens = self.model.greedy(hidden)
             if tokens is None and self.device.type != "cpu":

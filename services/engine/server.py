@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,6 +24,7 @@ from opentelemetry import trace
 from mesh import peers
 from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import Service, rpc_errors
+from mesh.models.folder import SAMPLING_DEFAULTS, sampling_defaults
 from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine import metrics
@@ -41,11 +42,22 @@ FINISH = {
 }
 
 
-def sampling_from_pb(s: common_pb2.SamplingParams) -> SamplingParams:
+def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float] | None = None) -> SamplingParams:
+    """The engine's SamplingParams; the fields named in s.model_defaults take the model's generation_config
+    value (`defaults`) where it has one."""
+    unknown = sorted(set(s.model_defaults) - set(SAMPLING_DEFAULTS))
+    if unknown:
+        raise InvalidArgument(f"model_defaults names {', '.join(unknown)}; only {', '.join(SAMPLING_DEFAULTS)} "
+                              "may take the model's defaults")
+    given = {"temperature": s.temperature, "top_p": s.top_p, "top_k": float(s.top_k)}
+    for name in s.model_defaults:
+        if defaults and name in defaults:
+            given[name] = defaults[name]
+    top_p = given["top_p"]
     return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p if s.top_p > 0 else 1.0,
-        top_k=s.top_k,
+        temperature=given["temperature"],
+        top_p=top_p if top_p > 0 else 1.0,
+        top_k=int(given["top_k"]),
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=s.max_tokens,
         ignore_eos=s.ignore_eos,
@@ -74,6 +86,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.engine = engine
         self.config = config
         self.remote = remote
+        # The model's own sampling values (generation_config.json), for requests that leave theirs unset.
+        self.sampling_defaults = sampling_defaults(engine.runner.folder)
         self._staging: dict[str, Request] = {}     # requests that came with fetched KV (until it is imported)
         self._publish_wakeup = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
@@ -153,7 +167,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         with server_span("engine.generate", context, request_id=request_id,
                          prompt_tokens=len(request.prompt_ids)) as span:
             req = self.engine.make_request(request_id, list(request.prompt_ids),
-                                           sampling_from_pb(request.sampling), list(request.resume_ids),
+                                           sampling_from_pb(request.sampling, self.sampling_defaults),
+                                           list(request.resume_ids),
                                            priority=int(request.priority), cache_salt=request.cache_salt)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue

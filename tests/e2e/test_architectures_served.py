@@ -2,7 +2,8 @@
 builds it from a config, offline; the SmolLM2 tokenizer and chat template stand in for its own),
 registered with `infermesh model register`, served by `infermesh up --model NAME --dtype float32`, and
 asked with the `openai` package for chat completions of mixed lengths at once: each answer equals
-transformers' greedy `generate` on the same chat."""
+transformers' greedy `generate` on the same chat.  The requests leave temperature out: the model's
+generation_config.json (`do_sample: false`) makes them greedy, where OpenAI's default (1.0) would sample."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, token
     model = build(kind, {**extra, "vocab_size": 49152}, folder)        # the SmolLM2 tokenizer's vocabulary
     for f in tokenizer_files:
         shutil.copy(f, folder / f.name)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": []}))
     env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
     done = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "register", f"tiny-{name}", str(folder)],
                           env=env, capture_output=True, text=True, timeout=120)
@@ -68,7 +70,7 @@ def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, token
 
         async def ask(chat: list[dict[str, str]]) -> Any:
             return await client.chat.completions.create(
-                model=f"tiny-{name}", messages=chat, max_tokens=NEW, temperature=0,  # type: ignore[arg-type]
+                model=f"tiny-{name}", messages=chat, max_tokens=NEW,  # type: ignore[arg-type]
                 extra_body={"ignore_eos": True})
 
         async def all_at_once() -> list[Any]:

@@ -206,3 +206,67 @@ def test_model_register_checks_the_config_and_inspect_describes_the_model(tmp_pa
     refused = cli("register", "bad", str(bad))
     assert refused.returncode == 1 and "final_logit_softcapping" in refused.stderr
     assert "bad" not in cli("list").stdout
+
+
+@pytest.mark.parametrize("matmul,tolerance", [("fp16w", 0.01), ("bf16w", 0.08)])
+def test_fast_modes_keep_logprobs_within_a_stated_tolerance(case: tuple[str, Path, Any], matmul: str,
+                                                            tolerance: float) -> None:
+    """The CPU's fast kinds as auto runs them (fused ops, float16 KV cache): every generated token's logprob
+    within `tolerance` of transformers' float32 logprob of the same token at the same place (measured on
+    these models: fp16w <= 0.0023, bf16w <= 0.031)."""
+    from services.engine.models.linear import native_bf16
+
+    if matmul == "bf16w" and not native_bf16():
+        pytest.skip("bf16w needs a CPU that multiplies bf16 natively")
+    _, folder, model = case
+    engine = Engine(ModelRunner(folder, decide(device="cpu", dtype="float32", matmul=matmul), kv_cache_bytes=8 << 20,
+                                block_size=4))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)))
+    got: dict[str, list[Any]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.logprobs)
+    for i, prompt in enumerate(PROMPTS):
+        ids = [lp.token_id for lp in got[str(i)]]
+        with torch.inference_mode():
+            reference_lp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+        for j, lp in enumerate(got[str(i)]):
+            assert abs(reference_lp[len(prompt) - 1 + j, lp.token_id].item() - lp.logprob) < tolerance
+
+
+def test_dynamic_ntk_rope_rotates_as_transformers_generate_does(tmp_path: Path) -> None:
+    """Dynamic NTK past max_position_embeddings (64 here, factor 2): a 90-token prompt rotated at its own
+    length, and a 40-token prompt whose answer crosses position 64, each token then at its p + 1;
+    prompts together, prefilled in 16-token chunks, against transformers' generate on a fresh model each
+    (its rotary state carries over between calls)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "dynamic"
+    build("llama", {"max_position_embeddings": 64,
+                    "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, folder)
+    prompts = [torch.randint(4, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 40)]
+    want, want_lp = [], []
+    for prompt in prompts:
+        fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        fresh.generation_config.eos_token_id = None
+        with torch.inference_mode():
+            out = fresh.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        want.append(tokens)
+        want_lp.append([torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens,
+                                                                                            strict=True)])
+    runner = ModelRunner(folder, decide(device="cpu", dtype="float32"), kv_cache_bytes=8 << 20, block_size=4)
+    assert runner.max_context == 128
+    engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=16))
+    for i, prompt in enumerate(prompts):
+        engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=30, ignore_eos=True, logprobs=True)))
+    got: dict[str, list[Any]] = {"0": [], "1": []}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.logprobs
+    for i in range(2):
+        assert [lp.token_id for lp in got[str(i)]] == want[i]
+        # The logprobs too: a theta off by a few percent moves them far more than float32 rounding does.
+        assert max(abs(lp.logprob - w) for lp, w in zip(got[str(i)], want_lp[i], strict=True)) < 1e-4

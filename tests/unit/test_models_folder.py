@@ -60,3 +60,32 @@ def test_eos_ids_from_config_and_generation_config(tmp_path: Path):
     assert folder.eos_token_ids(tmp_path) == frozenset({2, 7})
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
     assert folder.eos_token_ids(tmp_path) == frozenset({2, 7})
+
+
+def test_sampling_defaults_come_from_the_generation_config(tmp_path: Path) -> None:
+    from mesh.models import sampling_defaults
+
+    assert sampling_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                                                 "do_sample": True, "eos_token_id": 2}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_p": True}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.0}          # greedy, as transformers reads it
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert sampling_defaults(tmp_path) == {}
+
+
+def test_the_engine_applies_them_only_to_fields_left_unset() -> None:
+    from mesh.errors import InvalidArgument
+    from meshpb.v1 import common_pb2
+    from services.engine.server import sampling_from_pb
+
+    defaults = {"temperature": 0.6, "top_k": 20.0}
+    unset = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, model_defaults=["temperature", "top_p", "top_k"])
+    got = sampling_from_pb(unset, defaults)
+    assert (got.temperature, got.top_p, got.top_k) == (0.6, 1.0, 20)       # top_p: the model sets none
+    given = common_pb2.SamplingParams(temperature=0.0, top_k=5, model_defaults=["top_p"])
+    got = sampling_from_pb(given, defaults)
+    assert (got.temperature, got.top_k) == (0.0, 5)
+    with pytest.raises(InvalidArgument, match="model_defaults names seed"):
+        sampling_from_pb(common_pb2.SamplingParams(model_defaults=["seed"]), defaults)

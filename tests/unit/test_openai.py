@@ -24,6 +24,16 @@ def test_chat_defaults_follow_openai() -> None:
     assert spec.sampling.max_tokens == 0 and spec.messages[0].content == "hi"
 
 
+def test_fields_left_out_take_the_models_defaults() -> None:
+    """Left out or null, temperature / top_p / top_k are marked for the model's generation_config values
+    (the engine applies them where the model has one; else OpenAI's defaults above stand)."""
+    assert openai.parse_chat(CHAT).sampling.model_defaults == ("temperature", "top_p", "top_k")
+    spec = openai.parse_chat({**CHAT, "temperature": 0.5, "top_p": None})
+    assert spec.sampling.model_defaults == ("top_p", "top_k") and spec.sampling.temperature == 0.5
+    assert openai.parse_completion({"model": "m", "prompt": "x", "temperature": 0, "top_p": 1, "top_k": 3}
+                                   ).sampling.model_defaults == ()
+
+
 def test_chat_fields_are_carried() -> None:
     body = {**CHAT, "temperature": 0, "max_completion_tokens": 7, "stop": "x", "seed": 5, "user": "u1",
             "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},

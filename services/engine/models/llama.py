@@ -270,6 +270,16 @@ class LlamaModel:
                                                                                            dtype=dtype)
 
         self.cos, self.sin = tables(dict(config.rope_scaling), config.rope_theta)
+        # Dynamic NTK: rows past max_position_embeddings turn at a theta of their own (rope.py), so a step
+        # builds those rows' cos/sin itself (dynamic_rows); the table above serves every other row.
+        self.dynamic = rope.rope_type(dict(config.rope_scaling)) == "dynamic"
+        # How far requests may run: dynamic NTK exists to go past max_position_embeddings, by its factor.
+        self.max_context = int(config.max_position * float(dict(config.rope_scaling)["factor"])) if self.dynamic \
+            else config.max_position
+        if self.dynamic and config.layer_rope:
+            raise ValueError("rope_parameters: dynamic RoPE per layer type is not supported")
+        if self.dynamic and plan.graphs == "cuda":
+            raise ValueError("rope_parameters.rope_type dynamic: not with CUDA graphs yet (--cuda-graphs off)")
         # Per layer (cos, sin): one table per distinct rope_parameters (Gemma 3: local and global layers).
         distinct = {key: tables(dict(key), float(dict(key).get("rope_theta", config.rope_theta)))
                     for key in set(config.layer_rope)}
@@ -284,6 +294,7 @@ class LlamaModel:
         # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library
         # (decode_layer_q4: the same ops in the same order) when every layer's GEMMs are lossless q4.
         plain = not (config.qk_norm or any(self.windows) or config.layer_rope or config.sandwich_norms
+                     or self.dynamic
                      or config.embed_scale != 1.0 or config.activation != "silu")   # what decode_layer_q4 computes
         self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") \
             and plain else None
@@ -294,13 +305,32 @@ class LlamaModel:
         """Whether decode attention wants paged_attention.decode_mask(); the kernels mask by length."""
         return self.attention.needs_decode_mask
 
+    def dynamic_rows(self, positions: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic NTK: each row's (cos, sin), (T, D), at its position under the theta of its `lengths` entry
+        (the sequence length transformers rotates it at; rope.py)."""
+        c = self.config
+        params = dict(c.rope_scaling)
+        within = lengths <= c.max_position                          # the default table's rows (positions < M)
+        safe = torch.where(within, positions, 0)
+        cos, sin = self.cos[safe].clone(), self.sin[safe].clone()
+        for length in sorted(set(lengths[~within].tolist())):
+            rows = (lengths == length).nonzero().flatten()
+            theta = rope.dynamic_theta(params, c.rope_theta, c.head_dim, c.max_position, length)
+            inv_freq, _ = rope.frequencies({"rope_type": "default"}, theta, c.head_dim)
+            freqs = positions[rows].float()[:, None] * inv_freq[None, :].to(positions.device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos[rows], sin[rows] = emb.cos().to(cos.dtype), emb.sin().to(sin.dtype)
+        return cos, sin
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor) -> torch.Tensor:
+                kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor,
+                rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: (T,); logits_rows: (S,) the rows whose next token is wanted.
         Returns their final hidden states, (S, H) in the plan's dtype (logits() makes logits of them).
 
         Each residual add rides in the next norm (add_rms_norm adds `update` into x in place), and
-        RoPE rotates q and k in place while k and v are stored in the cache."""
+        RoPE rotates q and k in place while k and v are stored in the cache.  rope_lengths: (T,) each
+        row's sequence length for dynamic NTK RoPE (the model runner's), else None."""
         c = self.config
         ops = self.ops
         t = input_ids.shape[0]
@@ -319,14 +349,18 @@ class LlamaModel:
                     c.head_dim, c.intermediate_size)
             rows = x[logits_rows]
             return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
-        for layer, window, (cos, sin), (k_cache, v_cache) in zip(self.layers, self.windows, self.rope_tables, kv,
+        tables, rope_positions = self.rope_tables, positions
+        if self.dynamic and rope_lengths is not None:
+            row_tables = self.dynamic_rows(positions, rope_lengths)    # row i's cos/sin at index i
+            tables, rope_positions = [row_tables] * c.num_layers, torch.arange(t, device=positions.device)
+        for layer, window, (cos, sin), (k_cache, v_cache) in zip(self.layers, self.windows, tables, kv,
                                                                  strict=True):
             h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
             qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv[:, : c.num_heads] = _head_norm(qkv[:, : c.num_heads], layer.q_norm, eps)
                 qkv[:, c.num_heads: qk_heads] = _head_norm(qkv[:, c.num_heads: qk_heads], layer.k_norm, eps)
-            ops.rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, meta.slots, c.num_heads)
+            ops.rope_and_write_kv(qkv, rope_positions, cos, sin, k_cache, v_cache, meta.slots, c.num_heads)
             q, k, v = qkv[:, : c.num_heads], qkv[:, c.num_heads: qk_heads], qkv[:, qk_heads:]
             attn = self.attention(q, k, v, k_cache, v_cache, meta, window)         # (T, heads, D)
             out = layer.o(attn.reshape(t, c.num_heads * c.head_dim))

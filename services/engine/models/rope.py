@@ -11,9 +11,14 @@ them at load (models/llama.py); everything after that is the same for every vari
   frequencies, ramping between the dimensions that turn beta_fast and beta_slow times over the
   original context; cos/sin scaled by 0.1 ln(factor) + 1 (or by attention_factor, or the mscale
   ratio) to keep attention's temperature.
+- dynamic (NTK-aware): the default frequencies of a larger theta, theta (factor s / M - (factor -
+  1)) ** (d / (d - 2)), for a sequence length s beyond the model's max_position_embeddings M; at s <=
+  M, the default.  As transformers' generate applies it, a position's s depends on when it was
+  computed: a prompt of L tokens is rotated at s = max(M, L), each later token p at s = max(M, p + 1),
+  and the cache keeps every key as it was rotated (dynamic_lengths gives each row its s).
 
-Variants whose frequencies depend on the current sequence length (dynamic NTK, longrope) are refused
-with the config field named: the paged cache keeps keys rotated once, as they were written.
+longrope (whose frequencies switch with the length and carry per-dimension factors) is refused with
+the config field named.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("default", "linear", "llama3", "yarn")
+VARIANTS = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 def rope_type(params: Mapping[str, Any]) -> str:
@@ -36,25 +41,31 @@ def check(params: Mapping[str, Any]) -> None:
     kind = rope_type(params)
     if kind not in VARIANTS:
         raise ValueError(f"rope_parameters.rope_type {kind!r} is not supported (supported: {', '.join(VARIANTS)}); "
-                         "dynamic and longrope rescale with the sequence length, which a paged cache of rotated keys "
-                         "cannot follow")
+                         "longrope switches its per-dimension factors with the sequence length")
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("rope_parameters.partial_rotary_factor other than 1.0 is not supported yet")
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                 "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings")}.get(kind, ())
+              "yarn": ("factor", "original_max_position_embeddings"), "dynamic": ("factor",)}.get(kind, ())
     missing = [name for name in needed if params.get(name) is None]
     if missing:
         raise ValueError(f"rope_parameters ({kind}) lacks {', '.join(missing)}")
 
 
+def dynamic_theta(params: Mapping[str, Any], theta: float, head_dim: int, max_position: int, length: int) -> float:
+    """Dynamic NTK's theta for a sequence of `length` (the model's own at or below max_position)."""
+    factor, length = float(params["factor"]), max(length, max_position)
+    return theta * ((factor * length / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
+
+
 def frequencies(params: Mapping[str, Any], theta: float, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(head_dim / 2,) float32 inverse frequencies and the cos/sin scale of the variant `params` names."""
+    """(head_dim / 2,) float32 inverse frequencies and the cos/sin scale of the variant `params` names
+    (dynamic: those at or below max_position_embeddings, the default's; beyond, `dynamic_theta`)."""
     check(params)
     kind = rope_type(params)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     base = 1.0 / (theta ** exponents)
-    if kind == "default":
+    if kind in ("default", "dynamic"):
         return base, 1.0
     factor = float(params["factor"])
     if kind == "linear":
