@@ -7,7 +7,7 @@ so a request the edge would refuse is refused there too.  Pure code, no protobuf
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 TEMPERATURE = (0.0, 2.0)
 TOP_P = (0.0, 1.0)
@@ -16,11 +16,31 @@ MAX_STOP_CHARS = 256            # the router's stop matcher holds back up to thi
 MAX_TOKENS = 1 << 20
 MAX_TOP_LOGPROBS = 20           # chat top_logprobs; the engine's own limit (services/engine/request.py)
 MAX_NAME_CHARS = 256            # model, user / session id, replica pin, messages[].name
+PENALTY = (-2.0, 2.0)           # presence_penalty, frequency_penalty (OpenAI's range)
+REPETITION_PENALTY = (0.0, 10.0)   # exclusive of 0; 1 is off
+BIAS = (-100.0, 100.0)          # each logit_bias value (OpenAI's range)
+MAX_LOGIT_BIAS = 1024           # entries in one logit_bias
 
 
 def sampling_problem(temperature: float, top_p: float, top_k: int, max_tokens: int, stop: Sequence[str],
-                     top_logprobs: int) -> str | None:
+                     top_logprobs: int, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
+                     min_tokens: int = 0) -> str | None:
     """Why these sampling settings are refused, or None when they are within the limits."""
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not PENALTY[0] <= value <= PENALTY[1]:
+            return f"{name} must be within {PENALTY[0]:g}-{PENALTY[1]:g}"
+    if not REPETITION_PENALTY[0] < repetition_penalty <= REPETITION_PENALTY[1]:
+        return f"repetition_penalty must be above {REPETITION_PENALTY[0]:g} and at most {REPETITION_PENALTY[1]:g}"
+    if not 0.0 <= min_p <= 1.0:
+        return "min_p must be within 0-1"
+    bias = logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens"
+    if any(not BIAS[0] <= v <= BIAS[1] for v in bias.values()):
+        return f"logit_bias values must be within {BIAS[0]:g}-{BIAS[1]:g}"
+    if min_tokens > MAX_TOKENS or (max_tokens and min_tokens > max_tokens):
+        return "min_tokens must be at most max_tokens"
     if not TEMPERATURE[0] <= temperature <= TEMPERATURE[1]:
         return f"temperature must be within {TEMPERATURE[0]:g}-{TEMPERATURE[1]:g}"
     if not TOP_P[0] <= top_p <= TOP_P[1]:

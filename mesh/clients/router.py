@@ -36,6 +36,12 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0
     model_defaults: tuple[str, ...] = ()   # fields the client left unset: the model's generation_config decides
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,9 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
     sampling = common_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
         ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-        model_defaults=list(s.model_defaults))
+        model_defaults=list(s.model_defaults), presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, min_p=s.min_p,
+        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
     if s.seed is not None:
         sampling.seed = s.seed
     req = router_pb2.RouterGenerateRequest(

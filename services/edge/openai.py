@@ -12,7 +12,18 @@ from typing import Any
 
 from mesh.chat import ROLES, Message
 from mesh.clients.router import GenerateSpec, Sampling
-from mesh.request_limits import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS, MAX_TOP_LOGPROBS, TEMPERATURE, TOP_P
+from mesh.request_limits import (
+    BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOP_P,
+)
 from services.edge.errors import ApiError, shown
 from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string
 
@@ -20,11 +31,13 @@ MAX_MESSAGES = 1_000            # default; the edge's --max-messages
 MAX_COMPLETION_LOGPROBS = 5     # completions `logprobs`, as in OpenAI
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)    # int64 as OpenAI documents it, and the engine's uint64
 
-# Accepted for compatibility when they are neutral; any other value is refused (they change nothing here).
-_NEUTRAL_ZERO = ("frequency_penalty", "presence_penalty")
-IGNORED_FIELDS = ("logit_bias", "store", "metadata", "service_tier", "parallel_tool_calls")
+# Accepted and ignored: they change nothing about the answer (bookkeeping for OpenAI's own platform).
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls")
+# Logits processing: OpenAI's penalties and logit_bias, and vLLM's extensions.
+PROCESSING_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p",
+                     "min_tokens")
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens",
-           "stop", "n", "user", "ignore_eos", *_NEUTRAL_ZERO, *IGNORED_FIELDS}
+           "stop", "n", "user", "ignore_eos", *PROCESSING_FIELDS, *IGNORED_FIELDS}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 MESSAGE_FIELDS = {"role", "content", "name"}
@@ -55,11 +68,6 @@ def check_headers(raw: list[tuple[bytes, bytes]]) -> None:
 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     no_unknown(body, allowed)
-    for name in _NEUTRAL_ZERO:
-        if body.get(name) is not None:
-            number(body, name, 0.0, -2.0, 2.0)
-            if body[name] != 0:
-                raise ApiError(400, f"'{name}' is not supported; leave it at 0", name)
     n = integer(body, "n", 1, 128)
     if n not in (None, 1):
         raise ApiError(400, "'n' must be 1: one choice per request is supported", "n")
@@ -89,6 +97,12 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logpro
     legacy = integer(body, "max_tokens", 1, MAX_TOKENS)
     max_tokens = legacy if max_tokens is None else max_tokens
     seed = integer(body, "seed", *SEED_RANGE)
+    repetition = number(body, "repetition_penalty", 1.0, 0.0, REPETITION_PENALTY[1])
+    if repetition <= 0:
+        raise ApiError(400, "'repetition_penalty' must be above 0 (1: off)", "repetition_penalty")
+    min_tokens = integer(body, "min_tokens", 0, MAX_TOKENS) or 0
+    if max_tokens and min_tokens > max_tokens:
+        raise ApiError(400, "'min_tokens' must be at most max_tokens", "min_tokens")
     return Sampling(
         temperature=number(body, "temperature", 1.0, *TEMPERATURE),
         top_p=number(body, "top_p", 1.0, *TOP_P),
@@ -101,7 +115,34 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logpro
         top_logprobs=top_logprobs,
         # Left out (or null): the model's generation_config.json value where it has one, else the above.
         model_defaults=tuple(name for name in ("temperature", "top_p", "top_k") if body.get(name) is None),
+        presence_penalty=number(body, "presence_penalty", 0.0, *PENALTY),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, *PENALTY),
+        repetition_penalty=repetition,
+        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
+        logit_bias=_logit_bias(body),
+        min_tokens=min_tokens,
     )
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}: ids as decimal strings (or ints), biases -100..100."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token id -> bias", "logit_bias", code="invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' holds at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        token = key if isinstance(key, int) else int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None or token >= 1 << 32:
+            raise ApiError(400, f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not BIAS[0] <= value <= BIAS[1]:
+            raise ApiError(400, f"'logit_bias' value for {key} must be a number within {BIAS[0]:g}-{BIAS[1]:g}",
+                           "logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
 
 
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

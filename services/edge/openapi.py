@@ -46,8 +46,16 @@ def _common_fields() -> dict[str, Any]:
         "n": _nullable("integer", minimum=1, maximum=1),
         "user": _nullable("string", maxLength=MAX_NAME_CHARS, description="names a session"),
         "ignore_eos": _nullable("boolean", description="generate to max_tokens (extension)"),
-        "frequency_penalty": _nullable("number", minimum=0, maximum=0, description="only 0 is supported"),
-        "presence_penalty": _nullable("number", minimum=0, maximum=0, description="only 0 is supported"),
+        "frequency_penalty": _nullable("number", minimum=-2, maximum=2),
+        "presence_penalty": _nullable("number", minimum=-2, maximum=2),
+        "repetition_penalty": _nullable("number", exclusiveMinimum=0, maximum=10, description="1: off (extension)"),
+        "min_p": _nullable("number", minimum=0, maximum=1, description="0: off (extension)"),
+        "min_tokens": _nullable("integer", minimum=0, maximum=openai.MAX_TOKENS,
+                                description="no end of sequence before this many tokens (extension)"),
+        "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 1024,
+                                                    "additionalProperties": {"type": "number", "minimum": -100,
+                                                                             "maximum": 100}}],
+                       "description": "token id -> bias added to its logit; -100 bans it"},
         **{name: {"description": "accepted and ignored"} for name in openai.IGNORED_FIELDS},
     }
 

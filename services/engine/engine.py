@@ -65,7 +65,8 @@ class Engine:
         limit = self.runner.max_context
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
-        bad = next((i for i in prompt_ids + resume if not 0 <= i < self.runner.vocab_size), None)
+        bad = next((i for i in prompt_ids + resume + [t for t, _ in sampling.logit_bias]
+                    if not 0 <= i < self.runner.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {self.runner.vocab_size})")
         context = len(prompt_ids) + len(resume)
@@ -187,7 +188,7 @@ class Engine:
                 req.lookup = Lookup(spec.min_ngram, spec.max_ngram, draft_len=spec.max_draft)
             # Every accepted draft and the token after them must fit max_tokens and the context.
             room = min(req.max_tokens - req.num_generated, limit - len(req.all_ids)) - 1
-            k = min(req.lookup.draft_len, spare, room)
+            k = min(req.lookup.draft_len, spare, room) if not req.sampling.processed else 0
             if k <= 0:
                 continue
             req.draft = req.lookup.propose(req.all_ids, k)
@@ -201,7 +202,8 @@ class Engine:
         """The model on the batch: (S, V) logits of its sampled rows, or (S,) token ids if all are greedy."""
         kv_transfer.import_blocks(self.runner.kv, batch.imports)     # what the shared cache had for them
         sampled = [c.request.sampling for c in batch.chunks if c.sample]
-        logits = self.runner.run(batch.chunks, greedy=all(p.greedy and not p.logprobs for p in sampled))
+        logits = self.runner.run(batch.chunks, greedy=all(p.greedy and not p.logprobs and not p.processed
+                                                          for p in sampled))
         self.scheduler.commit(batch)
         self._publish(batch)
         return logits
@@ -237,7 +239,15 @@ class Engine:
         if logits.dim() == 1:
             tokens = logits.tolist()
         else:
-            tokens = sampler.sample_batch(logits, [r.sampling for r, _ in rows],
+            scores = logits
+            if any(r.sampling.processed for r, _ in rows):
+                scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
+                for row, (req, _) in enumerate(rows):
+                    if req.sampling.processed:   # (rows with drafts never are: _propose skips them)
+                        scores[row] = sampler.process(logits[row], req.sampling, req.prompt_ids,
+                                                      req.resume_ids + req.output_ids,
+                                                      self.runner.eos_token_ids | set(req.sampling.stop_token_ids))
+            tokens = sampler.sample_batch(scores, [r.sampling for r, _ in rows],
                                           [r.num_generated + i for r, i in rows])
         outputs = []
         row = 0

@@ -38,6 +38,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # Logits processing before temperature / top-k / top-p (services/engine/sampler.py: process):
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -50,10 +57,27 @@ class SamplingParams:
             raise InvalidArgument(f"max_tokens {self.max_tokens} must be >= 0")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidArgument(f"top_logprobs {self.top_logprobs} must be between 0 and 20")
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            raise InvalidArgument("presence_penalty and frequency_penalty must be between -2 and 2")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidArgument(f"repetition_penalty {self.repetition_penalty} must be above 0 and at most 10")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"min_p {self.min_p} must be between 0 and 1")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise InvalidArgument("logit_bias values must be between -100 and 100")
+        if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
+            raise InvalidArgument(f"min_tokens {self.min_tokens} must be between 0 and max_tokens")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, bias, min_tokens): such a row needs
+        its full logits and its own history, so it takes neither the greedy shortcut nor drafts."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 @dataclass(frozen=True)

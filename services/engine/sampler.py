@@ -6,6 +6,8 @@ resumed on another replica after a failover draws the same tokens it would have 
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import torch
 
 from services.engine.request import SamplingParams, TokenLogprob
@@ -18,6 +20,31 @@ def step_generator(seed: int | None, position: int) -> torch.Generator | None:
     if seed is None:
         return None
     return torch.Generator().manual_seed((seed * _SEED_MIX + position) % _SEED_MOD)
+
+
+def process(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
+            ended_by: Collection[int]) -> torch.Tensor:
+    """One row's logits as the request's processors leave them (a new tensor; `logits` is kept for
+    logprobs): min_tokens bans `ended_by` (end-of-sequence and stop ids) until that many are out;
+    logit_bias adds; repetition_penalty divides positive logits (multiplies negative ones) of tokens in
+    the prompt or output; frequency and presence penalties subtract count x frequency + presence for
+    each token generated so far (OpenAI's definition).  logits: (V,) float32."""
+    out = logits.clone()
+    vocab = out.shape[0]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
+        out.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype))
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.int64)
+        if seen.numel():
+            values = out[seen]
+            out[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64), minlength=vocab).to(out.dtype)
+        out -= counts * params.frequency_penalty + (counts > 0).to(out.dtype) * params.presence_penalty
+    if params.min_tokens and len(output_ids) < params.min_tokens and ended_by:
+        out[torch.tensor(sorted(ended_by), dtype=torch.int64)] = float("-inf")
+    return out
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -33,6 +60,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        # Tokens whose probability is below min_p x the most likely one's (after temperature).
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return scaled
 
 

@@ -64,6 +64,12 @@ def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float]
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs or s.top_logprobs > 0,
         top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_tokens=s.min_tokens,
     )
 
 

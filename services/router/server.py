@@ -138,7 +138,9 @@ def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
 def _refusal(request: router_pb2.RouterGenerateRequest) -> str | None:
     """Why a Generate request breaks the limits the edge enforces (mesh/request_limits.py), or None."""
     s = request.sampling
-    return (sampling_problem(s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.top_logprobs)
+    return (sampling_problem(s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.top_logprobs,
+                             s.presence_penalty, s.frequency_penalty, s.repetition_penalty or 1.0, s.min_p,
+                             dict(s.logit_bias), s.min_tokens)
             or name_problem("session_id", request.session_id) or name_problem("model", request.model)
             or name_problem("pinned_replica", request.pinned_replica)
             or name_problem("request_id", request.request_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,34 @@ def test_fused_q4_decode_layers_equal_the_op_by_op_forward(model_dir: Path) -> N
                              for i, p in enumerate(prompts)))
         results.append({k: [(lp.token_id, lp.logprob) for o in v for lp in o.logprobs] for k, v in outs.items()})
     assert results[0] == results[1]
+
+
+def test_logit_bias_penalties_and_min_tokens_on_the_model(runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
+    """Logits processing on the real model: a -100 bias keeps the greedy token out (and the logprobs stay the
+    model's own); min_tokens holds the end of sequence back; a frequency penalty changes a repetitive
+    answer; speculation leaves processed requests alone."""
+    from services.engine.speculate import SpeculationConfig
+
+    _, tokenizer = hf
+    ids = chat_ids(tokenizer, "Say hello.")
+    engine = Engine(runner, speculation=SpeculationConfig(max_draft=3, max_rows=4))
+    plain = tokens(run(engine, engine.make_request("a", ids, SamplingParams(max_tokens=8)))["a"])
+    banned = plain[0]
+    outs = run(engine, engine.make_request("b", ids, SamplingParams(max_tokens=8, logprobs=True,
+                                                                     logit_bias=((banned, -100.0),))))["b"]
+    assert banned not in tokens(outs) and tokens(outs)[0] != plain[0]
+    assert outs[0].logprobs[0].logprob < 0        # the model's own logprob of what was chosen, not -inf
+    eos = min(runner.eos_token_ids)
+    short = run(engine, engine.make_request("c", ids, SamplingParams(max_tokens=64)))["c"]
+    assert short[-1].finish_reason is FinishReason.STOP and short[-1].completion_tokens < 40
+    held = run(engine, engine.make_request("d", ids, SamplingParams(max_tokens=64, min_tokens=40)))["d"]
+    assert held[-1].completion_tokens >= 40 and eos not in tokens(held)[:39]
+    count = chat_ids(tokenizer, "Count from 1 to 30, separated by commas.")
+    same = tokens(run(engine, engine.make_request("e", count, SamplingParams(max_tokens=40, ignore_eos=True)))["e"])
+    drafted = engine.stats.draft_tokens
+    fresh = tokens(run(engine, engine.make_request("f", count, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                              frequency_penalty=2.0)))["f"])
+    assert max(Counter(fresh).values()) < max(Counter(same).values())    # "1. 1 / 2. 2 / ..." no more
+    assert engine.stats.draft_tokens == drafted                          # no drafts for a processed request
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        engine.make_request("g", ids, SamplingParams(logit_bias=((runner.vocab_size, 1.0),)))

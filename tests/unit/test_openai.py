@@ -24,6 +24,14 @@ def test_chat_defaults_follow_openai() -> None:
     assert spec.sampling.max_tokens == 0 and spec.messages[0].content == "hi"
 
 
+def test_penalties_bias_and_the_vllm_extensions_are_carried() -> None:
+    body = {**CHAT, "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.3, "min_p": 0.05,
+            "logit_bias": {"42": -100, "7": 3.5}, "min_tokens": 2, "max_tokens": 8}
+    s = openai.parse_chat(body).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.3, 0.05)
+    assert s.logit_bias == ((7, 3.5), (42, -100.0)) and s.min_tokens == 2
+
+
 def test_fields_left_out_take_the_models_defaults() -> None:
     """Left out or null, temperature / top_p / top_k are marked for the model's generation_config values
     (the engine applies them where the model has one; else OpenAI's defaults above stand)."""
@@ -59,7 +67,14 @@ def test_header_session_wins_over_user() -> None:
     ({"n": 2}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"bogus": 1}, "bogus"),
-    ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
 ])
 def test_bad_chat_requests_name_the_field(patch: dict[str, object], param: str) -> None:
     with pytest.raises(ApiError) as err:

@@ -44,3 +44,30 @@ def test_logprob_of_chosen_token() -> None:
 def test_invalid_params_are_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(InvalidArgument):
         SamplingParams(**kwargs)
+
+
+def test_processing_bias_penalties_and_min_tokens() -> None:
+    """sampler.process, term by term, against the definitions (OpenAI's penalties, vLLM's repetition)."""
+    from services.engine.sampler import process
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    plain = SamplingParams()
+    assert torch.equal(process(logits, plain, [], [], {4}), logits)
+    biased = process(logits, SamplingParams(logit_bias=((3, -100.0), (1, 2.0))), [], [], set())
+    assert biased.tolist() == [2.0, 1.0, 0.5, -97.0, 1.0] and logits[3] == 3.0      # the input is kept
+    rep = process(logits, SamplingParams(repetition_penalty=2.0), [0], [1], set())
+    assert rep.tolist() == [1.0, -2.0, 0.5, 3.0, 1.0]            # seen: positive / 2, negative x 2
+    pen = process(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), [3], [2, 2, 0], set())
+    assert pen.tolist() == [2.0 - 1.5, -1.0, 0.5 - 2.0, 3.0, 1.0]   # output tokens only, count x 0.5 + 1
+    early = process(logits, SamplingParams(min_tokens=2), [], [0], {3, 4})
+    assert early[3] == float("-inf") and early[4] == float("-inf") and early[0] == 2.0
+    assert torch.equal(process(logits, SamplingParams(min_tokens=1), [], [0], {3, 4}), logits)
+
+
+def test_min_p_keeps_tokens_near_the_top() -> None:
+    from services.engine.sampler import filter_logits
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))   # >= 0.2 x 0.5 = 0.1
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]
+    assert all(sampler.sample(logits, SamplingParams(temperature=1.0, min_p=0.7, seed=s), 0) == 0 for s in range(20))
