@@ -147,7 +147,7 @@ def _cmd_model(a: argparse.Namespace) -> int:
 def engine_check(folder: Path) -> None:
     """Raise ModelError when the engine cannot run the folder's config (the field it refuses named)."""
     from mesh import models
-    from services.engine.models.llama import LlamaConfig
+    from services.engine.models.config import LlamaConfig
 
     try:
         LlamaConfig.from_folder(folder)

@@ -22,7 +22,7 @@ from services.engine import kv_transfer
 from services.engine.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.models import ARCHITECTURES
 from services.engine.models.attention import AttentionMetadata
-from services.engine.models.llama import load_weights
+from services.engine.models.config import load_weights
 from services.engine.plan import ExecutionPlan
 from services.engine.scheduler import Chunk
 

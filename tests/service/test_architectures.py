@@ -19,7 +19,7 @@ import torch
 from mesh.errors import InvalidArgument
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
-from services.engine.models.llama import LlamaConfig as OurConfig
+from services.engine.models.config import LlamaConfig as OurConfig
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
 from services.engine.scheduler import SchedulerConfig
@@ -134,8 +134,8 @@ def test_the_fused_cpu_mode_agrees(case: tuple[str, Path, Any]) -> None:
 
 def test_unsupported_rope_is_refused_naming_the_field(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", **COMMON, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
-    with pytest.raises(ValueError, match="rope_parameters.rope_type 'dynamic' is not supported"):
+        "model_type": "llama", **COMMON, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}))
+    with pytest.raises(ValueError, match="rope_parameters.rope_type 'longrope' is not supported"):
         OurConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", **COMMON, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}))

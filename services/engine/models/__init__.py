@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from mesh.models import SUPPORTED_MODEL_TYPES
-from services.engine.models.llama import LlamaConfig, LlamaModel
+from services.engine.models.config import LlamaConfig
+from services.engine.models.llama import LlamaModel
 
 # The supported types are listed once, in mesh/models/catalog.py (the CLI checks folders against it
 # without importing torch); each is run by the Llama-family forward.
