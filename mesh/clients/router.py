@@ -42,6 +42,7 @@ class Sampling:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
         ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
         model_defaults=list(s.model_defaults), presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, min_p=s.min_p,
-        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
+        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids))
     if s.seed is not None:
         sampling.seed = s.seed
     req = router_pb2.RouterGenerateRequest(

@@ -35,7 +35,8 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)    # int64 as OpenAI documents it, and 
 IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls")
 # Logits processing: OpenAI's penalties and logit_bias, and vLLM's extensions.
 PROCESSING_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p",
-                     "min_tokens")
+                     "min_tokens", "stop_token_ids")
+MAX_STOP_TOKEN_IDS = 64
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens",
            "stop", "n", "user", "ignore_eos", *PROCESSING_FIELDS, *IGNORED_FIELDS}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -121,7 +122,21 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logpro
         min_p=number(body, "min_p", 0.0, 0.0, 1.0),
         logit_bias=_logit_bias(body),
         min_tokens=min_tokens,
+        stop_token_ids=_stop_token_ids(body),
     )
+
+
+def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    """vLLM's extension: token ids that end the answer (finish_reason "stop"), besides the model's own."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 1 << 32
+                                        for i in ids):
+        raise ApiError(400, "'stop_token_ids' must be a list of token ids", "stop_token_ids", code="invalid_type")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"'stop_token_ids' holds at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+    return tuple(ids)
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:

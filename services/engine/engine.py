@@ -65,7 +65,7 @@ class Engine:
         limit = self.runner.max_context
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
-        bad = next((i for i in prompt_ids + resume + [t for t, _ in sampling.logit_bias]
+        bad = next((i for i in prompt_ids + resume + [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)
                     if not 0 <= i < self.runner.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {self.runner.vocab_size})")

@@ -370,3 +370,6 @@ def test_logit_bias_penalties_and_min_tokens_on_the_model(runner: ModelRunner, h
     assert engine.stats.draft_tokens == drafted                          # no drafts for a processed request
     with pytest.raises(InvalidArgument, match="outside the vocabulary"):
         engine.make_request("g", ids, SamplingParams(logit_bias=((runner.vocab_size, 1.0),)))
+    stop = plain[2]                                        # stop_token_ids: the answer ends at its first one
+    cut = run(engine, engine.make_request("h", ids, SamplingParams(max_tokens=8, stop_token_ids=(stop,))))["h"]
+    assert tokens(cut) == plain[:plain.index(stop) + 1] and cut[-1].finish_reason is FinishReason.STOP

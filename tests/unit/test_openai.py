@@ -30,6 +30,11 @@ def test_penalties_bias_and_the_vllm_extensions_are_carried() -> None:
     s = openai.parse_chat(body).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.3, 0.05)
     assert s.logit_bias == ((7, 3.5), (42, -100.0)) and s.min_tokens == 2
+    assert openai.parse_chat({**CHAT, "stop_token_ids": [13, 2]}).sampling.stop_token_ids == (13, 2)
+    from mesh.clients.router import _to_pb  # what the router is sent, field by field
+    pb = _to_pb(openai.parse_chat({**body, "stop_token_ids": [13]})).sampling
+    assert (pb.presence_penalty, pb.frequency_penalty, pb.min_tokens, list(pb.stop_token_ids)) == (0.5, -0.25, 2, [13])
+    assert dict(pb.logit_bias) == {7: 3.5, 42: -100.0} and abs(pb.repetition_penalty - 1.3) < 1e-6
 
 
 def test_fields_left_out_take_the_models_defaults() -> None:
@@ -75,6 +80,8 @@ def test_header_session_wins_over_user() -> None:
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
 ])
 def test_bad_chat_requests_name_the_field(patch: dict[str, object], param: str) -> None:
     with pytest.raises(ApiError) as err:
