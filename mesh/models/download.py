@@ -17,6 +17,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mesh.files import exclusive_lock
 from mesh.models.catalog import CATALOG, ModelError, ModelSpec, canonical
@@ -66,21 +67,32 @@ def pull(name: str, progress: Callable[[str], None] = print) -> Path:
             gguf_file = fetch_gguf(spec, Path(download), progress)
             progress("verifying sha256 ...")
             digest = verify_sha256(gguf_file, spec.sha256)
-            staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{spec.name}.tmp-"))
-            os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the folder is shared by every service
-            try:
-                progress("converting GGUF to Hugging Face format ...")
-                info = convert_gguf(gguf_file, staging)
-                for item in staging.iterdir():  # some writers (safetensors) leave files 0600
-                    if item.is_file():
-                        os.chmod(item, 0o644)
-                os.replace(staging, target)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
+            progress("converting GGUF to Hugging Face format ...")
+            info = _convert_into(gguf_file, spec.name, target)
         write_marker(target, spec, digest, info)
         progress(f"saved to {target} ({time.monotonic() - started:.0f}s)")
     return target
+
+
+def _convert_into(gguf_file: Path, name: str, target: Path,
+                  finish: Callable[[Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Under the model's lock: convert into a staging folder beside `target`, let `finish(folder, info)`
+    add to or refuse it, then move it into place; nothing is left behind on failure.  Returns the
+    conversion's facts for the marker."""
+    staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{name}.tmp-"))
+    os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the folder is shared by every service
+    try:
+        info = convert_gguf(gguf_file, staging)
+        if finish is not None:
+            finish(staging, info)
+        for item in staging.iterdir():  # some writers (safetensors) leave files 0600
+            if item.is_file():
+                os.chmod(item, 0o644)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return info
 
 
 def _remove_leftovers(name: str, target: Path) -> None:
@@ -143,21 +155,13 @@ def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None
         _remove_leftovers(key, target)
         if target.exists():                # converted before, never registered (its check or register failed)
             shutil.rmtree(target)
-        staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{key}.tmp-"))
-        os.chmod(staging, 0o755)
-        try:
-            progress(f"converting {source.name} to Hugging Face format ...")
-            info = convert_gguf(source, staging)
+        def finish(folder: Path, info: dict[str, Any]) -> None:
             info["gguf_tensor_types"] = _tensor_types(source)
             if check is not None:
-                check(staging)
-            for item in staging.iterdir():
-                if item.is_file():
-                    os.chmod(item, 0o644)
-            os.replace(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+                check(folder)
+
+        progress(f"converting {source.name} to Hugging Face format ...")
+        info = _convert_into(source, key, target, finish)
         write_marker(target, (key, f"file:{source}"), sha256_file(source), info)
     try:
         return register(key, target)

@@ -158,10 +158,10 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
     # the answer and the others read it, instead of all timing each other's contention.
     with exclusive_lock(cache.with_suffix(".lock")):
         if use_cache and cache.exists():
-            try:
-                return Tuned(**json.loads(cache.read_text()))
-            except (ValueError, TypeError):
-                log.warning("ignoring an unreadable tuning cache %s", cache)
+            cached_answer = _read(cache)
+            if cached_answer is not None:
+                return cached_answer
+            log.warning("ignoring an unreadable tuning cache %s", cache)
         started = time.monotonic()
         table = measure(layers, gemms, kinds)
         if not table:
@@ -178,8 +178,16 @@ def cached(folder: Path) -> Tuned | None:
     kinds = candidates()
     try:
         layers, gemms = shapes(folder)
-        return Tuned(**json.loads(_cache_file(layers, gemms, kinds).read_text())) if kinds else None
-    except (OSError, KeyError, ValueError, TypeError):
+    except (OSError, KeyError, ValueError):
+        return None
+    return _read(_cache_file(layers, gemms, kinds)) if kinds else None
+
+
+def _read(cache: Path) -> Tuned | None:
+    """A cached answer, or None when the file is missing or unreadable."""
+    try:
+        return Tuned(**json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
         return None
 
 

@@ -109,7 +109,7 @@ def _windows(c: dict[str, Any]) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
-def _split_fused(weights: dict[str, torch.Tensor], config: LlamaConfig) -> None:
+def split_fused(weights: dict[str, torch.Tensor], config: LlamaConfig) -> None:
     """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split them (in place, as
     views) under the names the Llama layout uses."""
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

@@ -153,11 +153,6 @@ class Q4Linear(BlockLinear):
 
     FALLBACK = Q8LayerLinear
 
-    @property
-    def lossless(self) -> bool:
-        """Whether the 4-bit kernel runs (the one-call decoder layer needs it)."""
-        return self.fallback is None
-
 
 class Q8Linear(BlockLinear):
     """8-bit blocks (d * q), the output head's kind beside q4; packed fp32 where that would change it."""

@@ -21,7 +21,7 @@ import torch
 from services.engine.models import ops as op_sets
 from services.engine.models import rope
 from services.engine.models.attention import Attention, AttentionMetadata
-from services.engine.models.config import LlamaConfig, _split_fused
+from services.engine.models.config import LlamaConfig, split_fused
 from services.engine.models.linear import (
     BlockLinear,
     Concat,
@@ -100,7 +100,7 @@ class LlamaModel:
                 return w(name)
             return (weights[name].float() + config.norm_offset).to(device=device, dtype=dtype).contiguous()
 
-        _split_fused(weights, config)          # Phi-3's fused qkv_proj / gate_up_proj, as separate tensors
+        split_fused(weights, config)          # Phi-3's fused qkv_proj / gate_up_proj, as separate tensors
         self.embed = w("model.embed_tokens.weight")                               # (V, H)
         self.layers = []
         for i in range(config.num_layers):
