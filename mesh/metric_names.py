@@ -99,6 +99,8 @@ METRICS: tuple[Metric, ...] = (
        "Speculative draft tokens verified (prompt lookup)"),
     _m("infermesh_engine_draft_accepted_tokens_total", "counter", "engine", "replica",
        "Of the draft tokens verified, those accepted"),
+    _m("infermesh_engine_constrained_requests_total", "counter", "engine", "replica grammar",
+       "Requests with a structured-output constraint; grammar: cached (compiled before) or compiled"),
     _m("infermesh_engine_step_seconds", "histogram", "engine", "replica", "Duration of one engine step"),
     _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),
     _m("infermesh_engine_generated_tokens_total", "counter", "engine", "replica",

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from mesh.chat import Message
+from mesh.chat import Message, to_pb
+from mesh.constraints import Constraint
 from mesh.grpcutil import channel, check_health
 from mesh.telemetry import outgoing_metadata
-from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc, tokenizer_pb2
+from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -43,6 +44,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = None   # structured output (mesh/constraints.py)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,12 @@ class GenerateSpec:
     request_id: str = ""
     model_version: str = ""                # pin a version (also `model@version`)
     tenant: str = ""                       # who asks (never a secret): sessions are namespaced by it
+    tools: str = ""                        # chat: OpenAI's `tools` list as JSON text, for the chat template
+    # The answer's shape, for the edge (the router sees one prompt and one choice per call):
+    n: int = 1                             # choices per prompt
+    prompts: tuple[str, ...] = ()          # completions: every prompt (`prompt` is the first)
+    echo: bool = False                     # completions: the prompt before each choice's text
+    tool_calls: str = ""                   # read tool calls out of the answer: "", "single" or "parallel"
 
 
 @dataclass(frozen=True)
@@ -134,14 +142,22 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
         logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids))
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.constraint is not None:
+        c = s.constraint
+        sampling.constraint.prefix, sampling.constraint.suffix = c.prefix, c.suffix
+        if c.kind == "json_object":
+            sampling.constraint.json_object = True
+        else:
+            setattr(sampling.constraint, c.kind, c.text)
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
         pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant)
     if spec.prompt is not None:
         req.prompt = spec.prompt
     else:
+        req.chat.tools = spec.tools
         req.chat.messages.extend(
-            tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in spec.messages)
+            to_pb(m) for m in spec.messages)
     return req
 
 

@@ -7,10 +7,10 @@ import time
 import grpc
 
 from mesh import peers
-from mesh.chat import Message
+from mesh.chat import from_pb, to_pb
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
-from meshpb.v1 import cache_pb2, cache_pb2_grpc, tokenizer_pb2
+from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.cache import metrics
 from services.cache.block_rpcs import BlockRPCs
 from services.cache.sessions import Session, SessionStore
@@ -26,7 +26,7 @@ def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.Session
         session_id=session_id,
         found=True,
         expires_unix_ms=expires_ms,
-        messages=[tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name)
+        messages=[to_pb(m)
                   for m in session.messages],
     )
 
@@ -52,7 +52,7 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
                             ) -> cache_pb2.SessionContext:
         peers.require(context, "AppendSession", peers.SESSIONS)
         with server_span("cache.append_session", context, messages=len(request.messages)):
-            messages = [Message(m.role, m.content, m.name) for m in request.messages]
+            messages = [from_pb(m) for m in request.messages]
             session = self.sessions.append(request.session_id, messages, time.monotonic())
             return session_to_pb(request.session_id, session)
 

@@ -21,17 +21,17 @@ import grpc
 from opentelemetry import trace
 
 from mesh.apikeys import tenant_of
-from mesh.clients.router import Delta, GenerateSpec, RouterClient, TokenLogprob
+from mesh.clients.router import Delta, GenerateSpec, RouterClient
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
-from services.edge import openai, responses
+from services.edge import choices, openai, responses
 from services.edge.admission import Admission, Charge
 from services.edge.asgi import Receive, Scope, Send, read_body, send_json, wait_disconnect
+from services.edge.choices import Choice, fan_out
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.fields import parse_json
 from services.edge.metrics import COMPLETION_TOKENS, DURATION, TTFT
-from services.edge.responses import LogprobFormatter
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 T = TypeVar("T")
@@ -89,37 +89,38 @@ class Completions:
         rid = responses.new_id(chat)
         spec = dataclasses.replace(spec, request_id=rid, tenant=tenant(charge.caller),
                                    model_version=headers.get("x-infermesh-model-version", "").strip())
-        lp = LogprobFormatter(chat, len(spec.prompt or "")) if spec.sampling.logprobs else None
+        answers = [Choice(c, chat, spec, p) for c, p in enumerate(p for p in (spec.prompts or (spec.prompt or "",))
+                                                                   for _ in range(spec.n))]
         parent = headers_context(headers)
         try:
             with tracer().start_as_current_span("edge.request", context=parent, kind=trace.SpanKind.SERVER,
-                                                attributes={"request_id": rid, "stream": stream}):
-                deltas = self.router.generate(spec, timeout=self.config.request_timeout_s)
+                                                attributes={"request_id": rid, "stream": stream,
+                                                            "choices": len(answers)}):
+                deltas = fan_out(self.router, spec, self.config.request_timeout_s)
                 if stream:
-                    return await self._stream(chat, rid, deltas, include_usage, lp, charge, receive, send)
-                return await self._whole(chat, rid, deltas, lp, charge, receive, send)
+                    return await self._stream(chat, rid, deltas, answers, spec.n, include_usage, charge, receive,
+                                              send)
+                return await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
         finally:
             self.admission.leave(charge)
 
-    async def _whole(self, chat: bool, rid: str, deltas: AsyncIterator[Delta], lp: LogprobFormatter | None,
-                     charge: Charge, receive: Receive, send: Send) -> int:
+    async def _whole(self, chat: bool, rid: str, deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice],
+                     n: int, charge: Charge, receive: Receive, send: Send) -> int:
         started = time.monotonic()
         # The client may leave while the answer is collected, with no write to notice it by:
         # watch for its disconnect, or an abandoned request would run to max_tokens.
-        collected = await unless_gone(_collect(deltas, charge), receive)
-        if collected is None:
+        if await unless_gone(_collect(deltas, answers, charge), receive) is None:
             return 499
-        parts, logprobs, final = collected
-        charge.used = final.prompt_tokens + final.completion_tokens
+        use = choices.usage(answers, n)
+        charge.used = use["total_tokens"]
         DURATION.observe(time.monotonic() - started)
-        COMPLETION_TOKENS.inc(final.completion_tokens)
-        model = final.served_by.model if final.served_by else ""
-        await send_json(send, 200, responses.completion_body(chat, rid, model, "".join(parts), final,
-                                                             lp.format(logprobs) if lp else None))
+        COMPLETION_TOKENS.inc(use["completion_tokens"])
+        await send_json(send, 200, responses.whole_body(chat, rid, _model(answers), [a.body() for a in answers],
+                                                        use, choices.meta(answers)))
         return 200
 
-    async def _stream(self, chat: bool, rid: str, deltas: AsyncIterator[Delta], include_usage: bool,
-                      lp: LogprobFormatter | None, charge: Charge, receive: Receive, send: Send) -> int:
+    async def _stream(self, chat: bool, rid: str, deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice],
+                      n: int, include_usage: bool, charge: Charge, receive: Receive, send: Send) -> int:
         started = time.monotonic()
         # Pull the first delta before answering, so an early error is still a proper 4xx/5xx.
         try:
@@ -131,13 +132,15 @@ class Completions:
             raise ApiError(502, "the stream ended without a final message", kind="server_error",
                            code=None) from None
         TTFT.observe(time.monotonic() - started)
-        model = first.served_by.model if first.served_by else ""
+        d = first[1]
+        model = d.served_by.model if d.served_by else ""
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        relay = asyncio.ensure_future(self._relay(chat, rid, model, first, deltas, include_usage, lp, charge, send))
+        relay = asyncio.ensure_future(self._relay(chat, rid, model, first, deltas, answers, n, include_usage, charge,
+                                                  send))
         gone = asyncio.ensure_future(wait_disconnect(receive))
         done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         if relay not in done:
-            relay.cancel()  # the client left: cancelling the gRPC call aborts the engine's work
+            relay.cancel()  # the client left: cancelling the gRPC calls aborts the engines' work
             await asyncio.gather(relay, return_exceptions=True)
             return 499
         gone.cancel()
@@ -145,50 +148,56 @@ class Completions:
         DURATION.observe(time.monotonic() - started)
         return 200
 
-    async def _relay(self, chat: bool, rid: str, model: str, first: Delta, deltas: AsyncIterator[Delta],
-                     include_usage: bool, lp: LogprobFormatter | None, charge: Charge, send: Send) -> None:
+    async def _relay(self, chat: bool, rid: str, model: str, first: tuple[int, Delta],
+                     deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice], n: int, include_usage: bool,
+                     charge: Charge, send: Send) -> None:
         async def emit(obj: dict[str, Any]) -> None:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
                         "more_body": True})
 
-        d: Delta | None = first
-        is_first = True
+        item: tuple[int, Delta] | None = first
         try:
-            while d is not None:
+            while item is not None:
+                index, d = item
+                answer = answers[index]
+                if not chat and answer.echo and not answer.started:
+                    answer.started = True
+                    await emit(responses.chunk_body(chat, rid, model, answer.echo, index=index))
+                pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
                 # A delta's logprobs ride on its text chunk (the stop matcher may hold text back, so a
                 # chunk can carry tokens and no text yet).
-                logprobs = lp.format(d.logprobs) if lp and d.logprobs else None
-                if d.text or is_first or logprobs:
-                    await emit(responses.chunk_body(chat, rid, model, d.text, first=is_first, logprobs=logprobs))
-                    is_first = False
+                if pieces or logprobs or not answer.started:
+                    await emit(responses.chunk_body(chat, rid, model, "".join(p for p in pieces if isinstance(p, str)),
+                                                    logprobs=logprobs, index=index,
+                                                    delta=answer.delta(pieces) if chat else None))
+                    answer.started = True
                 if d.finish_reason is not None:
-                    charge.used = d.prompt_tokens + d.completion_tokens
-                    await emit(responses.chunk_body(chat, rid, model, "", d.finish_reason, final=d))
-                    if include_usage:
-                        await emit(responses.usage_chunk(chat, rid, model, d))
-                    COMPLETION_TOKENS.inc(d.completion_tokens)
-                    break
-                d = await anext(deltas, None)
+                    await emit(responses.chunk_body(chat, rid, model, "", answer.finish_reason, final=d, index=index))
+                item = await anext(deltas, None)
+            use = choices.usage(answers, n)
+            charge.used = use["total_tokens"]
+            if include_usage:
+                await emit(responses.usage_chunk(chat, rid, model, use, choices.meta(answers)))
+            COMPLETION_TOKENS.inc(use["completion_tokens"])
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())
             await emit(error_body(err.details() or "generation failed", kind, status))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-async def _collect(deltas: AsyncIterator[Delta], charge: Charge) -> tuple[list[str], list[TokenLogprob], Delta]:
-    """A whole answer: its texts, its tokens' logprobs and its final message."""
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    final: Delta | None = None
+def _model(answers: list[Choice]) -> str:
+    final = answers[0].final
+    return final.served_by.model if final is not None and final.served_by else ""
+
+
+async def _collect(deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice], charge: Charge) -> bool:
+    """Every choice's whole answer."""
     try:
-        async for d in deltas:
+        async for index, d in deltas:
             charge.started = True
-            parts.append(d.text)
-            logprobs.extend(d.logprobs)
-            if d.finish_reason is not None:
-                final = d
+            answers[index].add(d)
     except grpc.aio.AioRpcError as err:
         raise from_grpc(err) from None
-    if final is None:
+    if any(a.final is None for a in answers):
         raise ApiError(502, "the stream ended without a final message", kind="server_error", code=None)
-    return parts, logprobs, final
+    return True

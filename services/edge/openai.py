@@ -8,6 +8,8 @@ keep the two in step.  The response shapes are in services/edge/responses.py.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 from mesh.chat import ROLES, Message
@@ -24,6 +26,7 @@ from mesh.request_limits import (
     TEMPERATURE,
     TOP_P,
 )
+from services.edge import structured
 from services.edge.errors import ApiError, shown
 from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string
 
@@ -32,18 +35,21 @@ MAX_COMPLETION_LOGPROBS = 5     # completions `logprobs`, as in OpenAI
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)    # int64 as OpenAI documents it, and the engine's uint64
 
 # Accepted and ignored: they change nothing about the answer (bookkeeping for OpenAI's own platform).
-IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls")
+IGNORED_FIELDS = ("store", "metadata", "service_tier")
 # Logits processing: OpenAI's penalties and logit_bias, and vLLM's extensions.
 PROCESSING_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p",
                      "min_tokens", "stop_token_ids")
 MAX_STOP_TOKEN_IDS = 64
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens",
            "stop", "n", "user", "ignore_eos", *PROCESSING_FIELDS, *IGNORED_FIELDS}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs"}
-MESSAGE_FIELDS = {"role", "content", "name"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                         *structured.CONSTRAINT_FIELDS, *structured.TOOL_FIELDS}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", *structured.CONSTRAINT_FIELDS}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 # What clients echo back from an assistant reply (`message.model_dump()`): accepted when null or empty.
-MESSAGE_EMPTY_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id")
+MESSAGE_EMPTY_FIELDS = ("refusal", "function_call", "audio", "annotations")
+MAX_N = 16                      # choices per prompt (`n`)
+MAX_PROMPTS = 32                # prompts in one completions request
 
 
 # Headers that name one thing: a second copy is refused, not silently preferred (last-wins would let
@@ -67,11 +73,14 @@ def check_headers(raw: list[tuple[bytes, bytes]]) -> None:
             raise ApiError(400, f"'{header}' header is longer than {limit} characters", header)
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+def _check_fields(body: dict[str, Any], allowed: set[str], session_id: str) -> int:
+    """n, once the fields are known ones."""
     no_unknown(body, allowed)
-    n = integer(body, "n", 1, 128)
-    if n not in (None, 1):
-        raise ApiError(400, "'n' must be 1: one choice per request is supported", "n")
+    n = integer(body, "n", 1, MAX_N) or 1
+    if n > 1 and (session_id or body.get("user")):
+        raise ApiError(400, "'n' > 1 cannot continue a session (x-session-id or 'user'): only one answer can "
+                       "join its history; send n=1, or leave the session out", "n")
+    return n
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -207,7 +216,34 @@ def _message(m: Any, i: int) -> Message:
     if not isinstance(role, str) or role not in ROLES:
         raise ApiError(400, f"messages[{i}].role {shown(repr(role))} is not one of {', '.join(ROLES)} (or developer)",
                        f"messages[{i}].role")
-    return Message(role, _content(m, i), string(m, "name") if "name" in m else "")
+    calls = m.get("tool_calls")
+    if calls is not None and calls != [] and role != "assistant":
+        raise ApiError(400, f"messages[{i}].tool_calls is only for assistant messages", f"messages[{i}].tool_calls")
+    call_id = m.get("tool_call_id")
+    if role == "tool" and not isinstance(call_id, str):
+        raise ApiError(400, f"messages[{i}] (role tool) needs 'tool_call_id', the id of the call it answers",
+                       f"messages[{i}].tool_call_id")
+    if call_id is not None and role != "tool":
+        raise ApiError(400, f"messages[{i}].tool_call_id is only for tool messages", f"messages[{i}].tool_call_id")
+    return Message(role, _content(m, i), string(m, "name") if "name" in m else "",
+                   _tool_calls(calls, i) if calls else "", call_id or "")
+
+
+def _tool_calls(calls: Any, i: int) -> str:
+    """An assistant message's tool_calls (as a client echoes them back) -> JSON text for the template."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", where, code="invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str)
+                or c.get("type", "function") != "function"):
+            raise ApiError(400, f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                           "{\"name\": STRING, \"arguments\": JSON_STRING}}", f"{where}[{j}]")
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": f["name"], "arguments": f["arguments"]}})
+    return json.dumps(out)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
@@ -220,7 +256,7 @@ def _chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
 
 def parse_chat(body: dict[str, Any], session_id: str = "", pinned: str = "",
                max_messages: int = MAX_MESSAGES) -> GenerateSpec:
-    _check_fields(body, CHAT_FIELDS)
+    n = _check_fields(body, CHAT_FIELDS, session_id)
     model = string(body, "model", required=True)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -229,25 +265,37 @@ def parse_chat(body: dict[str, Any], session_id: str = "", pinned: str = "",
         raise ApiError(400, f"'messages' holds at most {max_messages} messages, got {len(raw)}", "messages")
     messages = tuple(_message(m, i) for i, m in enumerate(raw))
     logprobs, top = _chat_logprobs(body)
-    return GenerateSpec(model=model, sampling=_sampling(body, "max_completion_tokens", logprobs, top),
-                        messages=messages, session_id=session_id or string(body, "user"), pinned_replica=pinned)
+    shape = structured.parse(body, chat=True)
+    sampling = dataclasses.replace(_sampling(body, "max_completion_tokens", logprobs, top), constraint=shape.constraint)
+    return GenerateSpec(model=model, sampling=sampling, messages=messages,
+                        session_id=session_id or string(body, "user"), pinned_replica=pinned,
+                        tools=shape.tools_json, n=n,
+                        tool_calls="" if not shape.parse_calls else "parallel" if shape.parallel else "single")
 
 
 def parse_completion(body: dict[str, Any], session_id: str = "", pinned: str = "") -> GenerateSpec:
-    _check_fields(body, COMPLETION_FIELDS)
+    n = _check_fields(body, COMPLETION_FIELDS, session_id)
     model = string(body, "model", required=True)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "'prompt' must be a non-empty string (one prompt per request)", "prompt")
-    for name, neutral in (("echo", False), ("suffix", ""), ("best_of", 1)):
+    prompts = tuple(prompt) if isinstance(prompt, list) else (prompt,)
+    if not prompts or len(prompts) > MAX_PROMPTS or not all(isinstance(p, str) and p for p in prompts):
+        raise ApiError(400, f"'prompt' must be a non-empty string or a list of 1-{MAX_PROMPTS} non-empty strings",
+                       "prompt")
+    if len(prompts) > 1 and (session_id or body.get("user")):
+        raise ApiError(400, "a list of prompts cannot continue a session (x-session-id or 'user')", "prompt")
+    for name, neutral in (("suffix", ""), ("best_of", 1)):
         value = body.get(name)
         if value is not None and (value != neutral or type(value) is not type(neutral)):
             raise ApiError(400, f"'{name}' is not supported; leave it at {neutral!r}", name)
     top = integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    return GenerateSpec(model=model, sampling=_sampling(body, logprobs=top is not None, top_logprobs=top or 0),
-                        prompt=prompt, session_id=session_id or string(body, "user"), pinned_replica=pinned)
+    echo = boolean(body, "echo")
+    if echo and top is not None:
+        raise ApiError(400, "'echo' with 'logprobs' (the prompt's own logprobs) is not supported; drop one", "echo")
+    shape = structured.parse(body, chat=False)
+    sampling = dataclasses.replace(_sampling(body, logprobs=top is not None, top_logprobs=top or 0),
+                                   constraint=shape.constraint)
+    return GenerateSpec(model=model, sampling=sampling, prompt=prompts[0], prompts=prompts, echo=echo, n=n,
+                        session_id=session_id or string(body, "user"), pinned_replica=pinned)
 
 
 def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | None]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.chat import ROLES
+from mesh.constraints import MAX_CONSTRAINT_CHARS
+from mesh.tools import MAX_TOOLS
 from services.edge import openai
 from services.edge.config import EdgeConfig
 from services.edge.fields import MAX_NAME_CHARS
@@ -43,7 +45,8 @@ def _common_fields() -> dict[str, Any]:
         "max_tokens": _nullable("integer", minimum=1, maximum=openai.MAX_TOKENS),
         "stop": {"anyOf": [{"type": "null"}, stop_string,
                            {"type": "array", "maxItems": openai.MAX_STOP, "items": stop_string}]},
-        "n": _nullable("integer", minimum=1, maximum=1),
+        "n": _nullable("integer", minimum=1, maximum=openai.MAX_N,
+                       description="choices per prompt; the prompt is prefilled once (not with a session)"),
         "user": _nullable("string", maxLength=MAX_NAME_CHARS, description="names a session"),
         "ignore_eos": _nullable("boolean", description="generate to max_tokens (extension)"),
         "frequency_penalty": _nullable("number", minimum=-2, maximum=2),
@@ -60,7 +63,41 @@ def _common_fields() -> dict[str, Any]:
                                                                              "maximum": 100}}],
                        "description": "token id -> bias added to its logit; -100 bans it"},
         **{name: {"description": "accepted and ignored"} for name in openai.IGNORED_FIELDS},
+        **_constraint_fields(),
     }
+
+
+def _constraint_fields() -> dict[str, Any]:
+    schema_spec = {"type": "object", "additionalProperties": False, "required": ["name"],
+                   "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                  "schema": {"type": "object"}, "strict": _nullable("boolean"),
+                                  "description": {"type": "string"}}}
+    formats = [{"type": "null"},
+               {"type": "object", "additionalProperties": False, "required": ["type"],
+                "properties": {"type": {"enum": ["text", "json_object"]}}},
+               {"type": "object", "additionalProperties": False, "required": ["type", "json_schema"],
+                "properties": {"type": {"const": "json_schema"}, "json_schema": schema_spec}}]
+    text = _nullable("string", minLength=1, maxLength=MAX_CONSTRAINT_CHARS)
+    return {"response_format": {"anyOf": formats, "description": "the answer is JSON (of this schema): enforced"},
+            "regex": {**text, "description": "the answer matches this regular expression (extension)"},
+            "grammar": {**text, "description": "the answer follows this EBNF grammar, `root ::= ...` (extension)"}}
+
+
+def _tool_fields() -> dict[str, Any]:
+    function = {"type": "object", "additionalProperties": False, "required": ["name"],
+                "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                               "description": {"type": "string"}, "parameters": {"type": "object"},
+                               "strict": _nullable("boolean")}}
+    tool = {"type": "object", "additionalProperties": False, "required": ["type", "function"],
+            "properties": {"type": {"const": "function"}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"],
+             "properties": {"type": {"const": "function"}, "function": {
+                 "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+    return {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1, "maxItems": MAX_TOOLS,
+                                                   "items": tool}]},
+            "tool_choice": {"anyOf": [{"type": "null"}, {"enum": ["none", "auto", "required"]}, named],
+                            "description": "required / named: the answer is one call, constrained"},
+            "parallel_tool_calls": _nullable("boolean", description="false: at most one call is returned")}
 
 
 def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
@@ -69,7 +106,14 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
     text_part = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     # content is null only for assistant messages, hence two shapes.
+    call = {"type": "object", "required": ["function"],
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
+                "type": "object", "required": ["name", "arguments"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     fields = {"name": _nullable("string", maxLength=MAX_NAME_CHARS),
+              "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "items": call}],
+                             "description": "assistant messages only"},
+              "tool_call_id": {"type": "string", "description": "tool messages only (required there)"},
               **{name: empty for name in openai.MESSAGE_EMPTY_FIELDS}}
     text = [{"type": "string"}, {"type": "array", "items": text_part}]
     roles = [*(r for r in ROLES if r != "assistant"), "developer"]
@@ -89,6 +133,7 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
             "logprobs": _nullable("boolean"),
             "top_logprobs": _nullable("integer", minimum=0, maximum=openai.MAX_TOP_LOGPROBS,
                                       description="needs logprobs: true"),
+            **_tool_fields(),
         },
     }
     completion = {
@@ -96,11 +141,11 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
         "properties": {
             **common,
             "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                                 {"type": "array", "minItems": 1, "maxItems": 1,
+                                 {"type": "array", "minItems": 1, "maxItems": openai.MAX_PROMPTS,
                                   "items": {"type": "string", "minLength": 1}}]},
             "logprobs": _nullable("integer", minimum=0, maximum=openai.MAX_COMPLETION_LOGPROBS,
                                   description="top-N alternatives per token"),
-            "echo": {"enum": [False, None]},
+            "echo": _nullable("boolean", description="the prompt before the text (not with logprobs)"),
             "suffix": {"enum": ["", None]},
             "best_of": _nullable("integer", minimum=1, maximum=1),
         },
@@ -150,9 +195,18 @@ def _response_schemas() -> dict[str, Any]:
                                    "properties": {"index": {"type": "integer"}, "finish_reason": finish,
                                                   "logprobs": logprobs, **choice}}}}}
 
+    call: dict[str, Any] = {"type": "object", "required": ["id", "type", "function"],
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
+                "type": "object", "required": ["name", "arguments"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}}
-    delta = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
+               "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                              "tool_calls": {"type": "array", "items": call}}}
+    delta = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"},
+                                              "tool_calls": {"type": "array", "items": {
+                                                  **call, "required": ["index", "id", "type", "function"],
+                                                  "properties": {**call["properties"],
+                                                                 "index": {"type": "integer"}}}}}}
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},

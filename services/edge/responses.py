@@ -65,24 +65,20 @@ class LogprobFormatter:
         return out
 
 
-def completion_body(chat: bool, rid: str, model: str, text: str, final: Delta,
-                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason, "logprobs": logprobs}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+def whole_body(chat: bool, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any],
+               meta: dict[str, Any] | None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(final), "infermesh": _meta(final.served_by)}
+            "model": model, "choices": choices, "usage": use, "infermesh": meta}
 
 
 def chunk_body(chat: bool, rid: str, model: str, text: str, finish: str | None = None,
-               first: bool = False, final: Delta | None = None, logprobs: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+               first: bool = False, final: Delta | None = None, logprobs: dict[str, Any] | None = None,
+               index: int = 0, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; chat: `delta` (services/edge/choices.py) or one made of `text`."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if chat:
-        choice["delta"] = ({"role": "assistant", "content": text} if first else
-                           {"content": text} if text or finish is None else {})
+        choice["delta"] = delta if delta is not None else (
+            {"role": "assistant", "content": text} if first else {"content": text} if text or finish is None else {})
     else:
         choice["text"] = text
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -92,7 +88,7 @@ def chunk_body(chat: bool, rid: str, model: str, text: str, finish: str | None =
     return body
 
 
-def usage_chunk(chat: bool, rid: str, model: str, final: Delta) -> dict[str, Any]:
+def usage_chunk(chat: bool, rid: str, model: str, use: dict[str, Any], meta: dict[str, Any] | None
+                ) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [], "usage": usage(final),
-            "infermesh": _meta(final.served_by)}
+            "created": int(time.time()), "model": model, "choices": [], "usage": use, "infermesh": meta}

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from mesh.errors import InvalidArgument, ResourceExhausted
-from services.engine import kv_transfer, sampler
+from services.engine import grammar, kv_transfer, sampler
 from services.engine.block_manager import BlockManager
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
@@ -56,6 +56,7 @@ class Engine:
         self._drafted: list[Request] = []       # requests given a draft for the step being run
         self._lock = threading.Lock()
         self.stats = EngineStats()
+        self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids)
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -243,10 +244,12 @@ class Engine:
             if any(r.sampling.processed for r, _ in rows):
                 scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
                 for row, (req, _) in enumerate(rows):
-                    if req.sampling.processed:   # (rows with drafts never are: _propose skips them)
+                    if req.sampling.penalized:   # (rows with drafts never are: _propose skips them)
                         scores[row] = sampler.process(logits[row], req.sampling, req.prompt_ids,
                                                       req.resume_ids + req.output_ids,
                                                       self.runner.eos_token_ids | set(req.sampling.stop_token_ids))
+                grammar.apply_masks(scores, logits, [(row, r.matcher) for row, (r, _) in enumerate(rows)
+                                                     if r.matcher is not None])
             tokens = sampler.sample_batch(scores, [r.sampling for r, _ in rows],
                                           [r.num_generated + i for r, i in rows])
         outputs = []
@@ -262,6 +265,9 @@ class Engine:
                     logprobs.append(sampler.token_logprob(logits[row + i], token, params.top_logprobs))
                 req.append(token)
                 new.append(token)
+                if req.matcher is not None and not req.matcher.accept(token):
+                    reason = FinishReason.ERROR      # (cannot happen: the mask allowed it) fail this one only
+                    break
                 reason = self._finish_reason(req, token)
                 if reason is not None or i == chunk.draft or token != req.draft[i]:
                     break
@@ -276,6 +282,8 @@ class Engine:
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling
+        if req.matcher is not None and req.matcher.done:
+            return FinishReason.STOP             # the grammar is complete (even with ignore_eos)
         if not params.ignore_eos and (token in self.runner.eos_token_ids or token in params.stop_token_ids):
             return FinishReason.STOP
         if req.num_generated >= req.max_tokens or len(req.all_ids) >= self.runner.max_context:

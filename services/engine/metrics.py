@@ -23,6 +23,9 @@ PREEMPTIONS = Counter("infermesh_engine_preemptions_total", "Requests preempted 
 DRAFTED = Counter("infermesh_engine_draft_tokens_total", "Speculative draft tokens verified (prompt lookup)", LABELS)
 ACCEPTED = Counter("infermesh_engine_draft_accepted_tokens_total", "Of the draft tokens verified, those accepted",
                    LABELS)
+CONSTRAINED = Counter("infermesh_engine_constrained_requests_total",
+                      "Requests with a structured-output constraint, by whether its grammar was cached",
+                      [*LABELS, "grammar"])
 STEP = Histogram("infermesh_engine_step_seconds", "Duration of one engine step", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 STEP_TOKENS = Counter("infermesh_engine_step_tokens_total", "Tokens computed (prefill and decode)", LABELS)
@@ -95,8 +98,12 @@ class ReplicaMetrics:
         self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
         self.queue_wait, self.batch = QUEUE_WAIT.labels(replica), BATCH.labels(replica)
         self.replica = replica
+        self._constrained = {c: CONSTRAINED.labels(replica, c) for c in ("cached", "compiled")}
         self._seen = (0, 0, 0, 0, 0)  # prefix queries, hits, preemptions, drafted, accepted already counted
         self._plan: tuple[str, ...] = ()
+
+    def constrained(self, cached: bool) -> None:
+        self._constrained["cached" if cached else "compiled"].inc()
 
     def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
                      preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0, drafted: int = 0,

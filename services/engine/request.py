@@ -6,8 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
 from services.engine.block_manager import BlockTable
+from services.engine.grammar import Matcher
 from services.engine.speculate import Lookup
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    constraint: Constraint | None = None     # structured output (services/engine/grammar.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -74,8 +77,13 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, bias, min_tokens): such a row needs
-        its full logits and its own history, so it takes neither the greedy shortcut nor drafts."""
+        """Whether the logits are changed before sampling (penalties, bias, min_tokens, a grammar): such a
+        row needs its full logits and its own history, so it takes neither the greedy shortcut nor drafts."""
+        return self.penalized or self.constraint is not None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether services/engine/sampler.py: process changes the logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens)
 
@@ -120,6 +128,7 @@ class Request:
     # Speculation (services/engine/speculate.py): this step's draft tokens, and the n-gram index they come from.
     draft: list[int] = field(default_factory=list)
     lookup: Lookup | None = None
+    matcher: Matcher | None = None        # the grammar's state when sampling.constraint is set (set by the server)
 
     def __post_init__(self) -> None:
         # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.

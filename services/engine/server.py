@@ -22,6 +22,7 @@ import grpc
 from opentelemetry import trace
 
 from mesh import peers
+from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import Service, rpc_errors
 from mesh.models.folder import SAMPLING_DEFAULTS, sampling_defaults
@@ -70,7 +71,15 @@ def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float]
         min_p=s.min_p,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_tokens=s.min_tokens,
+        constraint=constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
     )
+
+
+def constraint_from_pb(c: common_pb2.Constraint) -> Constraint:
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("constraint names no kind: set json_schema, json_object, regex or grammar")
+    return Constraint(kind, "" if kind == "json_object" else getattr(c, kind), c.prefix, c.suffix)
 
 
 def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
@@ -182,6 +191,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             first_token_at = 0.0
             outcome = "cancelled"           # until the engine says otherwise: the caller went away
             try:
+                if req.sampling.constraint is not None:   # compiled off the event loop and the step thread
+                    req.matcher = await asyncio.to_thread(self.engine.grammars.matcher, req.sampling.constraint,
+                                                          req.resume_ids)
+                    self.metrics.constrained(req.matcher.cached)
                 if self.remote is not None:
                     await self._fetch_prefix(req, span)
                 try:

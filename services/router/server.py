@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from mesh.chat import Message
+from mesh.chat import from_pb
 from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
 from mesh.request_limits import name_problem, sampling_problem
@@ -80,7 +80,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 refused = _refusal(request)
                 if refused:                   # a native caller skipped the edge's checks: the same limits here
                     raise InvalidArgument(refused)
-                incoming = [Message(m.role, m.content, m.name) for m in request.chat.messages]
+                incoming = [from_pb(m) for m in request.chat.messages]
                 async for reply in self.dispatcher.generate(request, request_id, incoming, context):
                     yield reply
             except MeshError as exc:

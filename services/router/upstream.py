@@ -15,7 +15,7 @@ import grpc
 from circuitbreaker import CircuitBreaker, CircuitBreakerError
 from tokenizers import Tokenizer as Vocabulary
 
-from mesh.chat import Message
+from mesh.chat import Message, from_pb, to_pb
 from mesh.errors import InvalidArgument, MeshError, Unavailable
 from mesh.grpcutil import channel
 from mesh.telemetry import client_span, outgoing_metadata
@@ -45,7 +45,7 @@ def relay_error(hop: str, err: grpc.aio.AioRpcError) -> MeshError:
 
 
 def _chat(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage]:
-    return [tokenizer_pb2.ChatMessage(role=m.role, content=m.content, name=m.name) for m in messages]
+    return [to_pb(m) for m in messages]
 
 
 class Tokenizer:
@@ -70,7 +70,8 @@ class Tokenizer:
                 if kind == "chat":
                     enc = await self.breaker.call_async(
                         self.stub.ApplyChatTemplate, tokenizer_pb2.ChatTemplateRequest(
-                            model=model, messages=_chat(conversation), add_generation_prompt=True),
+                            model=model, messages=_chat(conversation), add_generation_prompt=True,
+                            tools=request.chat.tools),
                         metadata=outgoing_metadata(), timeout=timeout)
                 else:
                     enc = await self.breaker.call_async(
@@ -131,7 +132,7 @@ class Sessions:
             log.warning("session store unavailable (%s); session %s goes on without its history",
                         _why(err), session_id)
             return []
-        return [Message(m.role, m.content, m.name) for m in found.messages]
+        return [from_pb(m) for m in found.messages]
 
     async def remember(self, session_id: str, messages: list[Message]) -> None:
         """Append the turn; a store that is down costs the session this turn, not the request."""

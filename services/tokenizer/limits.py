@@ -47,13 +47,14 @@ class InputLimits:
             raise InvalidArgument(f"the prompt is over {self.max_input_bytes} bytes (at least {size}); "
                                   f"this tokenizer takes at most {self.max_input_bytes} (--max-input-bytes)")
 
-    def check_messages(self, messages: Sequence[Message]) -> None:
+    def check_messages(self, messages: Sequence[Message], tools: str = "") -> None:
         if len(messages) > self.max_messages:
             raise InvalidArgument(f"the chat holds {len(messages)} messages; this tokenizer takes at most "
                                   f"{self.max_messages} (--max-messages)")
         left = self.max_input_bytes
-        for m in messages:
-            left -= _utf8_size(m.content, left) + _utf8_size(m.name, left)
+        for m in [*messages, Message("tools", tools)]:
+            left -= _utf8_size(m.content, left) + _utf8_size(m.name, left) + _utf8_size(m.tool_calls, left)
             if left < 0:
-                raise InvalidArgument(f"the chat's messages hold over {self.max_input_bytes} bytes of content; "
-                                      f"this tokenizer takes at most {self.max_input_bytes} (--max-input-bytes)")
+                raise InvalidArgument(f"the chat's messages hold over {self.max_input_bytes} bytes of content "
+                                      f"(tools and tool calls included); this tokenizer takes at most "
+                                      f"{self.max_input_bytes} (--max-input-bytes)")

@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-from mesh import peers
-from mesh.chat import Message
+from mesh import peers, tools
+from mesh.chat import from_pb
 from mesh.errors import NotFound
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
@@ -44,10 +44,11 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         peers.require(context, "ApplyChatTemplate", peers.TOKENIZER)
         with server_span("tokenizer.apply_chat_template", context, messages=len(request.messages)):
             tok = self._get(request.model)
-            messages = [Message(m.role, m.content, m.name) for m in request.messages]
-            self.limits.check_messages(messages)
+            messages = [from_pb(m) for m in request.messages]
+            self.limits.check_messages(messages, request.tools)
+            tools.check(request.tools, messages)
             ids, text = await asyncio.to_thread(tok.chat, messages, request.add_generation_prompt,
-                                                request.parse_special_tokens)
+                                                request.parse_special_tokens, request.tools)
             metrics.TOKENS.labels("chat_template").inc(len(ids))
             return pb.EncodeResponse(ids=ids, text=text)
 

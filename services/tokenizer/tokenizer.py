@@ -17,6 +17,8 @@ Decoding happens where the stream is, in the router, from `json()`: this service
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -25,6 +27,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from mesh import tools as tools_mod
 from mesh.chat import Message, validate_messages
 
 
@@ -47,28 +50,39 @@ class ModelTokenizer:
         # The same tokenizer, reading control strings as text.
         self._text = Tokenizer.from_str(self.hf.backend_tokenizer.to_str())
         self._text.encode_special_tokens = True
+        # A template that reads `tools` renders them (and tool calls and results) its own way.
+        self.knows_tools = "tools" in str(self.hf.chat_template)
 
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools_json: str = "") -> str:
+        """The template over the conversation.  Tools (OpenAI's `tools` list as JSON text) go through the
+        template when it knows tools; otherwise into plain turns (mesh/tools.py: generic_messages)."""
         validate_messages(messages)
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
-        text = self.hf.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        tools = json.loads(tools_json, strict=False) if tools_json else []
+        if not self.knows_tools:
+            messages, tools = tools_mod.generic_messages(messages, tools), []
+        kwargs = {"tools": tools} if tools else {}
+        text = self.hf.apply_chat_template(tools_mod.template_messages(messages), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
         return str(text)
 
     def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-             parse_special: bool = False) -> tuple[list[int], str]:
+             parse_special: bool = False, tools_json: str = "") -> tuple[list[int], str]:
         """(ids, rendered text) of a conversation.  parse_special: control strings in the contents
         are control tokens too; only for callers that wrote every message themselves."""
         if parse_special:
-            text = self.render_chat(messages, add_generation_prompt)
+            text = self.render_chat(messages, add_generation_prompt, tools_json)
             return self.encode(text, parse_special=True), text
-        placeholders = self._placeholders(messages)
+        placeholders = self._placeholders([*messages, Message("tools", tools_json)])
         if placeholders:
             swap = re.compile("|".join(re.escape(c) for c in sorted(placeholders, key=len, reverse=True)))
-            messages = [Message(m.role, swap.sub(lambda g: placeholders[g.group()], m.content), m.name)
-                        for m in messages]
-        rendered = self.render_chat(messages, add_generation_prompt)
+
+            def hide(text: str) -> str:
+                return swap.sub(lambda g: placeholders[g.group()], text)
+            messages = [dataclasses.replace(m, content=hide(m.content), name=hide(m.name),
+                                            tool_calls=hide(m.tool_calls)) for m in messages]
+            tools_json = hide(tools_json)
+        rendered = self.render_chat(messages, add_generation_prompt, tools_json)
         pieces, marks = self._cut_at_controls(rendered)
         if placeholders:
             restore = {p: c for c, p in placeholders.items()}
@@ -92,13 +106,14 @@ class ModelTokenizer:
 
     def _placeholders(self, messages: Sequence[Message]) -> dict[str, str]:
         """control string -> a placeholder found in no message, for each control string in the contents."""
-        found = {c for m in messages if self._cut.search(m.content) for c in self.controls if c in m.content}
+        texts = [t for m in messages for t in (m.content, m.name, m.tool_calls) if t]
+        found = {c for t in texts if self._cut.search(t) for c in self.controls if c in t}
         if not found:
             return {}
         while True:
             tag = secrets.token_hex(8)
-            if not any(tag in m.content for m in messages):
-                return {c: f"\x00{tag}.{n}\x00" for n, c in enumerate(sorted(found))}
+            if not any(tag in t for t in texts):
+                return {c: f"\ue000{tag}.{n}\ue001" for n, c in enumerate(sorted(found))}
 
     def _cut_at_controls(self, text: str) -> tuple[list[str], list[str]]:
         """(pieces, marks): the text between control tokens, and the control strings between the pieces;

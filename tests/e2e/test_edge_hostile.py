@@ -251,7 +251,7 @@ def cases(mesh: Mesh) -> list[tuple[str, Callable[[], None]]]:
         ("not an object", call(b"[1, 2]", 400, "invalid_type")),
         ("bad role", call(json.dumps({**CHAT, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400)),
         ("wrong type", call(json.dumps({**CHAT, "max_tokens": "2"}).encode(), 400, "invalid_type")),
-        ("unknown field", call(json.dumps({**CHAT, "tools": []}).encode(), 400, "unknown_parameter")),
+        ("unknown field", call(json.dumps({**CHAT, "functions": []}).encode(), 400, "unknown_parameter")),
         ("negative max_tokens", call(json.dumps({**CHAT, "max_tokens": -1}).encode(), 400)),
         ("top_logprobs over 20", call(json.dumps({**CHAT, "logprobs": True, "top_logprobs": 21}).encode(), 400)),
         ("too many messages", call(json.dumps({**CHAT, "messages": messages}).encode(), 400)),

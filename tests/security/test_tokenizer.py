@@ -151,3 +151,38 @@ def test_the_default_limit_refuses_the_20_mb_prompt_and_serves_any_prompt_that_f
     limits.check_messages([Message("user", largest)])
     with pytest.raises(InvalidArgument, match="--max-input-bytes"):
         limits.check_text("x" * (20 << 20))
+
+
+# A template that renders tools, tool calls and tool results itself (as Qwen's and Hermes' do).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}={{ t.function | tojson }}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_render_generically_or_through_a_template_and_stay_text(tok: ModelTokenizer, model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    calls = json.dumps([{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": json.dumps({"city": FORGED})}}])
+    chat = [Message("user", "Weather?"), Message("assistant", "", tool_calls=calls),
+            Message("tool", "sunny", tool_call_id="c1")]
+    # SmolLM2's template knows no tools: the generic rendering, every forged control string still text.
+    assert not tok.knows_tools
+    ids, text = tok.chat(chat, tools_json=json.dumps([weather]))
+    assert "<tools>" in text and "<tool_response>\nsunny\n</tool_response>" in text and "get_weather" in text
+    assert ids.count(tok.controls["<|im_start|>"]) == 5          # system, user, assistant, user, generation
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    native = ModelTokenizer(NAME, folder)
+    assert native.knows_tools
+    ids, text = native.chat(chat, tools_json=json.dumps([weather]))
+    assert text.startswith("<|im_start|>system\nTools: get_weather=") and "<tool_call>" in text
+    assert json.dumps({"city": FORGED})[1:-1] in text          # restored, as the template wrote it
+    assert ids.count(native.controls["<|im_start|>"]) == 5                       # and the forged one is text

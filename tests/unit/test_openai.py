@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -8,7 +9,7 @@ import pytest
 from mesh.apikeys import digest
 from mesh.clients.router import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
 from mesh.ratelimit import Rate
-from services.edge import openai, responses
+from services.edge import choices, openai, responses
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
@@ -69,7 +70,28 @@ def test_header_session_wins_over_user() -> None:
     ({"temperature": 3}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 2, "user": "u1"}, "n"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+    ({"grammar": ""}, "grammar"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools[0].function.parameters"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0]"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"bogus": 1}, "bogus"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -98,13 +120,33 @@ def test_stream_options_need_stream() -> None:
 def test_completion_prompt() -> None:
     spec = openai.parse_completion({"model": "m", "prompt": ["once upon"], "max_tokens": 3})
     assert spec.prompt == "once upon" and spec.sampling.max_tokens == 3
-    with pytest.raises(ApiError):
-        openai.parse_completion({"model": "m", "prompt": ["a", "b"]})
+    spec = openai.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 2, "echo": True})
+    assert spec.prompts == ("a", "b") and spec.n == 2 and spec.echo
+    for patch, field in [({"prompt": []}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+                         ({"prompt": ["a"] * 33}, "prompt"), ({"n": 17}, "n"), ({"n": 2, "user": "u"}, "n"),
+                         ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a", "b"], "user": "u"}, "prompt")]:
+        with pytest.raises(ApiError) as err:
+            openai.parse_completion({"model": "m", "prompt": "x", **patch})
+        assert err.value.param == field, patch
+
+
+def test_choices_fan_out_with_seeds_and_ids() -> None:
+    spec = dataclasses.replace(openai.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 7}),
+                               request_id="cmpl-1")
+    calls = choices.specs(spec)
+    assert [c.prompt for c in calls] == ["a"] * 3 + ["b"] * 3
+    assert [c.sampling.seed for c in calls] == [7, 8, 9, 7, 8, 9]
+    assert [c.request_id for c in calls] == ["cmpl-1"] + [f"cmpl-1-{i}" for i in range(1, 6)]
+    assert all(c.n == 1 and not c.prompts for c in calls)
 
 
 def test_response_shapes_carry_infermesh_metadata() -> None:
     final = Delta("", "stop", 5, 2, served_by=ServedBy("engine-0", "m", "1", "local", False, 1.0))
-    body = responses.completion_body(True, "chatcmpl-1", "m", "hi", final)
+    answer = choices.Choice(0, True, openai.parse_chat(CHAT), "")
+    answer.add(Delta("hi"))
+    answer.add(final)
+    body = responses.whole_body(True, "chatcmpl-1", "m", [answer.body()], choices.usage([answer], 1),
+                                choices.meta([answer]))
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                              "prompt_tokens_details": {"cached_tokens": 0}}
@@ -179,7 +221,7 @@ def test_echoed_assistant_messages_and_negative_seeds_are_accepted() -> None:
     assert openai.parse_chat(CHAT, max_messages=1).messages[0].role == "user"
 
 
-@pytest.mark.parametrize("patch", [{"echo": True}, {"echo": 0}, {"suffix": "x"}, {"best_of": 2},
+@pytest.mark.parametrize("patch", [{"echo": 0}, {"suffix": "x"}, {"best_of": 2},
                                    {"best_of": True}, {"logprobs": 6}, {"logprobs": True}, {"top_logprobs": 1}])
 def test_bad_completion_fields(patch: dict[str, object]) -> None:
     with pytest.raises(ApiError) as err:

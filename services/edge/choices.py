@@ -1,0 +1,195 @@
+"""Several choices for one request (`n`, and completions' list of prompts), and each choice's answer
+as OpenAI shapes it (text, tool calls, logprobs).
+
+Each choice is its own router call.  A prompt's first choice goes first; once it streams its first
+token, its prompt's KV blocks are in that engine's prefix cache, and the prompt's other n-1 choices
+start there (pinned to that replica): they prefill only the prompt's last, partial block, and their
+`cached_tokens` show it.  A follower whose replica is gone by then goes wherever the router sends it.
+With a seed, choice j of a prompt samples with seed + j, so the same request gives the same choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from mesh import tools
+from mesh.clients.router import Delta, GenerateSpec, RouterClient, TokenLogprob
+from services.edge.responses import LogprobFormatter
+
+_UNPIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+
+
+def specs(spec: GenerateSpec) -> list[GenerateSpec]:
+    """One router call per choice, in choice order: prompt by prompt, n per prompt."""
+    prompts = spec.prompts or (spec.prompt,)
+    out = []
+    for p, prompt in enumerate(prompts):
+        for j in range(spec.n):
+            index = p * spec.n + j
+            seed = spec.sampling.seed
+            sampling = spec.sampling if seed is None or not j else \
+                dataclasses.replace(spec.sampling, seed=(seed + j) % (1 << 64))
+            out.append(dataclasses.replace(spec, prompt=prompt, sampling=sampling, prompts=(), n=1,
+                                           request_id=spec.request_id + (f"-{index}" if index else "")))
+    return out
+
+
+async def fan_out(router: RouterClient, spec: GenerateSpec, timeout: float | None
+                  ) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as they come, from every choice's call; a call's error is raised here
+    (the other calls are then cancelled, as they are when the caller stops iterating)."""
+    calls = specs(spec)
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def run(index: int, call: GenerateSpec, unpin_on_failure: bool = False) -> None:
+        sent = False
+        try:
+            async for d in router.generate(call, timeout=timeout):
+                if not sent and index % spec.n == 0:        # a leader: its prompt's other choices may start
+                    replica = d.served_by.replica if d.served_by else ""
+                    for j in range(1, spec.n):
+                        follower = calls[index + j]
+                        pinned = follower.pinned_replica or replica
+                        tasks.append(asyncio.create_task(
+                            run(index + j, dataclasses.replace(follower, pinned_replica=pinned),
+                                not follower.pinned_replica)))
+                sent = True
+                await queue.put((index, d))
+            await queue.put((index, None))
+        except grpc.aio.AioRpcError as err:
+            if unpin_on_failure and not sent and err.code() in _UNPIN:
+                await run(index, calls[index])
+            else:
+                await queue.put((index, err))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((index, exc))
+
+    for index in range(0, len(calls), spec.n):
+        tasks.append(asyncio.create_task(run(index, calls[index])))
+    left = len(calls)
+    try:
+        while left:
+            index, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Choice:
+    """One choice's answer, built delta by delta: its text (tool calls read out of it when the request
+    has tools), its logprobs, its final message."""
+
+    def __init__(self, index: int, chat: bool, spec: GenerateSpec, prompt: str):
+        self.index = index
+        self.chat = chat
+        self.echo = prompt if spec.echo else ""
+        self.lp = LogprobFormatter(chat, len(prompt)) if spec.sampling.logprobs else None
+        self.parser = tools.CallParser(_tools(spec)) if spec.tool_calls else None
+        self.single = spec.tool_calls == "single"
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.calls: list[tools.ToolCall] = []
+        self.final: Delta | None = None
+        self.started = False
+
+    def add(self, d: Delta) -> list[str | tools.ToolCall]:
+        """What this delta adds for the client: text pieces and whole tool calls."""
+        self.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.final = d
+        pieces: list[str | tools.ToolCall] = []
+        if self.parser is None:
+            pieces = [d.text] if d.text else []
+        else:
+            pieces = self.parser.feed(d.text) + (self.parser.finish() if self.final else [])
+        kept: list[str | tools.ToolCall] = []
+        for p in pieces:
+            if isinstance(p, tools.ToolCall):
+                if self.single and self.calls:
+                    continue
+                self.calls.append(p)
+            else:
+                self.parts.append(p)
+            kept.append(p)
+        return kept
+
+    def stream_logprobs(self, d: Delta) -> dict[str, Any] | None:
+        """A streamed delta's logprobs (formatted once: completions' offsets run on)."""
+        return self.lp.format(d.logprobs) if self.lp and d.logprobs else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.final is None:
+            return None
+        return "tool_calls" if self.calls else self.final.finish_reason
+
+    def body(self) -> dict[str, Any]:
+        """The choice of a whole (not streamed) answer."""
+        text = "".join(self.parts)
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
+                                  "logprobs": self.lp.format(self.logprobs) if self.lp else None}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text.strip() if self.calls else text}
+            if self.calls:
+                message["content"] = message["content"] or None
+                message["tool_calls"] = [c.as_dict() for c in self.calls]
+            choice["message"] = message
+        else:
+            choice["text"] = self.echo + text
+        return choice
+
+    def delta(self, pieces: Sequence[str | tools.ToolCall]) -> dict[str, Any]:
+        """A streamed chunk's `delta` (chat) for these pieces; the first carries the role."""
+        delta: dict[str, Any] = {}
+        if not self.started:
+            delta["role"] = "assistant"
+            self.started = True
+        text = "".join(p for p in pieces if isinstance(p, str))
+        if text or not pieces:
+            delta["content"] = text
+        calls = [p for p in pieces if isinstance(p, tools.ToolCall)]
+        if calls:
+            first = len(self.calls) - len(calls)
+            delta["tool_calls"] = [{"index": first + k, **c.as_dict()} for k, c in enumerate(calls)]
+        return delta
+
+
+def _tools(spec: GenerateSpec) -> list[dict[str, Any]]:
+    import json
+    return json.loads(spec.tools) if spec.tools else []
+
+
+def usage(choices: Sequence[Choice], n: int) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once (its first choice's), every choice's completion tokens."""
+    leaders = [c.final for c in choices[::n] if c.final is not None]
+    finals = [c.final for c in choices if c.final is not None]
+    prompt = sum(f.prompt_tokens for f in leaders)
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in leaders)}}
+
+
+def meta(choices: Sequence[Choice]) -> dict[str, Any] | None:
+    """The `infermesh` object: the first choice's replica and version; with several choices, each one's
+    replica and cached prompt tokens (the shared prefill shows there)."""
+    first = choices[0].final
+    out = first.served_by.as_dict() if first is not None and first.served_by else None
+    if out is not None and len(choices) > 1:
+        out["choices"] = [{"index": c.index, "replica": c.final.served_by.replica if c.final.served_by else "",
+                           "cached_tokens": c.final.cached_tokens} for c in choices if c.final is not None]
+    return out

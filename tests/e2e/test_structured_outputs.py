@@ -1,0 +1,215 @@
+"""End to end, issue 19: structured outputs, tools, n and lists of prompts through `infermesh up`, with the
+`openai` package and an agent framework's client (langchain-openai)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from tests.data.json_schemas import SCHEMAS
+from tests.e2e.conftest import Mesh
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.http}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_twenty_json_schemas_sampled_all_validate(client: openai.OpenAI) -> None:
+    def ask(item: tuple[int, tuple[str, str, dict]]) -> tuple[str, str, dict, str | None]:  # type: ignore[type-arg]
+        i, (name, prompt, schema) = item
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"{prompt} Answer in JSON."}], temperature=0.7,
+            max_tokens=400, seed=i, response_format={"type": "json_schema", "json_schema": {
+                "name": name, "schema": schema, "strict": True}})
+        return name, reply.choices[0].message.content or "", schema, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, enumerate(SCHEMAS)))
+    for name, text, schema, finish in answers:
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], temperature=0.7, max_tokens=200,
+        response_format={"type": "json_object"}, stream=True) if c.choices)
+    assert isinstance(json.loads(streamed), dict)
+
+
+def test_regex_and_grammar_extensions(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "When was 1969?"}],
+                                           max_tokens=20, temperature=0.9, extra_body={"regex": r"[0-9]{4}-[0-9]{2}"})
+    assert len(reply.choices[0].message.content or "") == 7
+    reply = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5,
+                                      extra_body={"grammar": 'root ::= " yes" | " no"'})
+    assert reply.choices[0].text in (" yes", " no")
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body={"regex": "(unclosed"})
+
+
+def _check_call(call, tools) -> None:  # type: ignore[no-untyped-def]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in params
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_gives_valid_calls_streamed_and_not(client: openai.OpenAI, choice) -> None:  # type: ignore[no-untyped-def]
+    tools = [WEATHER, CLOCK]
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                               temperature=0.7, seed=seed, max_tokens=200)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+        assert len(message.tool_calls) == 1
+        _check_call(message.tool_calls[0], tools)
+        if isinstance(choice, dict):
+            assert message.tool_calls[0].function.name == "get_weather"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                                 temperature=0.7, seed=5, max_tokens=200, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0
+    _check_call(calls[0], tools)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert not "".join(d.content or "" for d in deltas).strip()
+
+
+def test_tool_results_continue_the_conversation(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=200)
+    call = first.choices[0].message.tool_calls[0]
+    follow = client.chat.completions.create(model=MODEL, tools=[WEATHER], temperature=0, max_tokens=40, messages=[
+        *ASK, first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert follow.usage.prompt_tokens > first.usage.prompt_tokens
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=20)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_n_choices_share_one_prefill_and_seeds_repeat(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are a storyteller who writes short, vivid tales for children."},
+                {"role": "user", "content": "Tell me a story about a brave little fox in the snowy forest."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
+                                           max_tokens=24)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert len({c.message.content for c in reply.choices}) > 1          # seed + j: different choices
+    prompt = reply.usage.prompt_tokens
+    per_choice = reply.model_extra["infermesh"]["choices"]  # type: ignore[index]
+    replicas = {c["replica"] for c in per_choice}
+    assert len(replicas) == 1                                            # the followers went to the leader's
+    assert all(c["cached_tokens"] >= prompt - 16 for c in per_choice[1:]), per_choice   # prefilled once
+    again = client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
+                                           max_tokens=24)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
+                                                 max_tokens=24, stream=True))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(4)]
+    assert texts == [c.message.content for c in reply.choices]
+
+
+def test_list_of_prompts_with_echo(client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "Two plus two equals"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, echo=True)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    for c in reply.choices:
+        assert c.text.startswith(prompts[c.index // 2]) and len(c.text) > len(prompts[c.index // 2])
+    assert reply.choices[0].text == reply.choices[1].text            # greedy: the same twice
+    alone = client.completions.create(model=MODEL, prompt=prompts[1], temperature=0, max_tokens=6)
+    assert reply.choices[2].text == prompts[1] + alone.choices[0].text
+    streamed = [""] * 4
+    for c in client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, echo=True,
+                                       stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [c.text for c in reply.choices]
+
+
+def test_langchain_agent_client_structured_output_and_tools(mesh: Mesh) -> None:
+    """What an agent built on LangChain does: tool calls bound to the model, and a typed structured output."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{mesh.http}/v1", api_key="unused", temperature=0.7, max_tokens=200,
+                     max_retries=0, timeout=300)
+    bound = llm.bind_tools([WEATHER, CLOCK], tool_choice="required")
+    ai = bound.invoke([HumanMessage("What time is it in Tokyo?")])
+    assert len(ai.tool_calls) == 1
+    call = ai.tool_calls[0]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    jsonschema.validate(call["args"], params[call["name"]])
+    answer = llm.bind_tools([WEATHER, CLOCK]).invoke(
+        [HumanMessage("What time is it in Tokyo?"), ai, ToolMessage("10:42", tool_call_id=call["id"])])
+    assert answer.content or answer.tool_calls
+    streamed = None
+    for chunk in bound.stream([HumanMessage("Weather in Oslo?")]):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None and len(streamed.tool_calls) == 1
+    jsonschema.validate(streamed.tool_calls[0]["args"], params[streamed.tool_calls[0]["name"]])
+    name, prompt, schema = SCHEMAS[5]
+    typed = llm.with_structured_output(schema | {"title": name, "description": prompt}, method="json_schema",
+                                       strict=True)
+    jsonschema.validate(typed.invoke(prompt), schema)
+
+
+def test_native_grpc_constraint_and_tools(mesh: Mesh) -> None:
+    """The same controls on meshpb.v1.Router/Generate: a JSON-schema constraint, and tools rendered with the
+    chat template plus the tool-call constraint, read back with mesh.tools.parse."""
+    import asyncio
+
+    from mesh import tools
+    from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc, tokenizer_pb2
+
+    name, prompt, schema = SCHEMAS[8]
+    call = tools.call_constraint([WEATHER])
+
+    async def scenario() -> tuple[str, str]:
+        async with mesh.channel(mesh.router) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+
+            async def text(request: router_pb2.RouterGenerateRequest) -> str:
+                return "".join([r.text async for r in stub.Generate(request, timeout=300)])
+
+            structured = await text(router_pb2.RouterGenerateRequest(
+                model=MODEL, chat=router_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user",
+                                                                                           content=prompt)]),
+                sampling=common_pb2.SamplingParams(temperature=0.7, seed=1, max_tokens=300,
+                                                   constraint=common_pb2.Constraint(json_schema=json.dumps(schema)))))
+            called = await text(router_pb2.RouterGenerateRequest(
+                model=MODEL, chat=router_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(**m) for m in ASK],
+                                                       tools=json.dumps([WEATHER])),
+                sampling=common_pb2.SamplingParams(temperature=0.7, seed=2, max_tokens=200,
+                                                   constraint=common_pb2.Constraint(
+                                                       json_schema=call.text, prefix=call.prefix,
+                                                       suffix=call.suffix))))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await text(router_pb2.RouterGenerateRequest(model=MODEL, prompt="x", sampling=common_pb2.SamplingParams(
+                    max_tokens=5, constraint=common_pb2.Constraint(regex="(unclosed"))))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be compiled" in err.value.details()
+            return structured, called
+
+    structured, called = asyncio.run(scenario())
+    jsonschema.validate(json.loads(structured), schema)
+    content, calls = tools.parse(called, [WEATHER])
+    assert content == "" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
