@@ -20,6 +20,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mesh.constraints import Constraint
@@ -137,9 +138,10 @@ def _first_line(exc: Exception) -> str:
 
 def apply_masks(scores: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple[int, Matcher]]) -> None:
     """Mask, in place, the rows of `scores` that a grammar constrains: every token the row's matcher does
-    not accept next becomes -inf.  One bitmask for the batch, filled row by row, applied in one call.
-    A row left with no token at all (min_tokens banning the end-of-sequence token a complete grammar
-    needs) is masked from its unprocessed logits instead: the grammar wins."""
+    not accept next becomes -inf.  One bitmask for the batch, filled row by row, unpacked and applied at
+    once (numpy's unpackbits: several times faster on the CPU than xgrammar's own apply).  A row left
+    with no token at all (min_tokens banning the end-of-sequence token a complete grammar needs) is
+    masked from its unprocessed logits instead: the grammar wins."""
     if not rows:
         return
     import xgrammar as xgr
@@ -147,11 +149,12 @@ def apply_masks(scores: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
     for i, (_, m) in enumerate(rows):
         m.fill(bitmask, i)
+    # Bit j of 32-bit word w is token 32w + j: little-endian bytes, least significant bit first.
+    words = bitmask.numpy().astype("<i4", copy=False)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+    banned = torch.from_numpy(bits.view(np.bool_)).logical_not_()
     index = [r for r, _ in rows]
-    picked = scores[index]
-    xgr.apply_token_bitmask_inplace(picked, bitmask, vocab_size=vocab)
-    for i, r in enumerate(index):
-        if torch.isneginf(picked[i]).all():
-            picked[i] = logits[r]
-            xgr.apply_token_bitmask_inplace(picked[i:i + 1], bitmask[i:i + 1], vocab_size=vocab)
+    picked = scores[index].masked_fill_(banned, float("-inf"))
+    for i in torch.isneginf(picked).all(dim=1).nonzero().flatten().tolist():
+        picked[i] = logits[index[i]].masked_fill(banned[i], float("-inf"))
     scores[index] = picked

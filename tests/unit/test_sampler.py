@@ -71,3 +71,23 @@ def test_min_p_keeps_tokens_near_the_top() -> None:
     kept = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))   # >= 0.2 x 0.5 = 0.1
     assert torch.isfinite(kept).tolist() == [True, True, True, False]
     assert all(sampler.sample(logits, SamplingParams(temperature=1.0, min_p=0.7, seed=s), 0) == 0 for s in range(20))
+
+
+def test_sampling_follows_the_distribution_and_never_picks_a_masked_token() -> None:
+    """Inverse-CDF sampling: frequencies within a few standard errors of the softmax probabilities over
+    4,000 seeded draws; tokens at -inf (a grammar's mask, top-k's cut) never come up."""
+    logits = torch.full((1000,), float("-inf"))
+    logits[[3, 500, 998]] = torch.tensor([0.0, 1.0, 2.0])
+    probs = torch.softmax(logits, dim=-1)
+    draws = [sampler.sample(logits, SamplingParams(temperature=1.0, seed=s), 0) for s in range(4000)]
+    counts = {t: draws.count(t) for t in set(draws)}
+    assert set(counts) == {3, 500, 998}
+    for t, c in counts.items():
+        p = float(probs[t])
+        assert abs(c / 4000 - p) < 4 * (p * (1 - p) / 4000) ** 0.5, (t, c, p)
+    edge = torch.full((50,), float("-inf"))
+    edge[0] = 0.0                            # the only token is the first: a draw of 0 must still land on it
+    edge2 = torch.full((50,), float("-inf"))
+    edge2[49] = 0.0                          # or the last: a draw rounding up to the total too
+    assert {sampler.sample(edge, SamplingParams(temperature=1.0, seed=s), 0) for s in range(50)} == {0}
+    assert {sampler.sample(edge2, SamplingParams(temperature=1.0, seed=s), 0) for s in range(50)} == {49}
