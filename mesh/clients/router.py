@@ -45,6 +45,7 @@ class Sampling:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None   # structured output (mesh/constraints.py)
+    prompt_logprobs: bool = False          # also the prompt tokens' logprobs (completions' echo)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class GenerateSpec:
     n: int = 1                             # choices per prompt
     prompts: tuple[str, ...] = ()          # completions: every prompt (`prompt` is the first)
     echo: bool = False                     # completions: the prompt before each choice's text
+    prompt_only: bool = False              # completions: echo with max_tokens 0 (the generated token dropped)
     tool_calls: str = ""                   # read tool calls out of the answer: "", "single" or "parallel"
 
 
@@ -109,6 +111,7 @@ class Delta:
     served_by: ServedBy | None = None
     ids: tuple[int, ...] = field(default=())
     logprobs: tuple[TokenLogprob, ...] = ()     # the tokens behind this delta, when Sampling.logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # first delta, with Sampling.prompt_logprobs (first: NaN)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
         ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
         model_defaults=list(s.model_defaults), presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, min_p=s.min_p,
-        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids))
+        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
+        prompt_logprobs=s.prompt_logprobs)
     if s.seed is not None:
         sampling.seed = s.seed
     if s.constraint is not None:
@@ -192,10 +196,8 @@ class RouterClient:
                     cached_tokens=r.usage.cached_tokens,
                     served_by=served,
                     ids=tuple(r.ids),
-                    logprobs=tuple(
-                        TokenLogprob(lp.token_id, lp.token, lp.logprob,
-                                     tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top))
-                        for lp in r.logprobs),
+                    logprobs=_logprobs(r.logprobs),
+                    prompt_logprobs=_logprobs(r.prompt_logprobs),
                 )
         finally:
             call.cancel()
@@ -213,6 +215,11 @@ class RouterClient:
         request = router_pb2.SetModelRoutingRequest(model=model, default_version=default_version,
                                                     canary=canary or {}, replace_canary=canary is not None)
         return _routing(await self._stub.SetModelRouting(request, timeout=timeout))
+
+
+def _logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.token, lp.logprob,
+                              tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top)) for lp in entries)
 
 
 def _routing(r: router_pb2.ModelRouting) -> ModelRouting:

@@ -98,7 +98,10 @@ class Choice:
         self.index = index
         self.chat = chat
         self.echo = prompt if spec.echo else ""
-        self.lp = LogprobFormatter(chat, len(prompt)) if spec.sampling.logprobs else None
+        self.prompt_only = spec.prompt_only       # echo with max_tokens 0: the generated token is dropped
+        # Offsets count from the start of the prompt; with echo the prompt's own tokens come first.
+        self.lp = LogprobFormatter(chat, 0 if spec.echo else len(prompt)) if spec.sampling.logprobs else None
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.parser = tools.CallParser(_tools(spec)) if spec.tool_calls else None
         self.single = spec.tool_calls == "single"
         self.parts: list[str] = []
@@ -109,9 +112,12 @@ class Choice:
 
     def add(self, d: Delta) -> list[str | tools.ToolCall]:
         """What this delta adds for the client: text pieces and whole tool calls."""
-        self.logprobs.extend(d.logprobs)
+        self.prompt_logprobs.extend(d.prompt_logprobs)
         if d.finish_reason is not None:
             self.final = d
+        if self.prompt_only:
+            return []
+        self.logprobs.extend(d.logprobs)
         pieces: list[str | tools.ToolCall] = []
         if self.parser is None:
             pieces = [d.text] if d.text else []
@@ -130,19 +136,26 @@ class Choice:
 
     def stream_logprobs(self, d: Delta) -> dict[str, Any] | None:
         """A streamed delta's logprobs (formatted once: completions' offsets run on)."""
-        return self.lp.format(d.logprobs) if self.lp and d.logprobs else None
+        entries = [] if self.prompt_only else list(d.logprobs)
+        return self.lp.format(entries) if self.lp and entries else None
+
+    def echo_logprobs(self) -> dict[str, Any] | None:
+        """The echoed prompt's logprobs, for the stream's first chunk of this choice."""
+        return self.lp.format(self.prompt_logprobs) if self.lp and self.prompt_logprobs else None
 
     @property
     def finish_reason(self) -> str | None:
         if self.final is None:
             return None
+        if self.prompt_only:
+            return "length"
         return "tool_calls" if self.calls else self.final.finish_reason
 
     def body(self) -> dict[str, Any]:
         """The choice of a whole (not streamed) answer."""
         text = "".join(self.parts)
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
-                                  "logprobs": self.lp.format(self.logprobs) if self.lp else None}
+                                  "logprobs": self.lp.format(self.prompt_logprobs + self.logprobs) if self.lp else None}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text.strip() if self.calls else text}
             if self.calls:
@@ -177,9 +190,8 @@ def _tools(spec: GenerateSpec) -> list[dict[str, Any]]:
 def usage(choices: Sequence[Choice], n: int) -> dict[str, Any]:
     """OpenAI's usage: each prompt counted once (its first choice's), every choice's completion tokens."""
     leaders = [c.final for c in choices[::n] if c.final is not None]
-    finals = [c.final for c in choices if c.final is not None]
     prompt = sum(f.prompt_tokens for f in leaders)
-    completion = sum(f.completion_tokens for f in finals)
+    completion = sum(c.final.completion_tokens for c in choices if c.final is not None and not c.prompt_only)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in leaders)}}
 

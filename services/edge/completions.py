@@ -160,10 +160,11 @@ class Completions:
             while item is not None:
                 index, d = item
                 answer = answers[index]
+                pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
                 if not chat and answer.echo and not answer.started:
                     answer.started = True
-                    await emit(responses.chunk_body(chat, rid, model, answer.echo, index=index))
-                pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
+                    await emit(responses.chunk_body(chat, rid, model, answer.echo, index=index,
+                                                    logprobs=answer.echo_logprobs()))
                 # A delta's logprobs ride on its text chunk (the stop matcher may hold text back, so a
                 # chunk can carry tokens and no text yet).
                 if pieces or logprobs or not answer.started:

@@ -289,13 +289,17 @@ def parse_completion(body: dict[str, Any], session_id: str = "", pinned: str = "
             raise ApiError(400, f"'{name}' is not supported; leave it at {neutral!r}", name)
     top = integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = boolean(body, "echo")
-    if echo and top is not None:
-        raise ApiError(400, "'echo' with 'logprobs' (the prompt's own logprobs) is not supported; drop one", "echo")
+    # echo with max_tokens 0 (what evaluation harnesses send to score a text): the prompt and, with
+    # logprobs, its tokens' logprobs; the engine makes one token, which is not returned.
+    prompt_only = echo and body.get("max_tokens") == 0
+    if prompt_only:
+        body = {**body, "max_tokens": 1}
     shape = structured.parse(body, chat=False)
     sampling = dataclasses.replace(_sampling(body, logprobs=top is not None, top_logprobs=top or 0),
-                                   constraint=shape.constraint)
+                                   constraint=shape.constraint, prompt_logprobs=echo and top is not None)
     return GenerateSpec(model=model, sampling=sampling, prompt=prompts[0], prompts=prompts, echo=echo, n=n,
-                        session_id=session_id or string(body, "user"), pinned_replica=pinned)
+                        prompt_only=prompt_only, session_id=session_id or string(body, "user"),
+                        pinned_replica=pinned)
 
 
 def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | None]:

@@ -145,7 +145,10 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
                                   "items": {"type": "string", "minLength": 1}}]},
             "logprobs": _nullable("integer", minimum=0, maximum=openai.MAX_COMPLETION_LOGPROBS,
                                   description="top-N alternatives per token"),
-            "echo": _nullable("boolean", description="the prompt before the text (not with logprobs)"),
+            "echo": _nullable("boolean", description="the prompt (with logprobs: and its tokens' logprobs) "
+                                                     "before the text"),
+            "max_tokens": _nullable("integer", minimum=0, maximum=openai.MAX_TOKENS,
+                                    description="0 only with echo: the prompt alone"),
             "suffix": {"enum": ["", None]},
             "best_of": _nullable("integer", minimum=1, maximum=1),
         },

@@ -55,11 +55,15 @@ class LogprobFormatter:
                                 for e in entries], "refusal": None}
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            top = {t.token: _lp(t.logprob) for t in e.top}
-            top.setdefault(e.token, _lp(e.logprob))
             out["tokens"].append(e.token)
-            out["token_logprobs"].append(_lp(e.logprob))
-            out["top_logprobs"].append(top)
+            if math.isnan(e.logprob):        # an echoed prompt's first token: nothing before it to predict it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                top = {t.token: _lp(t.logprob) for t in e.top}
+                top.setdefault(e.token, _lp(e.logprob))
+                out["token_logprobs"].append(_lp(e.logprob))
+                out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(e.token)
         return out

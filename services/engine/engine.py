@@ -94,8 +94,13 @@ class Engine:
         if getattr(self.runner.model, "dynamic", False) and len(prompt_ids) > self.runner.config.max_position:
             # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
             cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
+        if sampling.prompt_logprobs:
+            # Every prompt position is computed (its logits are wanted): a namespace no other request shares.
+            cache_salt = cache_salt + b"|prompt-logprobs:" + request_id.encode()
         req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
         req.priority = priority
+        if sampling.prompt_logprobs:
+            req.prompt_logprobs.append(TokenLogprob(prompt_ids[0], float("nan")))
         return req
 
     def add(self, request: Request) -> None:
@@ -274,10 +279,11 @@ class Engine:
             row += 1 + chunk.draft
             if chunk.draft:
                 self._verified(chunk, new)
+            prompt = tuple(req.prompt_logprobs) if req.prompt_logprobs and len(req.output_ids) == len(new) else ()
             if reason is not None:
-                outputs.append(self._finish(req, reason, tuple(new), tuple(logprobs)))
+                outputs.append(self._finish(req, reason, tuple(new), tuple(logprobs), prompt))
             else:
-                outputs.append(StepOutput(req.request_id, tuple(new), tuple(logprobs)))
+                outputs.append(StepOutput(req.request_id, tuple(new), tuple(logprobs), prompt_logprobs=prompt))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -302,11 +308,11 @@ class Engine:
             req.lookup.update(chunk.draft, accepted, self.speculation.max_draft)
 
     def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...],
-                logprobs: tuple[TokenLogprob, ...]) -> StepOutput:
+                logprobs: tuple[TokenLogprob, ...], prompt: tuple[TokenLogprob, ...] = ()) -> StepOutput:
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         req.finish_reason = reason
         self.stats.finished(req.request_id)
         return StepOutput(req.request_id, tokens, logprobs, reason,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
-                          cached_tokens=req.num_cached_tokens)
+                          cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt)

@@ -24,6 +24,8 @@ from services.engine.models import ARCHITECTURES
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.config import load_weights
 from services.engine.plan import ExecutionPlan
+from services.engine.request import Request
+from services.engine.sampler import token_logprob
 from services.engine.scheduler import Chunk
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ class ModelRunner:
         prefill_tables: list[list[int]] = []
         logits_rows: list[int] = []
         lengths: list[int] = []          # dynamic NTK RoPE: the sequence length each row is rotated at
+        prompt_rows: list[int] = []      # rows whose logits give a prompt token's logprob (prompt_logprobs)
+        prompt_targets: list[tuple[Request, int]] = []
         limit = self.config.max_position
         for chunk in chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
@@ -129,10 +133,17 @@ class ModelRunner:
                 prefill_tables.append(req.table.blocks)
             if chunk.sample:
                 logits_rows.extend(range(row + n - 1 - chunk.draft, row + n))
+            if req.sampling.prompt_logprobs:
+                # Row p predicts prompt token p + 1; entries the request holds already (a preempted
+                # request computes its prompt again) are not asked for twice.
+                for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, len(req.prompt_ids) - 1)):
+                    prompt_rows.append(row + p - start)
+                    prompt_targets.append((req, p + 1))
         width = max((len(t) for t in decode_tables), default=0)
         flat_tables = padded_tables(decode_tables, width)
         t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = kv_transfer.int64_parts(
-            self.device, ids, positions, slots, logits_rows, decode_rows, decode_lens, flat_tables, *prefill_tables)
+            self.device, ids, positions, slots, logits_rows + prompt_rows, decode_rows, decode_lens, flat_tables,
+            *prefill_tables)
         tables = lens = mask = None
         if decode_rows:
             tables = t_dtables.view(len(decode_rows), width)
@@ -147,6 +158,9 @@ class ModelRunner:
         )
         rope_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device) if lengths else None
         hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows, rope_lengths)
+        if prompt_rows:
+            self._prompt_logprobs(hidden[len(logits_rows):], prompt_targets)
+            hidden = hidden[:len(logits_rows)]
         if greedy and hidden.shape[0]:
             tokens = self.model.greedy(hidden)
             if tokens is None and self.device.type != "cpu":
@@ -154,6 +168,15 @@ class ModelRunner:
             if tokens is not None:
                 return tokens
         return self.model.logits(hidden)
+
+    PROMPT_LOGITS_ROWS = 256         # full-vocabulary logits computed at a time for prompt logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: Sequence[tuple[Request, int]]) -> None:
+        """Append each target's logprob (and its top alternatives) to its request's prompt_logprobs."""
+        for i in range(0, len(targets), self.PROMPT_LOGITS_ROWS):
+            logits = self.model.logits(hidden[i:i + self.PROMPT_LOGITS_ROWS]).cpu()
+            for row, (req, k) in enumerate(targets[i:i + self.PROMPT_LOGITS_ROWS]):
+                req.prompt_logprobs.append(token_logprob(logits[row], req.prompt_ids[k], req.sampling.top_logprobs))
 
     def _run_graph(self, chunks: Sequence[Chunk], greedy: bool) -> torch.Tensor:
         assert self.graphs is not None

@@ -48,6 +48,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     constraint: Constraint | None = None     # structured output (services/engine/grammar.py)
+    prompt_logprobs: bool = False            # also each prompt token's logprob (completions' echo)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -129,6 +130,8 @@ class Request:
     draft: list[int] = field(default_factory=list)
     lookup: Lookup | None = None
     matcher: Matcher | None = None        # the grammar's state when sampling.constraint is set (set by the server)
+    # With sampling.prompt_logprobs: entry k is prompt token k's (entry 0's logprob is NaN), filled by the runner.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.
@@ -153,3 +156,4 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()     # the request's first output only

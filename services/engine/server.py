@@ -72,6 +72,7 @@ def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float]
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_tokens=s.min_tokens,
         constraint=constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
+        prompt_logprobs=s.prompt_logprobs,
     )
 
 
@@ -87,6 +88,9 @@ def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
     for lp in out.logprobs:
         reply.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                            top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    for lp in out.prompt_logprobs:
+        reply.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                                  top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if out.finish_reason is not None:
         reply.finish_reason = FINISH[out.finish_reason]
         reply.usage.prompt_tokens = out.prompt_tokens

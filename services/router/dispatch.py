@@ -192,6 +192,8 @@ class Dispatcher:
         engine_request = engine_pb2.GenerateRequest(
             request_id=request_id, model=plan.model, prompt_ids=prompt_ids, sampling=request.sampling,
             priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request))
+        if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message
+            engine_request.sampling.prompt_logprobs = False
         replica.in_flight += 1
         metrics.IN_FLIGHT.labels(replica.replica_id).inc()
         started, ok = time.monotonic(), True

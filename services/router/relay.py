@@ -57,7 +57,7 @@ class Stream:
              ) -> router_pb2.RouterGenerateResponse:
         """The client's message for one engine message; sets `finished` on the last one."""
         final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        for entry in chunk.logprobs:           # each token's own text, as OpenAI's logprobs show it
+        for entry in [*chunk.logprobs, *chunk.prompt_logprobs]:   # each token's own text, as OpenAI shows it
             entry.token = self.decode([entry.token_id])
             for alt in entry.top:
                 alt.token = self.decode([alt.token_id])
@@ -71,11 +71,13 @@ class Stream:
             reason = common_pb2.FINISH_REASON_STOP if stopped else chunk.finish_reason
             usage = chunk.usage if final else self.usage()
             return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
-                                                     finish_reason=reason, usage=usage, served_by=served_by)
+                                                     finish_reason=reason, usage=usage, served_by=served_by,
+                                                     prompt_logprobs=chunk.prompt_logprobs)
         # The first message names the replica too, so callers can label the stream early.
         first, self.sent_first = not self.sent_first, True
         return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
-                                                 served_by=served_by if first else None)
+                                                 served_by=served_by if first else None,
+                                                 prompt_logprobs=chunk.prompt_logprobs)
 
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.decoder.ids))

@@ -143,6 +143,18 @@ def test_list_of_prompts_with_echo(client: openai.OpenAI) -> None:
         for ch in c.choices:
             streamed[ch.index] += ch.text
     assert streamed == [c.text for c in reply.choices]
+    # echo with logprobs: the prompt's own tokens first (the first has none); max_tokens 0 scores the prompt alone
+    scored = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompts[1] and "".join(lp.tokens) == prompts[1]
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
+    full = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, echo=True, logprobs=1,
+                                     temperature=0)
+    lp2, k = full.choices[0].logprobs, len(lp.tokens)
+    assert lp2.tokens[:k] == lp.tokens and lp2.text_offset[k] == len(prompts[1])
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp2.token_logprobs[1:k], lp.token_logprobs[1:], strict=True))
+    assert "".join(lp2.tokens[k:]) == alone.choices[0].text
 
 
 def test_langchain_agent_client_structured_output_and_tools(mesh: Mesh) -> None:

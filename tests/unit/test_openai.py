@@ -124,7 +124,7 @@ def test_completion_prompt() -> None:
     assert spec.prompts == ("a", "b") and spec.n == 2 and spec.echo
     for patch, field in [({"prompt": []}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
                          ({"prompt": ["a"] * 33}, "prompt"), ({"n": 17}, "n"), ({"n": 2, "user": "u"}, "n"),
-                         ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a", "b"], "user": "u"}, "prompt")]:
+                         ({"max_tokens": 0}, "max_tokens"), ({"prompt": ["a", "b"], "user": "u"}, "prompt")]:
         with pytest.raises(ApiError) as err:
             openai.parse_completion({"model": "m", "prompt": "x", **patch})
         assert err.value.param == field, patch
@@ -413,6 +413,38 @@ def test_logprobs_reach_the_client() -> None:
             {"model": "m", "prompt": "Say", "logprobs": 1, "max_tokens": 2}).encode())
         lp = json.loads(raw)["choices"][0]["logprobs"]
         assert lp["tokens"] == ["H", "i"] and lp["text_offset"] == [3, 4]
+
+    asyncio.run(main())
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
+    served = ServedBy("engine-0", "m", "1", "local", False, 1.0)
+    prompt = (_lp("S", float("nan")), _lp("ay", -1.5, ("ay", -1.5)))
+    deltas = [Delta("H", logprobs=(_lp("H", -0.1, ("H", -0.1)),), prompt_logprobs=prompt),
+              Delta("i", "length", 2, 2, served_by=served, logprobs=(_lp("i", -0.2, ("i", -0.2)),))]
+
+    async def main() -> None:
+        router = FakeRouter(deltas)
+        app = _app(router)
+        body = {"model": "m", "prompt": "Say", "logprobs": 1, "max_tokens": 2, "echo": True}
+        status, _, raw = await asgi(app, "POST", "/v1/completions", json.dumps(body).encode())
+        choice = json.loads(raw)["choices"][0]
+        assert status == 200 and choice["text"] == "SayHi" and router.calls[-1].sampling.prompt_logprobs
+        lp = choice["logprobs"]
+        assert lp["tokens"] == ["S", "ay", "H", "i"] and lp["text_offset"] == [0, 1, 3, 4]
+        assert lp["token_logprobs"][:2] == [None, -1.5] and lp["top_logprobs"][0] is None
+        status, _, raw = await asgi(app, "POST", "/v1/completions", json.dumps({**body, "stream": True}).encode())
+        chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "SayHi"
+        assert chunks[0]["choices"][0]["logprobs"]["tokens"] == ["S", "ay"]
+        status, _, raw = await asgi(app, "POST", "/v1/completions", json.dumps({**body, "max_tokens": 0}).encode())
+        reply = json.loads(raw)
+        assert reply["choices"][0]["text"] == "Say" and reply["choices"][0]["finish_reason"] == "length"
+        assert reply["choices"][0]["logprobs"]["tokens"] == ["S", "ay"] and reply["usage"]["completion_tokens"] == 0
+        assert router.calls[-1].sampling.max_tokens == 1
+        status, _, raw = await asgi(app, "POST", "/v1/completions", json.dumps(
+            {"model": "m", "prompt": "Say", "max_tokens": 0}).encode())
+        assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
 
     asyncio.run(main())
 
