@@ -10,14 +10,16 @@ from dataclasses import dataclass
 
 from mesh.errors import InvalidArgument
 
-KINDS = ("json_schema", "json_object", "regex", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "tool_calls")
 MAX_CONSTRAINT_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
 class Constraint:
     kind: str                    # one of KINDS
-    text: str = ""               # the JSON schema (JSON text), regex or EBNF grammar; "" for json_object
+    # The JSON schema (JSON text), regex or EBNF grammar; "" for json_object; for tool_calls, OpenAI's
+    # `tools` list as JSON text: free text, but a call (mesh/tools.py's format) must be a valid call of one.
+    text: str = ""
     prefix: str = ""             # literal text before the constrained part (a tool call's opening tag)
     suffix: str = ""             # and after it
 

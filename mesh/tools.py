@@ -150,6 +150,22 @@ def call_constraint(tools: Sequence[dict[str, Any]], name: str = "") -> Constrai
     return Constraint("json_schema", json.dumps(schema), prefix=OPEN + "\n", suffix="\n" + CLOSE)
 
 
+def auto_constraint(tools: Sequence[dict[str, Any]]) -> Constraint:
+    """tool_choice "auto": the answer is free, but every call it makes is a valid call of one of the tools."""
+    return Constraint("tool_calls", json.dumps(list(tools)))
+
+
+def structural_tag(tools_json: str) -> dict[str, Any]:
+    """The tool_calls constraint as an xgrammar structural tag: any text, until `<tool_call>` opens a call;
+    then `{"name": N, "arguments": ARGS}` for one of the tools, ARGS valid for its parameters, and the
+    closing tag; then any text again."""
+    tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+             "content": {"type": "json_schema",
+                         "json_schema": f.get("parameters") or {"type": "object", "properties": {}}},
+             "end": f"}}\n{CLOSE}"} for f in _functions(json.loads(tools_json))]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
+
+
 def _call(body: str, names: set[str]) -> ToolCall | None:
     """A call from the JSON between the tags (or a whole answer), or None when it is not one."""
     try:

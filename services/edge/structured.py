@@ -167,4 +167,6 @@ def parse(body: dict[str, Any], chat: bool) -> Structured:
             raise ApiError(400, f"'tool_choice' {mode} fixes the answer to a tool call; drop "
                            f"'{constraints[0][0]}'", "tool_choice")
         constraint = tool_calls.call_constraint(tools, name)
+    elif constraint is None:      # auto: free text, but any call the model opens is a valid one
+        constraint = tool_calls.auto_constraint(tools)
     return Structured(constraint, tools, parse_calls=True, parallel=parallel is not False)

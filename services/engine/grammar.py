@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mesh import tools
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
 
@@ -116,6 +117,9 @@ def _grammar(c: Constraint) -> Any:
         body = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     elif c.kind == "regex":
         body = xgr.Grammar.from_regex(c.text)
+    elif c.kind == "tool_calls":
+        tools.check(c.text, [])
+        body = xgr.Grammar.from_structural_tag(json.dumps(tools.structural_tag(c.text)))
     else:
         body = xgr.Grammar.from_ebnf(c.text)
     parts = [body]

@@ -26,6 +26,7 @@ CLOCK = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
                    "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+CALL_IT = [{"role": "user", "content": "Use the get_weather tool: call it for Paris in celsius."}]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,24 @@ def test_tool_choice_gives_valid_calls_streamed_and_not(client: openai.OpenAI, c
     _check_call(calls[0], tools)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert not "".join(d.content or "" for d in deltas).strip()
+
+
+def test_auto_tool_choice_calls_are_valid_and_text_stays_free(client: openai.OpenAI) -> None:
+    """tool_choice auto (the default with tools): whatever the model writes, any call it makes validates."""
+    tools = [WEATHER, CLOCK]
+    made = 0
+    for seed in range(6):
+        reply = client.chat.completions.create(model=MODEL, messages=CALL_IT, tools=tools, temperature=1.0, seed=seed,
+                                               max_tokens=120)
+        message = reply.choices[0].message
+        for call in message.tool_calls or []:
+            _check_call(call, tools)
+            made += 1
+        assert (reply.choices[0].finish_reason == "tool_calls") == bool(message.tool_calls)
+        assert message.tool_calls or message.content
+    hello = client.chat.completions.create(model=MODEL, tools=tools, temperature=0, max_tokens=30,
+                                           messages=[{"role": "user", "content": "Just say hello."}])
+    assert hello.choices[0].message.content or hello.choices[0].message.tool_calls
 
 
 def test_tool_results_continue_the_conversation(client: openai.OpenAI) -> None:

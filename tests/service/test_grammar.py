@@ -96,6 +96,29 @@ def test_resume_replays_the_grammar(runner: ModelRunner, tokenizer) -> None:  # 
         engine.grammars.matcher(c, tokenizer.encode("hello", add_special_tokens=False))
 
 
+def test_auto_tool_calls_leave_text_free_and_calls_valid(runner: ModelRunner, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from mesh import tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+    c = tools.auto_constraint([weather])
+    engine = Engine(runner)
+    free = constrained(engine, "free", chat_ids(tokenizer, "Say hello."), c, max_tokens=40)
+    # A stream resumed inside an opened call: the model must go on with a valid call of get_weather.
+    ids = chat_ids(tokenizer, "Weather in Paris?")
+    opened = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": ', add_special_tokens=False)
+    req = engine.make_request("call", ids, SamplingParams(temperature=0.9, seed=4, max_tokens=60, constraint=c),
+                              resume_ids=opened)
+    req.matcher = engine.grammars.matcher(c, req.resume_ids)
+    outs = run(engine, free, req)
+    assert outs["free"][-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    text = tokenizer.decode(opened + tokens(outs["call"]), skip_special_tokens=True)
+    calls = tools.parse(text, [weather])[1]
+    assert len(calls) == 1, text
+    jsonschema.validate(json.loads(calls[0].arguments), weather["function"]["parameters"])
+
+
 @pytest.mark.parametrize("c, message", [
     (Constraint("json_schema", "{not json"), "cannot be compiled"),
     (Constraint("regex", "(unclosed"), "cannot be compiled"),

@@ -130,6 +130,39 @@ def test_completion_prompt() -> None:
         assert err.value.param == field, patch
 
 
+def test_structured_outputs_and_tools_parse() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    c = openai.parse_chat({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema, "strict": True}}}).sampling.constraint
+    assert c is not None and c.kind == "json_schema" and json.loads(c.text) == schema
+    assert openai.parse_chat({**CHAT, "response_format": {"type": "text"}}).sampling.constraint is None
+    regex = openai.parse_completion({"model": "m", "prompt": "x", "regex": "[0-9]+"}).sampling.constraint
+    assert regex is not None and regex.kind == "regex"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}},
+             {"type": "function", "function": {"name": "noop"}}]
+    auto = openai.parse_chat({**CHAT, "tools": tools})
+    assert auto.tool_calls == "parallel" and auto.sampling.constraint is not None
+    assert auto.sampling.constraint.kind == "tool_calls" and "get_weather" in auto.tools
+    both = openai.parse_chat({**CHAT, "tools": tools, "response_format": {"type": "json_object"}})
+    assert both.sampling.constraint is not None and both.sampling.constraint.kind == "json_object"
+    required = openai.parse_chat({**CHAT, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert required.tool_calls == "single" and required.sampling.constraint is not None
+    assert required.sampling.constraint.prefix == "<tool_call>\n"
+    named = openai.parse_chat({**CHAT, "tools": tools, "tool_choice": {"type": "function",
+                                                                       "function": {"name": "noop"}}})
+    assert named.sampling.constraint is not None and '"const": "noop"' in named.sampling.constraint.text
+    assert "get_weather" not in named.sampling.constraint.text
+    none = openai.parse_chat({**CHAT, "tools": tools, "tool_choice": "none"})
+    assert none.tools == "" and none.tool_calls == "" and none.sampling.constraint is None
+    history = openai.parse_chat({**CHAT, "tools": tools, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assert json.loads(history.messages[1].tool_calls)[0]["function"]["name"] == "get_weather"
+    assert history.messages[2].role == "tool" and history.messages[2].tool_call_id == "call_1"
+
+
 def test_choices_fan_out_with_seeds_and_ids() -> None:
     spec = dataclasses.replace(openai.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 7}),
                                request_id="cmpl-1")

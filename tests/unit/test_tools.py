@@ -60,6 +60,19 @@ def test_call_constraint_schema_accepts_only_valid_calls() -> None:
         jsonschema.validate({"name": "get_weather", "arguments": {"city": "x"}}, named)
 
 
+def test_auto_constraint_is_a_triggered_structural_tag() -> None:
+    c = tools.auto_constraint(TOOLS)
+    assert c.kind == "tool_calls" and json.loads(c.text) == TOOLS
+    tag = tools.structural_tag(c.text)["format"]
+    assert tag["type"] == "triggered_tags" and tag["triggers"] == ["<tool_call>"]
+    assert [t["begin"] for t in tag["tags"]] == ['<tool_call>\n{"name": "get_weather", "arguments": ',
+                                                 '<tool_call>\n{"name": "noop", "arguments": ']
+    assert tag["tags"][0]["end"] == "}\n</tool_call>"
+    assert tag["tags"][1]["content"]["json_schema"] == {"type": "object", "properties": {}}
+    call = tag["tags"][0]["begin"] + '{"city": "Paris"}' + tag["tags"][0]["end"]
+    assert tools.parse(call, TOOLS)[1][0].arguments == '{"city": "Paris"}'      # what it allows, the parser reads
+
+
 def test_generic_messages_carry_tools_calls_and_results() -> None:
     calls = json.dumps([{"id": "call_1", "type": "function",
                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}])
