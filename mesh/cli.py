@@ -17,7 +17,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
                             discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
                             kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]),
-                            fallback_engines=a.fallback_engines, mesh_tls=not a.insecure_mesh)
+                            fallback_engines=a.fallback_engines, mesh_tls=not a.insecure_mesh,
+                            restart=not a.no_restart)
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -231,6 +232,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--version", action="append", metavar="VERSION[=FOLDER]",
                     help="model version(s) to serve side by side (default 1); engines are dealt out in turn; "
                          "FOLDER: that version's weights (default: the model's own); the first is the default")
+    up.add_argument("--no-restart", action="store_true",
+                    help="report a service that dies instead of restarting it (tests that kill on purpose)")
     up.add_argument("--insecure-mesh", action="store_true",
                     help="plaintext gRPC between the services (debugging); default: mutual TLS with the mesh CA")
     up.set_defaults(func=_cmd_up)

@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import start_http_server
+
 from mesh import credentials
 from mesh.grpcutil import check_health
 from mesh.models import canonical, home, served_model
 from mesh.pki import ensure_mesh_ca
+from mesh.supervise import supervise
 
 log = logging.getLogger("launcher")
 
@@ -33,6 +36,7 @@ ENGINE_METRICS_BASE_PORT = 9100
 ROUTER_METRICS_PORT = 9180
 TOKENIZER_METRICS_PORT = 9181
 CACHE_METRICS_PORT = 9182              # the edge serves /metrics on its HTTP port
+LAUNCHER_METRICS_PORT = 9183           # the launcher's own: restarts (mesh/supervise.py)
 FALLBACK_CONFIDENCE = 0.8
 
 
@@ -51,6 +55,7 @@ class MeshConfig:
     ready_timeout_s: float = 300.0
     mesh_tls: bool = True              # mutual TLS between the services; False: plaintext (debugging)
     mesh_ca: str = ""                  # the mesh CA folder; "": <infermesh home>/mesh-ca
+    restart: bool = True               # restart a child that dies (mesh/supervise.py); False: report it
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -146,6 +151,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                 *discovery, "--metrics-port", str(config.port(ROUTER_METRICS_PORT)),
                                 *config.tls("router"),
                                 *(["--fallback", fallback[1]] if fallback else []),
+                                # Ready (the edge's /health 200) only once every engine is known and healthy.
+                                "--expect-engines", str(len(engines)),
                                 # With Consul the router finds the engines there, as they register.
                                 *(a for e in engines if config.discovery == "static"
                                   for a in ("--engine", f"{e.name}={e.health}"))],
@@ -248,6 +255,10 @@ async def run(config: MeshConfig) -> int:
         except DiscoveryError as exc:
             print(f"infermesh: {exc}", file=sys.stderr, flush=True)
             return 1
+    try:      # the launcher's own /metrics (restarts), beside the services'
+        start_http_server(config.port(LAUNCHER_METRICS_PORT), addr="127.0.0.1")
+    except OSError as exc:
+        log.warning("launcher metrics not served on port %d: %s", config.port(LAUNCHER_METRICS_PORT), exc)
     tls_note = "plaintext (--insecure-mesh)"
     if config.mesh_tls:
         # Made (or reused) before any service starts; this process polls health as the `client` kind.
@@ -273,7 +284,8 @@ async def run(config: MeshConfig) -> int:
         print(f"infermesh ready: http://{config.host}:{config.port(HTTP_PORT)} (HTTP/1.1), "
               f"https://{config.host}:{config.port(HTTP3_PORT)} (HTTP/3), "
               f"router grpc 127.0.0.1:{config.port(ROUTER_PORT)} ({tls_note}); health {edge.health}", flush=True)
-        await _supervise([c for stage in started for c in stage], stop)
+        await supervise([c for stage in started for c in stage], stop, _start, restart=config.restart,
+                        log=lambda line: print(line, flush=True))
     except RuntimeError as exc:
         print(f"infermesh: {exc}", file=sys.stderr, flush=True)
         code = 1
@@ -283,17 +295,3 @@ async def run(config: MeshConfig) -> int:
             await asyncio.gather(*(_stop(c) for c in stage))
         print("infermesh stopped", flush=True)
     return code
-
-
-async def _supervise(children: list[Child], stop: asyncio.Event) -> None:
-    """Report children that die; keep the rest serving (the router routes around engines)."""
-    reported: set[str] = set()
-    while not stop.is_set():
-        for child in children:
-            if child.proc is not None and child.proc.returncode is not None and child.name not in reported:
-                reported.add(child.name)
-                print(f"infermesh: {child.name} exited with code {child.proc.returncode}", flush=True)
-        try:
-            await asyncio.wait_for(stop.wait(), 0.5)
-        except TimeoutError:
-            pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-SERVICES = ("edge", "router", "tokenizer", "engine", "cache")
+SERVICES = ("edge", "router", "tokenizer", "engine", "cache", "launcher")
 GRPC_SERVICES = ("router", "tokenizer", "engine", "cache")
 
 
@@ -39,6 +39,8 @@ METRICS: tuple[Metric, ...] = (
        "Streaming request: arrival to the first text delta, as the client sees it"),
     _m("infermesh_edge_request_duration_seconds", "histogram", "edge", "", "Completion request duration"),
     _m("infermesh_edge_completion_tokens_total", "counter", "edge", "", "Completion tokens returned to clients"),
+    _m("infermesh_edge_slow_readers_total", "counter", "edge", "",
+       "Streams ended because the client took longer than --stream-send-timeout to accept a chunk"),
     # -- every gRPC service (router, tokenizer, engine, cache) ----------------------------
     _m("infermesh_grpc_server_requests_total", "counter", GRPC_SERVICES, "service method code",
        "gRPC requests served, by method (its span name, e.g. router.generate) and status code (OK, UNAVAILABLE...)"),
@@ -131,6 +133,8 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_cache_block_tier_bytes", "gauge", "cache", "replica tier", "Bytes held by a tier"),
     _m("infermesh_cache_block_tier_blocks", "gauge", "cache", "replica tier", "Blocks held by a tier"),
     _m("infermesh_cache_block_tier_budget_bytes", "gauge", "cache", "replica tier", "Byte budget of a tier"),
+    _m("infermesh_launcher_restarts_total", "counter", "launcher", "service",
+       "Children `infermesh up` restarted after they died (engine, router, tokenizer, cache, edge)"),
 )
 
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

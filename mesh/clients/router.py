@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -201,6 +202,16 @@ class RouterClient:
                 )
         finally:
             call.cancel()
+
+    async def state(self, timeout: float = 2.0) -> dict[str, Any]:
+        """The router's view of the mesh, as plain JSON-ready values: readiness, the tokenizer, each engine."""
+        r = await self._stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=timeout)
+        return {"ready": r.ready, "tokenizer": "serving" if r.tokenizer_healthy else "down",
+                "expected_engines": r.expected_engines, "load_entropy": round(r.load_entropy, 4),
+                "engines": [{"replica": e.replica_id, "model": e.model, "model_version": e.model_version,
+                             "region": e.region, "healthy": e.healthy, "breaker": e.breaker, "in_flight": e.in_flight,
+                             "isolation": e.isolation, "running": e.load.running, "waiting": e.load.waiting}
+                            for e in r.replicas]}
 
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)

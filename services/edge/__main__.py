@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                    help="seconds for a request head to arrive (slow clients get 408)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds for a request body to arrive (slow clients get 408)")
+    p.add_argument("--stream-send-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may take to accept a chunk before its stream is ended with "
+                        "an error and its generation aborted (slow readers)")
     apply_env(p, "INFERMESH_EDGE")
     a = p.parse_args(argv)
     try:
@@ -71,6 +74,7 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                       token_limit=token_limit, auth_failure_limit=auth_failure_limit,
                       max_concurrent=a.max_concurrent, max_connections=a.max_connections,
                       header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise,
+                      stream_send_timeout_s=a.stream_send_timeout,
                       tls_dir=a.tls_dir)
 
 
@@ -85,7 +89,8 @@ async def serve(config: EdgeConfig) -> None:
     if config.http3_port:
         Path(config.cert_dir).mkdir(parents=True, exist_ok=True)
         cert, key = ensure_self_signed_cert(config.cert_dir)
-        http3 = await serve_http3(app, config.host, config.http3_port, cert, key)
+        http3 = await serve_http3(app, config.host, config.http3_port, cert, key,
+                                  head_timeout_s=config.header_timeout_s)
         log.info("HTTP/3 on udp %s:%d (self-signed certificate: %s)", config.host, config.http3_port, cert)
     if not app.admission.keys.enabled:
         log.warning("no API keys configured (INFERMESH_API_KEYS): serving loopback only, without auth")

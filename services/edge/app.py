@@ -100,6 +100,8 @@ class EdgeApp:
 
     # -- simple routes -----------------------------------------------------------------
     async def health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        if _verbose(scope):
+            return await self._health_verbose(scope, headers, send)
         checked_at, ok = self._health_cache
         if time.monotonic() - checked_at > 0.5:
             ok = await self.router.healthy()
@@ -107,6 +109,24 @@ class EdgeApp:
         status = 200 if ok else 503
         await send_json(send, status, {"status": "ok" if ok else "unavailable"})
         return status
+
+    async def _health_verbose(self, scope: Scope, headers: dict[str, str], send: Send) -> int:
+        """`/health?verbose=1`: each service's state, as the router sees it (an API key when keys are set)."""
+        self.admission.authenticate(scope, headers)
+        try:
+            state = await self.router.state()
+        except grpc.aio.AioRpcError as err:
+            body = {"status": "unavailable", "edge": "serving",
+                    "router": {"address": self.router.address, "state": f"unreachable: {err.code().name}"}}
+            await send_json(send, 503, body)
+            return 503
+        ok = state["ready"]
+        await send_json(send, 200 if ok else 503, {
+            "status": "ok" if ok else "unavailable", "edge": "serving",
+            "router": {"address": self.router.address, "state": "ready" if ok else "not ready",
+                       "expected_engines": state["expected_engines"], "load_entropy": state["load_entropy"]},
+            "tokenizer": state["tokenizer"], "engines": state["engines"]})
+        return 200 if ok else 503
 
     async def models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         try:
@@ -152,3 +172,8 @@ class EdgeApp:
             raise from_grpc(err) from None
         await send_json(send, 200, routing.as_dict())
         return 200
+
+
+def _verbose(scope: Scope) -> bool:
+    query = scope.get("query_string", b"").decode("latin-1")
+    return any(part in ("verbose", "verbose=1", "verbose=true") for part in query.split("&"))

@@ -11,6 +11,7 @@ router as a tenant (`tenant`), which keeps one caller's sessions from every othe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -31,7 +32,7 @@ from services.edge.choices import Choice, fan_out
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.fields import parse_json
-from services.edge.metrics import COMPLETION_TOKENS, DURATION, TTFT
+from services.edge.metrics import COMPLETION_TOKENS, DURATION, SLOW_READERS, TTFT
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 T = TypeVar("T")
@@ -152,8 +153,14 @@ class Completions:
                      deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice], n: int, include_usage: bool,
                      charge: Charge, send: Send) -> None:
         async def emit(obj: dict[str, Any]) -> None:
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
-                        "more_body": True})
+            # A client that does not take a chunk in time (its transport buffer full) is cut off: waiting
+            # for it would hold an engine slot, and edge memory, for as long as it cares to read.
+            message = {"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+                       "more_body": True}
+            try:
+                await asyncio.wait_for(send(message), self.config.stream_send_timeout_s)
+            except TimeoutError:
+                raise SlowReader from None
 
         item: tuple[int, Delta] | None = first
         try:
@@ -183,7 +190,28 @@ class Completions:
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())
             await emit(error_body(err.details() or "generation failed", kind, status))
+        except SlowReader:
+            SLOW_READERS.inc()
+            await _last_words(send, error_body(
+                f"the client did not accept the stream's data within {self.config.stream_send_timeout_s:g} s "
+                "(--stream-send-timeout); the generation was stopped", "invalid_request_error", "slow_reader"))
+            aclose = getattr(deltas, "aclose", None)
+            if aclose is not None:           # ends the router calls now: the engines stop generating
+                await aclose()
+            return
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class SlowReader(Exception):
+    """The client did not accept a stream's chunk within --stream-send-timeout."""
+
+
+async def _last_words(send: Send, error: dict[str, Any]) -> None:
+    """The error event and the stream's end, if the client takes them within a second; else nothing."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode() + b"\n\n"
+                        + b"data: [DONE]\n\n", "more_body": False})
 
 
 def _model(answers: list[Choice]) -> str:

@@ -31,6 +31,9 @@ class EdgeConfig:
     max_connections: int = 4_096           # HTTP/1.1 connections; past this uvicorn answers 503
     header_timeout_s: float = 10.0         # a request head must arrive within this (slow loris)
     body_timeout_s: float = 30.0           # a request body must arrive within this, else 408
+    # A streaming client must take each chunk within this (its transport's buffer full: it reads more
+    # slowly than tokens come); past it the stream ends with an error event and its generation is aborted.
+    stream_send_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.api_key_digests:
@@ -46,6 +49,6 @@ class EdgeConfig:
         for name in ("max_messages", "max_concurrent", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "stream_send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

@@ -7,11 +7,16 @@ directly as inter-token latency.
 0-RTT: a request that arrives in TLS early data runs at once only if the early-data policy
 (services/edge/zero_rtt.py) says a replay of it is harmless; otherwise it waits for the handshake.
 It reaches the app with `early-data: 1` (RFC 8470 section 5.1).
+
+A request stream's HEADERS frame must arrive whole within `head_timeout_s` of the stream's first
+byte (the edge's --header-timeout, as for HTTP/1.1): a client trickling it gets 408 and the stream
+is stopped, so a slow-loris client cannot hold stream state open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -29,6 +34,7 @@ from aioquic.quic.events import (
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
+    StreamDataReceived,
     StreamReset,
 )
 
@@ -48,6 +54,7 @@ def _error_body(status: int, message: str, kind: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
 
 
+HIGH_WATER = 1 << 20          # bytes of a response stream sent and not yet acknowledged, before send() waits
 _ERROR_500 = _error_body(500, "internal error", "server_error")
 _ERROR_400 = _error_body(400, "bad request", "invalid_request_error")
 
@@ -113,6 +120,18 @@ class _RequestStream:
             if not more:
                 self._done = True
                 self._finished.set()
+            else:
+                await self._drain()
+
+    async def _drain(self) -> None:
+        """Backpressure, as TCP gives: wait while over HIGH_WATER bytes of this stream are unacknowledged
+        (a client that stops reading stops granting credit), so a slow reader blocks the app's send and
+        meets the edge's --stream-send-timeout.  aioquic keeps them in the stream sender's buffer."""
+        while not self._disconnected:
+            stream = getattr(self._proto._quic, "_streams", {}).get(self.stream_id)
+            if len(getattr(getattr(stream, "sender", None), "_buffer", b"")) <= HIGH_WATER:
+                return
+            await asyncio.sleep(0.02)
 
     def _write(self, op: Callable[[H3Connection], None]) -> None:
         h3 = self._proto.h3
@@ -192,9 +211,12 @@ class _RequestStream:
 class _H3ServerProtocol(QuicConnectionProtocol):
     """One QUIC connection: demultiplexes HTTP/3 request streams into ASGI tasks."""
 
-    def __init__(self, *args: Any, app: ASGIApp, early_data_policy: EarlyDataPolicy, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, app: ASGIApp, early_data_policy: EarlyDataPolicy, head_timeout_s: float = 10.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._app = app
+        self.head_timeout_s = head_timeout_s
+        self._heads: dict[int, asyncio.TimerHandle] = {}   # request streams whose HEADERS are incomplete
         self.early_data_policy = early_data_policy
         # Set when the handshake completes or the connection dies: held early requests wake up.
         self.handshake_settled = asyncio.Event()
@@ -230,6 +252,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             reset = self._requests.get(event.stream_id)
             if reset is not None:
                 reset.disconnect()
+        elif (isinstance(event, StreamDataReceived) and event.stream_id % 4 == 0 and event.data
+              and event.stream_id not in self._requests and event.stream_id not in self._heads):
+            # A client request stream's first bytes: its HEADERS frame has head_timeout_s to complete.
+            self._heads[event.stream_id] = asyncio.get_running_loop().call_later(
+                self.head_timeout_s, self._head_expired, event.stream_id)
         if self.h3 is not None:
             for h3_event in self.h3.handle_event(event):
                 self._h3_event_received(h3_event)
@@ -247,7 +274,21 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             if req is not None:
                 req.feed_body(event.data, end=event.stream_ended)
 
+    def _head_expired(self, stream_id: int) -> None:
+        # (On a connection or stream gone meanwhile the answer goes nowhere: _write drops it.)
+        self._heads.pop(stream_id, None)
+        if stream_id in self._requests or self.h3 is None:
+            return
+        _RequestStream(self, stream_id, {"method": "", "path": ""}).respond(408, _error_body(
+            408, f"the request head did not arrive within {self.head_timeout_s:g} s", "invalid_request_error"))
+        with contextlib.suppress(Exception):       # the stream may be gone meanwhile: nothing to stop
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
+        self.transmit()
+
     def _start_request(self, event: HeadersReceived) -> None:
+        timer = self._heads.pop(event.stream_id, None)
+        if timer is not None:
+            timer.cancel()
         refusal = h3_headers(event.headers)
         scope = None if refusal else h3_scope(event.headers, self._peer, self._local)
         req = _RequestStream(self, event.stream_id, scope or {"method": "", "path": ""})
@@ -284,6 +325,7 @@ async def serve_http3(
     *,
     ticket_store: SessionTicketStore | None = None,
     early_data_policy: EarlyDataPolicy = replay_tolerable,
+    head_timeout_s: float = 10.0,
 ) -> QuicServer:
     """Listen for HTTP/3 on UDP host:port; the returned server's `.close()` stops it.
 
@@ -300,7 +342,8 @@ async def serve_http3(
         host,
         port,
         configuration=config,
-        create_protocol=functools.partial(_H3ServerProtocol, app=app, early_data_policy=early_data_policy),
+        create_protocol=functools.partial(_H3ServerProtocol, app=app, early_data_policy=early_data_policy,
+                                          head_timeout_s=head_timeout_s),
         session_ticket_fetcher=store.pop,
         session_ticket_handler=store.add,
     )

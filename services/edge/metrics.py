@@ -11,4 +11,6 @@ TTFT = Histogram("infermesh_edge_time_to_first_token_seconds", "Time to the firs
 DURATION = Histogram("infermesh_edge_request_duration_seconds", "Completion request duration",
                      buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
 COMPLETION_TOKENS = Counter("infermesh_edge_completion_tokens_total", "Completion tokens returned")
+SLOW_READERS = Counter("infermesh_edge_slow_readers_total",
+                       "Streams ended because the client took longer than --stream-send-timeout to accept a chunk")
 REFUSED = Counter("infermesh_edge_refused_total", "Requests refused by the edge's limits", ["limit"])

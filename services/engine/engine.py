@@ -9,8 +9,9 @@ With a shared KV cache, running a batch also copies in the KV the scheduler impo
 by the server before add) and, after the model ran, copies out the prompt blocks it just
 computed into `outbox`, which the server's publisher drains.
 
-A step that raises (a model failure) leaves the engine usable: the server calls fail_all(),
-which ends every request the engine holds with FinishReason.ERROR.
+A step that raises (a model failure) leaves the engine usable: the server calls fail_step(),
+which ends the requests of the batch that step was running with FinishReason.ERROR; the requests
+the step did not touch (waiting for admission, or left out of the batch) go on.
 
 With speculation on (services/engine/speculate.py), a step may verify draft tokens of its decode
 rows: a request's step output then carries every token the step accepted, in order.
@@ -54,6 +55,8 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._requests: dict[str, Request] = {}
         self._drafted: list[Request] = []       # requests given a draft for the step being run
+        self._batch: Batch | None = None        # the batch of the step being run (fail_step's victims)
+        self._pending: list[StepOutput] = []    # that step's outputs so far (aborts), for fail_step
         self._lock = threading.Lock()
         self.stats = EngineStats()
         self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids)
@@ -144,14 +147,28 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """schedule -> run the model -> postprocess: each running request's new token, or its end."""
-        outputs = self._drain()
+        self._pending = outputs = self._drain()
         if self.speculation.max_draft:
             self._propose()
-        batch = self.scheduler.schedule()
+        self._batch = batch = self.scheduler.schedule()
         with self.stats.step(batch):
             if batch.chunks:
                 outputs += self._postprocess(batch, self._run(batch))
+        self._batch, self._pending = None, []
         return outputs
+
+    def fail_step(self) -> list[StepOutput]:
+        """After step() raised: end the requests of the batch it was running with FinishReason.ERROR (the
+        server fails their calls; the model may have left them half-computed) and keep the others.  The
+        step's other outputs (aborts) are returned too.  A failure before a batch was scheduled fails
+        every request (fail_all)."""
+        batch, self._batch = self._batch, None
+        outputs, self._pending = self._pending, []
+        if batch is None:
+            return outputs + self.fail_all()
+        victims = {c.request.request_id: c.request for c in batch.chunks}
+        return outputs + [self._finish(req, FinishReason.ERROR, (), ()) for rid, req in victims.items()
+                          if rid in self._requests]
 
     def fail_all(self) -> list[StepOutput]:
         """After a model failure: end every request the engine holds with FinishReason.ERROR (the server
@@ -226,6 +243,8 @@ class Engine:
         hashes: list[bytes] = []
         for chunk in batch.chunks:
             req = chunk.request
+            if req.sampling.prompt_logprobs:
+                continue            # blocks in a namespace of their own (make_request): no one could use them
             end = min(chunk.start + chunk.num_tokens, len(req.prompt_ids) + len(req.resume_ids))
             for i in range(chunk.start // bs, end // bs):
                 block, h = req.table.blocks[i], req.table.hashes[i]

@@ -26,6 +26,7 @@ import torch
 from mesh import tools
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
+from meshpb.v1 import common_pb2
 
 CACHE_SIZE = 256                 # compiled grammars kept, least recently used dropped first
 
@@ -107,6 +108,14 @@ class Grammars:
                 raise InvalidArgument(f"resumed token {i} (id {token}) does not follow the request's "
                                       f"{c.kind} constraint")
         return m
+
+
+def constraint_from_pb(c: common_pb2.Constraint) -> Constraint:
+    """The native request's Constraint message (meshpb.v1 SamplingParams.constraint)."""
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("constraint names no kind: set json_schema, json_object, regex, grammar or tool_calls")
+    return Constraint(kind, "" if kind == "json_object" else getattr(c, kind), c.prefix, c.suffix)
 
 
 def _grammar(c: Constraint) -> Any:

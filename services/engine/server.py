@@ -2,7 +2,8 @@
 
 One loop task runs engine.step() in the step thread whenever there is work and hands each output
 to its request's queue.  A step that raises fails every request the engine holds
-(engine.fail_all(): FinishReason.ERROR, which Generate turns into INTERNAL) and the loop goes on.
+(engine.fail_step(): FinishReason.ERROR, which Generate turns into INTERNAL); the requests that step
+did not run, and the loop, go on.
 
 With a shared KV cache (`remote`), Generate fetches the prompt blocks this engine lacks before
 adding the request, and a publisher task sends the blocks the engine computed; neither is ever
@@ -11,6 +12,7 @@ on the step thread, and neither can fail a request (services/engine/remote_cache
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -22,7 +24,6 @@ import grpc
 from opentelemetry import trace
 
 from mesh import peers
-from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import Service, rpc_errors
 from mesh.models.folder import SAMPLING_DEFAULTS, sampling_defaults
@@ -31,8 +32,9 @@ from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine import metrics
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine, Timing
+from services.engine.grammar import constraint_from_pb
 from services.engine.remote_cache import RemoteCache
-from services.engine.request import FinishReason, Request, SamplingParams, StepOutput
+from services.engine.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +78,12 @@ def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float]
     )
 
 
-def constraint_from_pb(c: common_pb2.Constraint) -> Constraint:
-    kind = c.WhichOneof("kind")
-    if kind is None:
-        raise InvalidArgument("constraint names no kind: set json_schema, json_object, regex or grammar")
-    return Constraint(kind, "" if kind == "json_object" else getattr(c, kind), c.prefix, c.suffix)
-
-
 def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
-    reply = engine_pb2.GenerateResponse(ids=out.new_ids)
-    for lp in out.logprobs:
-        reply.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                           top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-    for lp in out.prompt_logprobs:
-        reply.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                                  top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    def entries(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
+        return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[
+            common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
+    reply = engine_pb2.GenerateResponse(ids=out.new_ids, logprobs=entries(out.logprobs),
+                                        prompt_logprobs=entries(out.prompt_logprobs))
     if out.finish_reason is not None:
         reply.finish_reason = FINISH[out.finish_reason]
         reply.usage.prompt_tokens = out.prompt_tokens
@@ -156,7 +149,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             except Exception:
                 # A model failure must not kill the loop: fail the requests in flight, keep serving.
                 log.exception("engine step failed")
-                outputs = self.engine.fail_all()
+                outputs = self.engine.fail_step()
             loop.call_soon_threadsafe(self._deliver, outputs, time.monotonic())
 
     def _deliver(self, outputs: list[StepOutput], now: float) -> None:
@@ -218,18 +211,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         outcome = "error"
                         await context.abort(grpc.StatusCode.INTERNAL,
                                             f"engine {self.config.replica_id} failed while running the model")
-                    if out.finish_reason is not None:
-                        outcome = out.finish_reason.value
-                    yield output_to_pb(out)
-                    if out.finish_reason is not None:
-                        span.set_attribute("completion_tokens", out.completion_tokens)
-                        span.set_attribute("cached_tokens", out.cached_tokens)
-                        span.set_attribute("finish_reason", outcome)
-                        produced = len(req.output_ids)
-                        if produced > 1:
-                            self.metrics.tpot.observe((time.monotonic() - first_token_at) / (produced - 1))
-                        self._finished.append((time.monotonic(), time.monotonic() - started))
-                        return
+                    if out.finish_reason is None:
+                        yield output_to_pb(out)
+                        continue
+                    # The last message: recorded before it goes, since a caller that has it may close the
+                    # stream at once, and this generator is then never resumed past the yield.
+                    outcome = out.finish_reason.value
+                    span.set_attributes({"completion_tokens": out.completion_tokens,
+                                         "cached_tokens": out.cached_tokens, "finish_reason": outcome})
+                    produced = len(req.output_ids)
+                    if produced > 1:
+                        self.metrics.tpot.observe((time.monotonic() - first_token_at) / (produced - 1))
+                    self._finished.append((time.monotonic(), time.monotonic() - started))
+                    with contextlib.suppress(GeneratorExit):     # closed after the last message: delivered
+                        yield output_to_pb(out)
+                    return
             finally:
                 # Reached on completion and on cancellation (the caller went away).
                 self.queues.pop(request_id, None)

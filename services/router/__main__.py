@@ -30,6 +30,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--tokenizer", default="127.0.0.1:50052")
     p.add_argument("--cache", default="")
     p.add_argument("--engine", action="append", default=[], help="ID=HOST:PORT; repeat for each engine")
+    p.add_argument("--expect-engines", type=int, default=0, metavar="N",
+                   help="not ready until N engines have been healthy at once (default: every --engine; "
+                        "1 with Consul)")
     p.add_argument("--discovery-file", default="", metavar="JSON",
                    help="static discovery from a file: a JSON list of {service, replica_id, address, region}")
     p.add_argument("--region", default="local")
@@ -92,6 +95,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                         default_model=a.default_model, default_versions=tuple(defaults),
                         discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),
                         p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise,
+                        expect_engines=a.expect_engines,
                         tls_dir=a.tls_dir, api_key_digests=load_keys(),
                         admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), rate_limit=rate_limit,
                         auth_failure_limit=auth_failure_limit, prefix_sharing=a.prefix_sharing,

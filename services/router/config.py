@@ -36,6 +36,8 @@ class RouterConfig:
     p99_target_ms: float = 0.0             # a replica whose P99 time to first token exceeds it is opened; 0: off
     max_queued: int = 0                    # shed a replica past this many queued; 0: at the engine's own bound
     prefix_sharing: str = "tenant"         # cached prompt blocks shared within a tenant, or "global": by all
+    # Not ready until this many engines have been healthy at once; 0: every static engine (1 with Consul).
+    expect_engines: int = 0
     # Native gRPC callers (not the edge) meet the edge's rules (services/router/callers.py):
     api_key_digests: tuple[bytes, ...] = ()     # INFERMESH_API_KEYS; empty: no key asked
     admin_key_digests: tuple[bytes, ...] = ()   # INFERMESH_ADMIN_KEYS: SetModelRouting from a client certificate
@@ -56,6 +58,13 @@ class RouterConfig:
         if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("stall/first-token timeouts must be positive and max_attempts at least 1")
         self.failover()                    # raises on a fallback cycle or a bad confidence
+        if self.expect_engines < 0:
+            raise ValueError("expect_engines must be 0 or more")
+
+    @property
+    def expected_engines(self) -> int:
+        """Engines that must have been healthy at once before the router first reports ready."""
+        return self.expect_engines or (len(self.engines) if self.discovery == "static" else 1)
 
     def failover(self) -> FailoverConfig:
         """The failover knobs these flags set (the rest keep FailoverConfig's defaults)."""

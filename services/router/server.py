@@ -120,7 +120,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                            ) -> router_pb2.ListReplicasResponse:
         self.callers.check_user(context, "ListReplicas")
         now = time.monotonic()
-        reply = router_pb2.ListReplicasResponse(load_entropy=self.admin.load_entropy(now))
+        reply = router_pb2.ListReplicasResponse(load_entropy=self.admin.load_entropy(now), ready=self.ready(),
+                                                tokenizer_healthy=self.watch.tokenizer_healthy,
+                                                expected_engines=self.config.expected_engines)
         for state in self.admin.replicas(now):
             r = state.replica
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,

@@ -2,8 +2,10 @@
 
 Replicas come from discovery (static: the launcher's list; Consul: whatever passes its checks).
 Each gets a health/info probe every `probe_interval_s` (judged by failover's ProbeVerdicts) and a
-stream of load reports.  The router is ready while the tokenizer and at least one engine are
-healthy, so the edge's /health reflects the mesh.
+stream of load reports.  The router becomes ready once the tokenizer is healthy and every expected
+engine (RouterConfig.expected_engines) has been healthy at once, so requests sent right after the
+edge's /health says 200 spread over all of them; after that it stays ready while the tokenizer and
+at least one engine are healthy, so the edge's /health reflects the mesh.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ReplicaWatch:
         self.discovery = make_discovery(config.discovery, config.engines)
         self.verdicts = ProbeVerdicts(config.unhealthy_after)
         self.tokenizer_healthy = False
+        self.complete = False         # every expected engine has been healthy at once
         self._load_watchers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -49,7 +52,11 @@ class ReplicaWatch:
         await self.discovery.close()
 
     def ready(self) -> bool:
-        return self.tokenizer_healthy and any(r.healthy for r in self.table.all())
+        healthy = sum(r.healthy for r in self.table.all())
+        if not self.complete and healthy >= self.config.expected_engines:
+            self.complete = True
+            log.info("all %d expected engine(s) are healthy", self.config.expected_engines)
+        return self.tokenizer_healthy and healthy > 0 and self.complete
 
     async def follow_discovery(self) -> None:
         async for endpoints in self.discovery.watch("engine"):

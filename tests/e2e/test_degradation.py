@@ -30,7 +30,8 @@ PORTS = OFFSET + 400
 @pytest.fixture(scope="module")
 def degraded_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("degradation") / "infermesh-up.log"
-    with running_mesh(["--engines", "1", "--fallback-engines", "1", "--kv-cache-mb", "64"], PORTS, log) as m:
+    with running_mesh(["--engines", "1", "--fallback-engines", "1", "--kv-cache-mb", "64",
+                       "--no-restart"], PORTS, log) as m:
         yield m
 
 

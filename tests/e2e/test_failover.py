@@ -34,7 +34,8 @@ TOKENS = 48
 @pytest.fixture(scope="module")
 def chaos_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("chaos") / "infermesh-up.log"
-    with running_mesh(["--engines", "2", "--dtype", "float32", "--kv-cache-mb", "128"], PORTS, log) as m:
+    with running_mesh(["--engines", "2", "--dtype", "float32", "--kv-cache-mb", "128",
+                       "--no-restart"], PORTS, log) as m:
         yield m
 
 

@@ -33,7 +33,7 @@ EXPECTED = {
     "engine.generate": "engine", "engine.queue": "engine", "engine.prefill": "engine", "engine.decode": "engine",
     "cache.get_session": "cache",
 }
-METRICS_PORTS = {"router": 9180, "tokenizer": 9181, "cache": 9182, "engine": 9100}
+METRICS_PORTS = {"router": 9180, "tokenizer": 9181, "cache": 9182, "engine": 9100, "launcher": 9183}
 
 
 @pytest.fixture(scope="module")

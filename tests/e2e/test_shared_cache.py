@@ -33,7 +33,7 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def shared_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("shared-cache") / "infermesh-up.log"
-    with running_mesh(["--engines", "2", "--dtype", "float32"], PORTS, log) as m:
+    with running_mesh(["--engines", "2", "--dtype", "float32", "--no-restart"], PORTS, log) as m:
         yield m
 
 

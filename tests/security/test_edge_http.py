@@ -16,7 +16,7 @@ import pytest
 
 from mesh.apikeys import digest
 from mesh.clients.http3 import H3Client
-from mesh.clients.router import RouterClient
+from mesh.clients.router import Delta, RouterClient
 from meshpb.v1 import router_pb2_grpc
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
@@ -195,3 +195,118 @@ def test_rejected_one_megabyte_prompts_log_no_traceback(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING):
         assert asyncio.run(main()) == [400, 400, 413, 413, 413]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
+
+
+def test_http3_request_head_that_never_completes_gets_408(cert: tuple[str, str]) -> None:
+    """Issue 20: a request stream whose HEADERS frame stops half way (slow loris over QUIC) is answered
+    408 within the head timeout, and the app never sees it; a whole request on the same connection is
+    served."""
+    import ssl
+
+    from aioquic.asyncio import QuicConnectionProtocol, connect
+    from aioquic.h3.connection import H3_ALPN, H3Connection
+    from aioquic.h3.events import DataReceived, HeadersReceived
+    from aioquic.quic.configuration import QuicConfiguration
+
+    class Raw(QuicConnectionProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.h3 = H3Connection(self._quic)
+            self.status: dict[int, bytes] = {}
+            self.body: dict[int, bytes] = {}
+            self.done: dict[int, asyncio.Event] = {}
+
+        def quic_event_received(self, event: Any) -> None:
+            for e in self.h3.handle_event(event):
+                if isinstance(e, HeadersReceived):
+                    self.status[e.stream_id] = dict(e.headers)[b":status"]
+                elif isinstance(e, DataReceived):
+                    self.body[e.stream_id] = self.body.get(e.stream_id, b"") + e.data
+                if getattr(e, "stream_ended", False):
+                    self.done.setdefault(e.stream_id, asyncio.Event()).set()
+
+        async def wait(self, stream_id: int) -> None:
+            await self.done.setdefault(stream_id, asyncio.Event()).wait()
+
+    async def main() -> None:
+        app = CountingApp()
+        port = _free_udp_port()
+        server = await serve_http3(app, "127.0.0.1", port, *cert, head_timeout_s=1.0)
+        config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE)
+        try:
+            async with asyncio.timeout(20), connect("127.0.0.1", port, configuration=config,
+                                                    create_protocol=Raw) as client:
+                raw = client
+                assert isinstance(raw, Raw)
+                stalled = raw._quic.get_next_available_stream_id()
+                # A HEADERS frame (type 0x01) announcing 100 bytes, of which 5 are sent, then nothing.
+                raw._quic.send_stream_data(stalled, b"\x01\x40\x64" + b"\x00" * 5)
+                raw.transmit()
+                started = asyncio.get_running_loop().time()
+                await raw.wait(stalled)
+                waited = asyncio.get_running_loop().time() - started
+                assert raw.status[stalled] == b"408" and 0.9 < waited < 5, waited
+                assert "request head did not arrive" in json.loads(raw.body[stalled])["error"]["message"]
+                assert app.calls == 0
+                whole = raw._quic.get_next_available_stream_id()
+                raw.h3.send_headers(whole, [(b":method", b"GET"), (b":scheme", b"https"),
+                                            (b":authority", b"127.0.0.1"), (b":path", b"/openapi.json")],
+                                    end_stream=True)
+                raw.transmit()
+                await raw.wait(whole)
+                assert raw.status[whole] == b"200" and app.calls == 1
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off_and_its_generation_stopped() -> None:
+    """Issue 20: a streaming client that reads nothing (its receive buffer full) cannot hold the engine
+    slot: once a chunk waits longer than --stream-send-timeout the edge ends the stream and cancels
+    the router call."""
+    import socket
+
+    from services.edge.metrics import SLOW_READERS
+    from tests.security.edge_driver import SlowRouter
+
+    class Flood(SlowRouter):
+        async def generate(self, spec: Any, timeout: float | None = None) -> AsyncIterator[Delta]:
+            self.started.set()
+            try:
+                while True:
+                    yield Delta("x" * 16_384)
+                    await asyncio.sleep(0)
+            except (asyncio.CancelledError, GeneratorExit):
+                self.cancelled += 1
+                raise
+
+    class Served:
+        def __init__(self, router: Flood):
+            self.app = EdgeApp(EdgeConfig(http_port=0, http3_port=0, stream_send_timeout_s=1.0), router)  # type: ignore[arg-type]
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await self.app(scope, receive, send)
+
+    async def main() -> None:
+        router = Flood()
+        before = SLOW_READERS._value.get()
+        async with http1(Served(router)) as port:  # type: ignore[arg-type]
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_sendall(sock, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                           f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+            try:
+                await asyncio.wait_for(router.started.wait(), 10)
+                async with asyncio.timeout(20):          # never read: the edge must give up on its own
+                    while not router.cancelled:
+                        await asyncio.sleep(0.05)
+            finally:
+                sock.close()
+        assert router.cancelled == 1 and SLOW_READERS._value.get() == before + 1
+
+    asyncio.run(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -84,6 +85,8 @@ def bare_router(recorder: _Recorder, callers: Callers | None = None) -> RouterSe
     servicer.dispatcher = recorder                        # type: ignore[assignment]
     servicer.admin = recorder                             # type: ignore[assignment]
     servicer.callers = callers or Callers()
+    servicer.watch = SimpleNamespace(ready=lambda: True, tokenizer_healthy=True)   # type: ignore[assignment]
+    servicer.config = SimpleNamespace(expected_engines=1)                          # type: ignore[assignment]
     return servicer
 
 

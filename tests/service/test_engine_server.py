@@ -57,16 +57,21 @@ class FailOnce:
         return self.run(chunks, greedy=greedy)
 
 
-def test_fail_all_ends_every_held_request_with_an_error_and_the_engine_goes_on(folder: Path) -> None:
+def failed_step(folder: Path, scheduler: Any = None) -> tuple[Engine, SamplingParams]:
+    """An engine holding requests a and b whose first step failed ("device lost")."""
     runner = make_runner(folder)
-    engine = Engine(runner)
+    engine = Engine(runner, scheduler=scheduler)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     for rid in ("a", "b"):
         engine.add(engine.make_request(rid, [5, 6, 7], params))
-    failing = FailOnce(runner)
-    failing.go.set()
+    FailOnce(runner).go.set()
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
+    return engine, params
+
+
+def test_fail_all_ends_every_held_request_with_an_error_and_the_engine_goes_on(folder: Path) -> None:
+    engine, params = failed_step(folder)
     failed = engine.fail_all()
     assert [(o.request_id, o.finish_reason, o.new_ids) for o in failed] == [
         ("a", FinishReason.ERROR, ()), ("b", FinishReason.ERROR, ())]
@@ -74,6 +79,25 @@ def test_fail_all_ends_every_held_request_with_an_error_and_the_engine_goes_on(f
     engine.add(engine.make_request("c", [5, 6, 7], params))
     outs = [o for _ in range(3) for o in engine.step()]
     assert [len(o.new_ids) for o in outs] == [1, 1, 1] and outs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_failed_step_fails_the_requests_it_ran_and_no_others(folder: Path) -> None:
+    """Issue 20: with one sequence per step, a's failing step holds b outside its batch: only a fails."""
+    from services.engine.scheduler import SchedulerConfig
+
+    engine, params = failed_step(folder, SchedulerConfig(max_running=1))
+    assert engine.num_waiting == 1                      # b was held back, outside the batch
+    failed = engine.fail_step()
+    assert [(o.request_id, o.finish_reason) for o in failed] == [("a", FinishReason.ERROR)]
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["b"] * 3 and outs[-1].finish_reason is FinishReason.LENGTH
+    alone = Engine(make_runner(folder))
+    alone.add(alone.make_request("b", [5, 6, 7], params))
+    ref = [t for _ in range(3) for o in alone.step() for t in o.new_ids]
+    assert [t for o in outs for t in o.new_ids] == ref
+    assert engine.blocks.num_used_blocks == 0 and not engine.has_work()
 
 
 @asynccontextmanager

@@ -420,3 +420,48 @@ def test_admin_rpcs_report_models_replicas_and_routing() -> None:
 
     run(scenario)
 
+
+
+def test_not_ready_until_every_expected_engine_is_healthy() -> None:
+    """Issue 20: with two engines configured and one still starting, the router is not ready (the edge's
+    /health says 503), so the first requests cannot all pile onto the one that is up; once both have
+    been healthy, one engine going away leaves it ready."""
+    import socket
+
+    async def scenario() -> None:
+        tokenizer = FakeTokenizer()
+        services = [await _serve("meshpb.v1.Tokenizer",
+                                 lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(tokenizer, s))]
+        first = FakeEngine("engine-0", Script())
+        services.append(await _serve("meshpb.v1.Engine",
+                                     lambda s: engine_pb2_grpc.add_EngineServicer_to_server(first, s)))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            late_port = sock.getsockname()[1]
+        config = RouterConfig(tokenizer=f"127.0.0.1:{services[0].port}", default_model=MODEL, probe_interval_s=0.1,
+                              load_interval_ms=50, engines=(
+                                  Endpoint("engine", "engine-0", f"127.0.0.1:{services[1].port}"),
+                                  Endpoint("engine", "engine-1", f"127.0.0.1:{late_port}")))
+        servicer = RouterServicer(config)
+        await servicer.start()
+        late = Service("meshpb.v1.Engine", "127.0.0.1", late_port)
+        try:
+            def healthy(rid: str) -> bool:
+                replica = servicer.table.get(rid)
+                return replica is not None and replica.healthy
+
+            await _until(lambda: servicer.watch.tokenizer_healthy and healthy("engine-0"), "engine-0 healthy")
+            await asyncio.sleep(0.5)                       # several probe rounds: engine-1 is still not up
+            assert not servicer.ready() and config.expected_engines == 2
+            engine_pb2_grpc.add_EngineServicer_to_server(FakeEngine("engine-1", Script()), late.server)
+            await late.start()
+            await _until(servicer.ready, "ready once both engines are healthy")
+            await late.stop(0)
+            await _until(lambda: not healthy("engine-1"), "engine-1 gone")
+            assert servicer.ready()                        # one engine serving is enough from now on
+        finally:
+            await servicer.close()
+            for service in services:
+                await service.stop(0)
+
+    run(scenario)

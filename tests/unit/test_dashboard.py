@@ -63,6 +63,7 @@ def test_every_queried_metric_is_exported_and_every_metric_is_on_the_dashboard(d
 
 def test_every_metric_the_code_registers_is_listed_and_typed_as_listed() -> None:
     """The list is the code's: a metric added or renamed in a service must be added or renamed there."""
+    import mesh.supervise  # noqa: F401
     import mesh.telemetry  # noqa: F401
     import services.cache.metrics  # noqa: F401
     import services.edge.metrics  # noqa: F401
@@ -100,6 +101,7 @@ def test_prometheus_scrapes_every_service_on_the_launchers_ports() -> None:
     assert jobs["router"] == [f"127.0.0.1:{launcher.ROUTER_METRICS_PORT}"]
     assert jobs["tokenizer"] == [f"127.0.0.1:{launcher.TOKENIZER_METRICS_PORT}"]
     assert jobs["cache"] == [f"127.0.0.1:{launcher.CACHE_METRICS_PORT}"]
+    assert jobs["launcher"] == [f"127.0.0.1:{launcher.LAUNCHER_METRICS_PORT}"]
     assert jobs["engine"][0] == f"127.0.0.1:{launcher.ENGINE_METRICS_BASE_PORT}"
 
 

@@ -316,6 +316,15 @@ class FakeRouter:
         self.deltas = deltas or [Delta("Hi"), Delta("!", "stop", 7, 2, served_by=served)]
         self.release: asyncio.Event | None = None
 
+    address = "127.0.0.1:1"
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def state(self) -> dict[str, Any]:
+        return {"ready": True, "tokenizer": "serving", "expected_engines": 1, "load_entropy": 1.0,
+                "engines": [{"replica": "engine-0", "healthy": True, "breaker": "closed"}]}
+
     async def generate(self, spec: GenerateSpec, timeout: float | None = None) -> AsyncIterator[Delta]:
         self.calls.append(spec)
         if self.release is not None:
@@ -328,7 +337,9 @@ async def asgi(app: EdgeApp, method: str, path: str, body: bytes | None = b"", h
                ) -> tuple[int, dict[str, str], bytes]:
     """One request; body None sends nothing and never finishes (a stalled client)."""
     hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {"type": "http", "method": method, "path": path, "headers": hdrs, "client": ("127.0.0.1", 5000)}
+    path, _, query = path.partition("?")
+    scope = {"type": "http", "method": method, "path": path, "headers": hdrs, "client": ("127.0.0.1", 5000),
+             "query_string": query.encode()}
     sent: list[dict[str, Any]] = []
     delivered = False
 
@@ -492,3 +503,20 @@ def test_openapi_schema_lists_the_fields_the_parser_takes() -> None:
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 7
     assert "security" not in doc["paths"]["/v1/models"]["get"]
     assert document(EdgeConfig(api_key_digests=(b"x",)))["paths"]["/v1/models"]["get"]["security"]
+
+
+def test_verbose_health_lists_each_service_and_needs_a_key_when_keys_are_set() -> None:
+    async def main() -> None:
+        app = _app(FakeRouter())
+        status, _, raw = await asgi(app, "GET", "/health?verbose=1")
+        body = json.loads(raw)
+        assert status == 200 and body["status"] == "ok" and body["tokenizer"] == "serving"
+        assert body["router"]["state"] == "ready" and body["engines"][0]["replica"] == "engine-0"
+        status, _, raw = await asgi(app, "GET", "/health")
+        assert status == 200 and json.loads(raw) == {"status": "ok"}
+        keyed = EdgeApp(EdgeConfig(api_key_digests=(digest("k1"),)), FakeRouter())  # type: ignore[arg-type]
+        assert (await asgi(keyed, "GET", "/health?verbose=1"))[0] == 401
+        assert (await asgi(keyed, "GET", "/health?verbose=1", headers={"authorization": "Bearer k1"}))[0] == 200
+        assert (await asgi(keyed, "GET", "/health"))[0] == 200
+
+    asyncio.run(main())

@@ -129,6 +129,9 @@ def test_a_joining_replica_takes_only_sessions_from_others() -> None:
     policy = POLICIES["round_robin+session"]()
     before = {k: route(policy, pool, RouteRequest("m", session_key=k))[0] for k in KEYS[:2000]}
     pool.append(rep("r10"))
+    kept = {k: route(policy, pool, RouteRequest("m", session_key=k))[0] for k in KEYS[:2000]}
+    assert kept == before                       # a session with a replica stays on it
+    policy.holders.clear()                      # sessions this router has not seen: the ring places them
     after = {k: route(policy, pool, RouteRequest("m", session_key=k))[0] for k in KEYS[:2000]}
     moved = [k for k in before if before[k] != after[k]]
     assert 0 < len(moved) <= 2 * 2000 / 11 and {after[k] for k in moved} == {"r10"}
@@ -201,6 +204,7 @@ def test_prefix_comes_before_session() -> None:
     doc = hashes(*range(10))
     policy.prefixes.record(doc, other)
     assert route(policy, pool, RouteRequest("m", session_key="s", prefix_hashes=doc)) == (other, "prefix")
+    policy.holders.clear()                      # a session new to this router: its ring owner
     assert route(policy, pool, RouteRequest("m", session_key="s", prefix_hashes=hashes(77))) == (owner, "session")
     # A known holder that is overloaded: the ring owner has no better claim; balance decides.
     by_id = {r.replica_id: r for r in pool}
@@ -208,8 +212,34 @@ def test_prefix_comes_before_session() -> None:
     for r in pool:
         r.in_flight = 0 if r.replica_id == owner else 1
     by_id[owner].kv_blocks_free = 10                             # the worst memory: balancing avoids it
+    policy.holders.clear()                      # (a session with a replica would stay on it)
     rid, reason = pick(policy, pool, RouteRequest("m", session_key="s", prefix_hashes=doc))
     assert reason == "balance" and rid not in (owner, other)
+
+
+def test_a_session_stays_on_its_replica_when_another_sessions_prefix_is_elsewhere() -> None:
+    """Issue 20: three sessions send the same turns in turn; each session's turns stay on the replica its
+    first turn went to, though an identical history of another session is cached elsewhere."""
+    pool = [rep("a"), rep("b")]
+    policy = POLICIES["balancing+prefix+session"]()
+    # Each turn extends the conversation; the first is too short for prefix affinity (min_prefix_blocks),
+    # so it is placed by the session's hash, and the later ones are prefixes another session cached.
+    turns = [hashes(*range(2 * (t + 1))) for t in range(4)]
+    placed: dict[str, set[str]] = {}
+    for session in ("s1", "s2", "s3"):
+        for t in turns:
+            rid, _ = route(policy, pool, RouteRequest("m", session_key=session, prefix_hashes=t))
+            placed.setdefault(session, set()).add(rid)
+    assert all(len(r) == 1 for r in placed.values()), placed
+    # Gone or overloaded: the session moves on, and stays where it moved.
+    s1 = next(iter(placed["s1"]))
+    rest = [r for r in pool if r.replica_id != s1]
+    rid, _ = route(policy, rest, RouteRequest("m", session_key="s1", prefix_hashes=turns[0]))
+    assert rid != s1
+    assert route(policy, pool, RouteRequest("m", session_key="s1", prefix_hashes=hashes(99)))[0] == rid
+    by_id = {r.replica_id: r for r in pool}
+    by_id[rid].waiting = 9                                          # overloaded: it gives way
+    assert route(policy, pool, RouteRequest("m", session_key="s1"))[0] != rid
 
 
 # -- region affinity --------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""Affinity layers over a balancing policy: pinned, region, prefix, session, then balance.
+"""Affinity layers over a balancing policy: pinned, region, session holder, prefix, session, then balance.
 
     pinned   the request names a replica: that one, or PinnedReplicaUnavailable.
     region   a filter: keep the candidates in the request's region (the router's own when the
              request names none) unless every one of them is overloaded; then spill to all.
+    holder   (with the session layer) a session that has a replica, the one its last request
+             started on, stays there unless it is gone or overloaded: two sessions whose histories
+             coincide must not swap replicas through the prefix map.
     prefix   the longest prompt prefix this router has sent somewhere: that replica, which
              still holds its KV blocks, unless overloaded (then the next shorter known prefix
              on another replica, down to min_prefix_blocks).
@@ -12,8 +15,11 @@
              ring owner has no better claim than any other replica, and balance decides.
     base     the balancing policy decides among the (region-filtered) candidates.
 
-Layers are tried in that order; each either decides or passes.  Prefix comes before session
-because a session's earlier turns are themselves prefixes of its next prompt: following the
+Layers are tried in that order; each either decides or passes.  A session's holder comes first:
+the README promises a session's requests stay on one replica, and the prefix map would otherwise
+send a session wherever another session with the same history was cached (issue 20).  For a
+session new to this router, prefix comes before the ring because a session's earlier turns are
+themselves prefixes of its next prompt: following the
 prefix map lands where the history is cached even when an earlier turn had to spill off the
 ring owner, and session hashing still places what prefix affinity cannot (a prompt this
 router has not seen: after a restart, behind another router, without token ids).  With one
@@ -32,6 +38,7 @@ way and the base policy still picks the best of them: shedding is failover's dec
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.router.policies.config import PolicyConfig
@@ -53,6 +60,7 @@ class AffinityRouter(Policy):
         self.base = base
         self.layers = frozenset(layers)
         self.prefixes = PrefixMap(self.config.prefix_capacity)
+        self.holders: OrderedDict[str, str] = OrderedDict()    # session key -> replica id (LRU)
         self._ring: HashRing | None = None
 
     def overloaded(self, replica: Replica, least: int) -> bool:
@@ -70,6 +78,10 @@ class AffinityRouter(Policy):
         pool, narrowed = candidates, ""
         if "region" in self.layers:
             pool, narrowed = self._region_pool(candidates, request)
+        if "session" in self.layers and request.session_key:
+            holder = self._holder(pool, request.session_key)
+            if holder is not None:
+                return Decision(holder, "session")
         matched = False
         if "prefix" in self.layers and request.prefix_hashes:
             replica, matched = self._by_prefix(pool, request.prefix_hashes)
@@ -113,6 +125,17 @@ class AffinityRouter(Policy):
             refused.add(rid)
         return None, bool(refused)
 
+    def _holder(self, pool: Sequence[Replica], key: str) -> Replica | None:
+        """The replica the session's last request started on, if it is a candidate and not overloaded."""
+        rid = self.holders.get(key)
+        if rid is None:
+            return None
+        self.holders.move_to_end(key)
+        replica = next((r for r in pool if r.replica_id == rid), None)
+        if replica is None or self.overloaded(replica, min(r.outstanding for r in pool)):
+            return None
+        return replica
+
     def _by_session(self, pool: Sequence[Replica], key: str) -> Replica | None:
         ids = frozenset(r.replica_id for r in pool)
         if self._ring is None or self._ring.replica_ids != ids:
@@ -131,6 +154,11 @@ class AffinityRouter(Policy):
         self.base.on_start(replica, request, now)
         if "prefix" in self.layers and request.prefix_hashes:
             self.prefixes.record(request.prefix_hashes, replica.replica_id)
+        if "session" in self.layers and request.session_key:
+            self.holders[request.session_key] = replica.replica_id
+            self.holders.move_to_end(request.session_key)
+            if len(self.holders) > self.config.session_capacity:
+                self.holders.popitem(last=False)
 
     def on_finish(self, replica: Replica, request: RouteRequest, now: float, latency_s: float, ok: bool) -> None:
         self.base.on_finish(replica, request, now, latency_s, ok)
@@ -138,3 +166,5 @@ class AffinityRouter(Policy):
     def forget(self, replica_id: str) -> None:
         """A replica left for good: stop sending prefixes its way (lookups skip it anyway)."""
         self.prefixes.forget(replica_id)
+        for key in [k for k, rid in self.holders.items() if rid == replica_id]:
+            del self.holders[key]

@@ -27,6 +27,7 @@ class PolicyConfig:
                                            # 4 was best of 2/4/8/16 in bench/router_sim.py
     vnodes: int = 128                      # virtual nodes per replica on the session hash ring
     prefix_capacity: int = 200_000         # block hashes remembered by prefix affinity (LRU)
+    session_capacity: int = 100_000        # sessions whose replica is remembered (LRU)
     min_prefix_blocks: int = 4             # shorter matches (a shared chat-template header) don't count
 
     def __post_init__(self) -> None:
