@@ -110,7 +110,7 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_plan_info", "gauge", "engine",
        "replica device dtype matmul attention ops graphs matmul_large split_rows kv_dtype",
        "Always 1: the replica's execution plan (device, dtype, matmul kinds and the rows they split at, "
-       "kernels, graph mode) as labels"),
+       "kernels, graph mode, KV cache dtype) as labels"),
     # -- cache -----------------------------------------------------------------------------
     _m("infermesh_cache_session_lookups_total", "counter", "cache", "result", "Session lookups: hit or miss"),
     _m("infermesh_cache_sessions", "gauge", "cache", "", "Live session contexts held"),

@@ -48,10 +48,19 @@ def test_twenty_json_schemas_sampled_all_validate(client: openai.OpenAI) -> None
     for name, text, schema, finish in answers:
         assert finish == "stop", (name, text)
         jsonschema.validate(json.loads(text), schema)
+    name, prompt, schema = SCHEMAS[0]
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], temperature=0.7, max_tokens=200,
-        response_format={"type": "json_object"}, stream=True) if c.choices)
-    assert isinstance(json.loads(streamed), dict)
+        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0.7, max_tokens=400, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}}) if c.choices)
+    jsonschema.validate(json.loads(streamed), schema)
+    # json_object bounds nothing (a string may run to max_tokens): an object it is, whole when it stopped.
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], temperature=0.7, max_tokens=300,
+        response_format={"type": "json_object"}, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("{"), text
+    if [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop":
+        assert isinstance(json.loads(text), dict)
 
 
 def test_regex_and_grammar_extensions(client: openai.OpenAI) -> None:

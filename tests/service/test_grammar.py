@@ -78,7 +78,10 @@ def test_ebnf_grammar_json_object_and_min_tokens(runner: ModelRunner, tokenizer)
                       temperature=0.7, seed=3, max_tokens=200)
     outs = run(engine, yes_no, obj)
     assert tokenizer.decode(tokens(outs["g"]), skip_special_tokens=True) in ("yes", "no")
-    assert isinstance(json.loads(tokenizer.decode(tokens(outs["o"]), skip_special_tokens=True)), dict)
+    text = tokenizer.decode(tokens(outs["o"]), skip_special_tokens=True)
+    assert text.startswith("{"), text            # json_object bounds no string: whole only when it stopped
+    if outs["o"][-1].finish_reason is FinishReason.STOP:
+        assert isinstance(json.loads(text), dict)
 
 
 def test_resume_replays_the_grammar(runner: ModelRunner, tokenizer) -> None:  # type: ignore[no-untyped-def]
