@@ -72,6 +72,11 @@ def _functions(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [t["function"] for t in tools]
 
 
+def _parameters(f: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema; one that names none takes an empty object."""
+    return f.get("parameters") or {"type": "object", "properties": {}}
+
+
 def preamble(tools: Sequence[dict[str, Any]]) -> str:
     lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in _functions(tools))
     return ("# Tools\n\nYou can call functions to answer. Each function, with its parameters as JSON Schema:\n"
@@ -141,8 +146,7 @@ def _loads_or_text(text: str) -> Any:
 def call_constraint(tools: Sequence[dict[str, Any]], name: str = "") -> Constraint:
     """The answer is exactly one call: of `name`, or of any of the tools, its arguments valid for that tool."""
     def one(f: dict[str, Any]) -> dict[str, Any]:
-        params = f.get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+        return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _parameters(f)},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
     chosen = [f for f in _functions(tools) if not name or f["name"] == name]
@@ -160,8 +164,7 @@ def structural_tag(tools_json: str) -> dict[str, Any]:
     then `{"name": N, "arguments": ARGS}` for one of the tools, ARGS valid for its parameters, and the
     closing tag; then any text again."""
     tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
-             "content": {"type": "json_schema",
-                         "json_schema": f.get("parameters") or {"type": "object", "properties": {}}},
+             "content": {"type": "json_schema", "json_schema": _parameters(f)},
              "end": f"}}\n{CLOSE}"} for f in _functions(json.loads(tools_json))]
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
 

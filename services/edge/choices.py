@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+import json
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import grpc
@@ -39,11 +40,11 @@ def specs(spec: GenerateSpec) -> list[GenerateSpec]:
     return out
 
 
-async def fan_out(router: RouterClient, spec: GenerateSpec, timeout: float | None
-                  ) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) as they come, from every choice's call; a call's error is raised here
-    (the other calls are then cancelled, as they are when the caller stops iterating)."""
-    calls = specs(spec)
+async def fan_out(router: RouterClient, calls: list[GenerateSpec], n: int, timeout: float | None
+                  ) -> AsyncGenerator[tuple[int, Delta], None]:
+    """(choice index, delta) as they come, from every choice's call (`specs`: n per prompt); a call's
+    error is raised here (the other calls are then cancelled, as they are when the caller stops
+    iterating or closes the generator)."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
 
@@ -51,9 +52,9 @@ async def fan_out(router: RouterClient, spec: GenerateSpec, timeout: float | Non
         sent = False
         try:
             async for d in router.generate(call, timeout=timeout):
-                if not sent and index % spec.n == 0:        # a leader: its prompt's other choices may start
+                if not sent and index % n == 0:             # a leader: its prompt's other choices may start
                     replica = d.served_by.replica if d.served_by else ""
-                    for j in range(1, spec.n):
+                    for j in range(1, n):
                         follower = calls[index + j]
                         pinned = follower.pinned_replica or replica
                         tasks.append(asyncio.create_task(
@@ -72,7 +73,7 @@ async def fan_out(router: RouterClient, spec: GenerateSpec, timeout: float | Non
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
             await queue.put((index, exc))
 
-    for index in range(0, len(calls), spec.n):
+    for index in range(0, len(calls), n):
         tasks.append(asyncio.create_task(run(index, calls[index])))
     left = len(calls)
     try:
@@ -183,7 +184,6 @@ class Choice:
 
 
 def _tools(spec: GenerateSpec) -> list[dict[str, Any]]:
-    import json
     return json.loads(spec.tools) if spec.tools else []
 
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Hashable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
 import grpc
@@ -34,6 +34,7 @@ from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.fields import parse_json
 from services.edge.metrics import COMPLETION_TOKENS, DURATION, SLOW_READERS, TTFT
 
+Deltas = AsyncGenerator[tuple[int, Delta], None]     # services/edge/choices.py: fan_out
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 T = TypeVar("T")
 
@@ -90,14 +91,14 @@ class Completions:
         rid = responses.new_id(chat)
         spec = dataclasses.replace(spec, request_id=rid, tenant=tenant(charge.caller),
                                    model_version=headers.get("x-infermesh-model-version", "").strip())
-        answers = [Choice(c, chat, spec, p) for c, p in enumerate(p for p in (spec.prompts or (spec.prompt or "",))
-                                                                   for _ in range(spec.n))]
+        calls = choices.specs(spec)
+        answers = [Choice(i, chat, spec, call.prompt or "") for i, call in enumerate(calls)]
         parent = headers_context(headers)
         try:
             with tracer().start_as_current_span("edge.request", context=parent, kind=trace.SpanKind.SERVER,
                                                 attributes={"request_id": rid, "stream": stream,
                                                             "choices": len(answers)}):
-                deltas = fan_out(self.router, spec, self.config.request_timeout_s)
+                deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s)
                 if stream:
                     return await self._stream(chat, rid, deltas, answers, spec.n, include_usage, charge, receive,
                                               send)
@@ -105,7 +106,7 @@ class Completions:
         finally:
             self.admission.leave(charge)
 
-    async def _whole(self, chat: bool, rid: str, deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice],
+    async def _whole(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
                      n: int, charge: Charge, receive: Receive, send: Send) -> int:
         started = time.monotonic()
         # The client may leave while the answer is collected, with no write to notice it by:
@@ -120,7 +121,7 @@ class Completions:
                                                         use, choices.meta(answers)))
         return 200
 
-    async def _stream(self, chat: bool, rid: str, deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice],
+    async def _stream(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
                       n: int, include_usage: bool, charge: Charge, receive: Receive, send: Send) -> int:
         started = time.monotonic()
         # Pull the first delta before answering, so an early error is still a proper 4xx/5xx.
@@ -150,7 +151,7 @@ class Completions:
         return 200
 
     async def _relay(self, chat: bool, rid: str, model: str, first: tuple[int, Delta],
-                     deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice], n: int, include_usage: bool,
+                     deltas: Deltas, answers: list[Choice], n: int, include_usage: bool,
                      charge: Charge, send: Send) -> None:
         async def emit(obj: dict[str, Any]) -> None:
             # A client that does not take a chunk in time (its transport buffer full) is cut off: waiting
@@ -162,7 +163,22 @@ class Completions:
             except TimeoutError:
                 raise SlowReader from None
 
-        item: tuple[int, Delta] | None = first
+        try:
+            await self._relay_deltas(chat, rid, model, first, deltas, answers, n, include_usage, charge, emit)
+        except SlowReader:
+            SLOW_READERS.inc()
+            await _last_words(send, error_body(
+                f"the client did not accept the stream's data within {self.config.stream_send_timeout_s:g} s "
+                "(--stream-send-timeout); the generation was stopped", "invalid_request_error", "slow_reader"))
+            await deltas.aclose()            # ends the router calls now: the engines stop generating
+            return
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _relay_deltas(self, chat: bool, rid: str, model: str, item: tuple[int, Delta] | None, deltas: Deltas,
+                            answers: list[Choice], n: int, include_usage: bool, charge: Charge,
+                            emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """Each choice's chunks as its deltas come, then the usage chunk; a router error as an error event
+        (emit raises SlowReader for a client that does not take a chunk in time, error event included)."""
         try:
             while item is not None:
                 index, d = item
@@ -190,16 +206,6 @@ class Completions:
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())
             await emit(error_body(err.details() or "generation failed", kind, status))
-        except SlowReader:
-            SLOW_READERS.inc()
-            await _last_words(send, error_body(
-                f"the client did not accept the stream's data within {self.config.stream_send_timeout_s:g} s "
-                "(--stream-send-timeout); the generation was stopped", "invalid_request_error", "slow_reader"))
-            aclose = getattr(deltas, "aclose", None)
-            if aclose is not None:           # ends the router calls now: the engines stop generating
-                await aclose()
-            return
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 class SlowReader(Exception):
@@ -219,7 +225,7 @@ def _model(answers: list[Choice]) -> str:
     return final.served_by.model if final is not None and final.served_by else ""
 
 
-async def _collect(deltas: AsyncIterator[tuple[int, Delta]], answers: list[Choice], charge: Charge) -> bool:
+async def _collect(deltas: Deltas, answers: list[Choice], charge: Charge) -> bool:
     """Every choice's whole answer."""
     try:
         async for index, d in deltas:

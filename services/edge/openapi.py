@@ -83,6 +83,14 @@ def _constraint_fields() -> dict[str, Any]:
             "grammar": {**text, "description": "the answer follows this EBNF grammar, `root ::= ...` (extension)"}}
 
 
+def _tool_call(*required: str) -> dict[str, Any]:
+    """One entry of `tool_calls` (arguments as JSON text), with these fields required."""
+    return {"type": "object", "required": list(required),
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
+                "type": "object", "required": ["name", "arguments"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+
+
 def _tool_fields() -> dict[str, Any]:
     function = {"type": "object", "additionalProperties": False, "required": ["name"],
                 "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
@@ -106,10 +114,7 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
     text_part = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     # content is null only for assistant messages, hence two shapes.
-    call = {"type": "object", "required": ["function"],
-            "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
-                "type": "object", "required": ["name", "arguments"],
-                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+    call = _tool_call("function")           # as a client echoes an assistant's calls back
     fields = {"name": _nullable("string", maxLength=MAX_NAME_CHARS),
               "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "items": call}],
                              "description": "assistant messages only"},
@@ -198,10 +203,7 @@ def _response_schemas() -> dict[str, Any]:
                                    "properties": {"index": {"type": "integer"}, "finish_reason": finish,
                                                   "logprobs": logprobs, **choice}}}}}
 
-    call: dict[str, Any] = {"type": "object", "required": ["id", "type", "function"],
-            "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
-                "type": "object", "required": ["name", "arguments"],
-                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+    call = _tool_call("id", "type", "function")
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
                               "tool_calls": {"type": "array", "items": call}}}

@@ -19,12 +19,6 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(final: Delta) -> dict[str, Any]:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
-
-
 def _meta(served: ServedBy | None) -> dict[str, object] | None:
     return served.as_dict() if served else None
 
@@ -76,13 +70,12 @@ def whole_body(chat: bool, rid: str, model: str, choices: list[dict[str, Any]], 
 
 
 def chunk_body(chat: bool, rid: str, model: str, text: str, finish: str | None = None,
-               first: bool = False, final: Delta | None = None, logprobs: dict[str, Any] | None = None,
+               final: Delta | None = None, logprobs: dict[str, Any] | None = None,
                index: int = 0, delta: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; chat: `delta` (services/edge/choices.py) or one made of `text`."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if chat:
-        choice["delta"] = delta if delta is not None else (
-            {"role": "assistant", "content": text} if first else {"content": text} if text or finish is None else {})
+        choice["delta"] = delta if delta is not None else {"content": text} if text or finish is None else {}
     else:
         choice["text"] = text
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
