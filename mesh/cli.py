@@ -18,7 +18,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
                             discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
                             kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]),
                             fallback_engines=a.fallback_engines, mesh_tls=not a.insecure_mesh,
-                            restart=not a.no_restart)
+                            restart=not a.no_restart, routers=a.routers, tokenizers=a.tokenizers,
+                            cache_dir=a.cache_dir)
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -216,6 +217,14 @@ def parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run the whole mesh on this machine until SIGINT/SIGTERM")
     up.add_argument("--engines", type=int, default=1, help="engine replicas (default 1)")
+    up.add_argument("--routers", type=int, default=1,
+                    help="router replicas (default 1): the edge spreads requests over them and resumes a stream "
+                         "whose router dies on another")
+    up.add_argument("--tokenizers", type=int, default=1,
+                    help="tokenizer replicas (default 1): every router balances over them, each behind a breaker")
+    up.add_argument("--cache-dir", default="", metavar="DIR",
+                    help="where the cache service keeps its disk tier of KV blocks and its sessions across "
+                         "restarts (default <infermesh home>/cache/<its port>; 'none': memory only)")
     up.add_argument("--model", action="append", help="model NAME (default: the default model)")
     up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto",
                     help="engines' compute: auto = the matmul kinds measured fastest on this machine, none less "

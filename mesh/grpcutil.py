@@ -56,10 +56,23 @@ def channel(address: str, tls: MeshTLS | None = None) -> grpc.aio.Channel:
                                    options=CHANNEL_OPTIONS + credentials.TLS_CHANNEL_OPTIONS)
 
 
-def _abort_args(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+# Trailing metadata on every error a handler answers (rpc_errors), so a caller can tell a status the
+# service chose (its answer about this request) from one gRPC made up because the process is gone.
+ANSWERED = ("infermesh-answered", "1")
+
+
+def answered(err: grpc.aio.AioRpcError) -> bool:
+    """True when the server itself answered `err` (through rpc_errors), not its transport failing."""
+    return any((k, str(v)) == ANSWERED for k, v in err.trailing_metadata() or ())
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, MeshError):
-        return exc.code, exc.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        code, message = exc.code, exc.message
+    else:
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    trailing = tuple(context.trailing_metadata() or ())
+    await context.abort(code, message, trailing_metadata=(*trailing, ANSWERED))
 
 
 def rpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
@@ -83,7 +96,7 @@ def rpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as exc:
                 if not isinstance(exc, MeshError):
                     log.exception("%s failed", handler.__name__)
-                await context.abort(*_abort_args(exc))
+                await _abort(context, exc)
 
         return stream
 
@@ -96,7 +109,7 @@ def rpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:
             if not isinstance(exc, MeshError):
                 log.exception("%s failed", handler.__name__)
-            await context.abort(*_abort_args(exc))
+            await _abort(context, exc)
 
     return unary
 

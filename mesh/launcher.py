@@ -31,12 +31,14 @@ from mesh.supervise import supervise
 log = logging.getLogger("launcher")
 
 ROUTER_PORT, TOKENIZER_PORT, CACHE_PORT, ENGINE_BASE_PORT = 50051, 50052, 50053, 50060
+ROUTER_BASE_PORT, TOKENIZER_BASE_PORT = 50030, 50040     # router-i / tokenizer-i for i >= 1 (+ i)
 HTTP_PORT, HTTP3_PORT = 8000, 8443
 ENGINE_METRICS_BASE_PORT = 9100
 ROUTER_METRICS_PORT = 9180
 TOKENIZER_METRICS_PORT = 9181
 CACHE_METRICS_PORT = 9182              # the edge serves /metrics on its HTTP port
 LAUNCHER_METRICS_PORT = 9183           # the launcher's own: restarts (mesh/supervise.py)
+ROUTER_METRICS_BASE_PORT, TOKENIZER_METRICS_BASE_PORT = 9160, 9170   # router-i / tokenizer-i, i >= 1 (+ i)
 FALLBACK_CONFIDENCE = 0.8
 
 
@@ -56,6 +58,9 @@ class MeshConfig:
     mesh_tls: bool = True              # mutual TLS between the services; False: plaintext (debugging)
     mesh_ca: str = ""                  # the mesh CA folder; "": <infermesh home>/mesh-ca
     restart: bool = True               # restart a child that dies (mesh/supervise.py); False: report it
+    routers: int = 1                   # router replicas: the edge spreads over them (mesh/clients/routers.py)
+    tokenizers: int = 1                # tokenizer replicas: each router balances over them
+    cache_dir: str = ""                # the cache service's disk tier and sessions; "": under home; "none": memory
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -78,11 +83,25 @@ class MeshConfig:
             raise ValueError(f"--version names a version twice: {', '.join(self.versions)}")
         if self.fallback_engines < 0:
             raise ValueError("--fallback-engines must be 0 or more")
+        if not 1 <= self.routers <= 9 or not 1 <= self.tokenizers <= 9:
+            raise ValueError("--routers and --tokenizers must be between 1 and 9")
         if self.engines < len(self.versions):
             raise ValueError(f"{len(self.versions)} versions need at least as many --engines (got {self.engines})")
 
     def port(self, base: int) -> int:
         return base + self.port_offset
+
+    def router_port(self, i: int) -> int:
+        return self.port(ROUTER_PORT if i == 0 else ROUTER_BASE_PORT + i)
+
+    def tokenizer_port(self, i: int) -> int:
+        return self.port(TOKENIZER_PORT if i == 0 else TOKENIZER_BASE_PORT + i)
+
+    def cache_folder(self) -> Path | None:
+        """The cache service's state folder (cold KV tier and sessions), kept across its restarts."""
+        if self.cache_dir == "none":
+            return None
+        return Path(self.cache_dir) if self.cache_dir else home() / "cache" / str(self.port(CACHE_PORT))
 
     def ca_root(self) -> Path:
         return Path(self.mesh_ca) if self.mesh_ca else home() / "mesh-ca"
@@ -111,7 +130,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     """Start order, as stages: each stage's children start together once the one before is ready."""
     py = [sys.executable, "-m"]
     models = [a for m in config.models for a in ("--model", m)]
-    tokenizer = f"127.0.0.1:{config.port(TOKENIZER_PORT)}"
+    tokenizer_addresses = [f"127.0.0.1:{config.tokenizer_port(i)}" for i in range(config.tokenizers)]
+    tokenizer = ",".join(tokenizer_addresses)
     cache = f"127.0.0.1:{config.port(CACHE_PORT)}"
     threads = max(1, (os.cpu_count() or 1) // (config.engines + config.fallback_engines))
     discovery = ["--discovery", config.discovery]
@@ -143,36 +163,45 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                                    "--metrics-port", str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache,
                                    *discovery, *config.tls("engine")],
                              f"127.0.0.1:{port}"))
-    router_port = config.port(ROUTER_PORT)
-    router = Child("router-0", [*py, "services.router", "--replica-id", "router-0", "--port", str(router_port),
-                                "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,
-                                "--default-version",
-                                f"{served_name(config.models[0])}={config.versions[0].partition('=')[0]}",
-                                *discovery, "--metrics-port", str(config.port(ROUTER_METRICS_PORT)),
-                                *config.tls("router"),
-                                *(["--fallback", fallback[1]] if fallback else []),
-                                # Ready (the edge's /health 200) only once every engine is known and healthy.
-                                "--expect-engines", str(len(engines)),
-                                # With Consul the router finds the engines there, as they register.
-                                *(a for e in engines if config.discovery == "static"
-                                  for a in ("--engine", f"{e.name}={e.health}"))],
-                   f"127.0.0.1:{router_port}")
+    routers = []
+    for i in range(config.routers):
+        router_port = config.router_port(i)
+        metrics_port = config.port(ROUTER_METRICS_PORT if i == 0 else ROUTER_METRICS_BASE_PORT + i)
+        routers.append(Child(
+            f"router-{i}", [*py, "services.router", "--replica-id", f"router-{i}", "--port", str(router_port),
+                            "--tokenizer", tokenizer, "--cache", cache, "--region", config.region,
+                            "--default-version",
+                            f"{served_name(config.models[0])}={config.versions[0].partition('=')[0]}",
+                            *discovery, "--metrics-port", str(metrics_port), *config.tls("router"),
+                            *(["--fallback", fallback[1]] if fallback else []),
+                            # Ready (the edge's /health 200) only once every engine is known and healthy.
+                            "--expect-engines", str(len(engines)),
+                            # With Consul the router finds the engines there, as they register.
+                            *(a for e in engines if config.discovery == "static"
+                              for a in ("--engine", f"{e.name}={e.health}"))],
+            f"127.0.0.1:{router_port}"))
     http_port = config.port(HTTP_PORT)
     edge = Child("edge-0", [*py, "services.edge", "--replica-id", "edge-0", "--host", config.host,
                             "--http-port", str(http_port), "--http3-port", str(config.port(HTTP3_PORT)),
-                            "--router", router.health, *discovery, *config.tls("edge")],
+                            "--router", ",".join(r.health for r in routers), *discovery, *config.tls("edge")],
                  f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")
                  else f"http://{config.host}:{http_port}/health")
+    kept = config.cache_folder()
+    # The cache keeps its KV blocks' disk tier and its sessions here, so a restart loses neither.
+    state = ["--cold-dir", str(kept / "blocks"), "--sessions-dir", str(kept)] if kept else []
+    tokenizers = [Child(f"tokenizer-{i}", [*py, "services.tokenizer", "--replica-id", f"tokenizer-{i}", "--port",
+                                           str(config.tokenizer_port(i)), "--metrics-port",
+                                           str(config.port(TOKENIZER_METRICS_PORT if i == 0
+                                                           else TOKENIZER_METRICS_BASE_PORT + i)),
+                                           *models, *discovery, *config.tls("tokenizer")], address)
+                  for i, address in enumerate(tokenizer_addresses)]
     return [
         [Child("cache-0", [*py, "services.cache", "--replica-id", "cache-0", "--port",
                            str(config.port(CACHE_PORT)), "--metrics-port", str(config.port(CACHE_METRICS_PORT)),
-                           *discovery, *config.tls("cache")], cache),
-         Child("tokenizer-0", [*py, "services.tokenizer", "--replica-id", "tokenizer-0", "--port",
-                               str(config.port(TOKENIZER_PORT)), "--metrics-port",
-                               str(config.port(TOKENIZER_METRICS_PORT)), *models, *discovery,
-                               *config.tls("tokenizer")], tokenizer),
+                           *state, *discovery, *config.tls("cache")], cache),
+         *tokenizers,
          *engines],
-        [router],
+        routers,
         [edge],
     ]
 
@@ -283,7 +312,7 @@ async def run(config: MeshConfig) -> int:
         edge = stages[-1][0]
         print(f"infermesh ready: http://{config.host}:{config.port(HTTP_PORT)} (HTTP/1.1), "
               f"https://{config.host}:{config.port(HTTP3_PORT)} (HTTP/3), "
-              f"router grpc 127.0.0.1:{config.port(ROUTER_PORT)} ({tls_note}); health {edge.health}", flush=True)
+              f"router grpc {', '.join(c.health for c in stages[1])} ({tls_note}); health {edge.health}", flush=True)
         await supervise([c for stage in started for c in stage], stop, _start, restart=config.restart,
                         log=lambda line: print(line, flush=True))
     except RuntimeError as exc:

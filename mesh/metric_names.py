@@ -41,6 +41,8 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_edge_completion_tokens_total", "counter", "edge", "", "Completion tokens returned to clients"),
     _m("infermesh_edge_slow_readers_total", "counter", "edge", "",
        "Streams ended because the client took longer than --stream-send-timeout to accept a chunk"),
+    _m("infermesh_edge_router_failovers_total", "counter", "edge", "router",
+       "Requests moved to another router because theirs went away (mid-stream: resumed from the tokens sent)"),
     # -- every gRPC service (router, tokenizer, engine, cache) ----------------------------
     _m("infermesh_grpc_server_requests_total", "counter", GRPC_SERVICES, "service method code",
        "gRPC requests served, by method (its span name, e.g. router.generate) and status code (OK, UNAVAILABLE...)"),

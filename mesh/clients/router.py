@@ -136,7 +136,7 @@ class ModelRouting:
                 "canary": {v: round(s, 6) for v, s in sorted(self.canary.items())}, "versions": list(self.versions)}
 
 
-def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
+def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.RouterGenerateRequest:
     s = spec.sampling
     sampling = common_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
@@ -156,7 +156,8 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
             setattr(sampling.constraint, c.kind, c.text)
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
-        pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant)
+        pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant,
+        include_token_ids=True, resume_ids=list(resume_ids))
     if spec.prompt is not None:
         req.prompt = spec.prompt
     else:
@@ -169,19 +170,21 @@ def _to_pb(spec: GenerateSpec) -> router_pb2.RouterGenerateRequest:
 class RouterClient:
     def __init__(self, address: str = "127.0.0.1:50051"):
         self.address = address
-        self._channel = channel(address)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self.channel = channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self.channel)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self.channel.close()
 
     async def healthy(self) -> bool:
         return await check_health(self.address)
 
     async def generate(self, spec: GenerateSpec, timeout: float | None = None,
-                       extra_metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Delta]:
-        """Stream text deltas; raises grpc.aio.AioRpcError with the router's status on failure."""
-        call = self._stub.Generate(_to_pb(spec), timeout=timeout,
+                       extra_metadata: Sequence[tuple[str, str]] = (), resume_ids: Sequence[int] = ()
+                       ) -> AsyncIterator[Delta]:
+        """Stream text deltas (with their token ids); raises grpc.aio.AioRpcError with the router's
+        status on failure.  `resume_ids`: continue a stream after these tokens (mesh/clients/routers.py)."""
+        call = self._stub.Generate(_to_pb(spec, resume_ids), timeout=timeout,
                                    metadata=outgoing_metadata(tuple(extra_metadata)))
         try:
             async for r in call:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
@@ -12,6 +13,7 @@ from mesh.service import run_service, serve_grpc
 from services.cache.block_metrics import watch
 from services.cache.config import CacheConfig
 from services.cache.eviction import POLICIES
+from services.cache.journal import SessionJournal
 from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
 from services.cache.store import BlockStore
@@ -47,6 +49,8 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
     p.add_argument("--tenant-weights", type=parse_weights, default=CacheConfig.tenant_weights,
                    help="SLA class weights for --eviction tenant, e.g. premium=4,standard=2,batch=1")
     p.add_argument("--max-block-mb", type=int, default=CacheConfig.max_block_mb, help="largest KV block (MiB)")
+    p.add_argument("--sessions-dir", default="", metavar="DIR",
+                   help="keep sessions across restarts in DIR/sessions.jsonl (default: memory only)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     apply_env(p, "INFERMESH_CACHE")
     a = p.parse_args(argv)
@@ -54,7 +58,8 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
         return CacheConfig(replica_id=a.replica_id, host=a.host, port=a.port, session_ttl_s=a.session_ttl,
                            discovery=a.discovery, hot_mb=a.hot_mb, cold_dir=a.cold_dir, cold_mb=a.cold_mb,
                            eviction=a.eviction, tenant_weights=a.tenant_weights, max_block_mb=a.max_block_mb,
-                           metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir)
+                           metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir,
+                           sessions_dir=a.sessions_dir)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -63,8 +68,13 @@ async def serve(config: CacheConfig) -> None:
     sessions = SessionStore(config.session_ttl_s, config.max_sessions, config.max_messages_per_session)
     blocks = BlockStore.create(config.hot_mb << 20, config.cold_dir or None, config.cold_mb << 20, config.eviction,
                                dict(config.tenant_weights), config.max_block_mb << 20)
+    journal = None
+    if config.sessions_dir:
+        journal = SessionJournal(config.sessions_dir)
+        restored = journal.load(sessions, time.monotonic())
+        log.info("sessions kept in %s (%d brought back)", journal.path, restored)
     service = Service("meshpb.v1.Cache", config.host, config.port, max_receive_bytes=MAX_MESSAGE_BYTES)
-    add_to(service, CacheServicer(sessions, blocks))
+    add_to(service, CacheServicer(sessions, blocks, journal))
     if config.metrics_port:
         watch(blocks, config.replica_id)        # registered before /metrics is served
     log.info("cache %s serving on %s (KV blocks: %d MiB hot, %s, %s eviction)", config.replica_id, service.address,

@@ -13,6 +13,7 @@ from mesh.telemetry import server_span
 from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.cache import metrics
 from services.cache.block_rpcs import BlockRPCs
+from services.cache.journal import SessionJournal
 from services.cache.sessions import Session, SessionStore
 from services.cache.store import BlockStore
 
@@ -32,8 +33,9 @@ def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.Session
 
 
 class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
-    def __init__(self, sessions: SessionStore, blocks: BlockStore):
+    def __init__(self, sessions: SessionStore, blocks: BlockStore, journal: SessionJournal | None = None):
         self.sessions = sessions
+        self.journal = journal          # sessions kept across restarts (services/cache/journal.py); None: memory
         self.blocks = blocks            # the KV block store (services/cache/block_rpcs.py serves it)
         metrics.watch_sessions(lambda: len(self.sessions))
 
@@ -53,7 +55,10 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
         peers.require(context, "AppendSession", peers.SESSIONS)
         with server_span("cache.append_session", context, messages=len(request.messages)):
             messages = [from_pb(m) for m in request.messages]
-            session = self.sessions.append(request.session_id, messages, time.monotonic())
+            now = time.monotonic()
+            session = self.sessions.append(request.session_id, messages, now)
+            if self.journal is not None:
+                self.journal.appended(self.sessions, request.session_id, messages, now)
             return session_to_pb(request.session_id, session)
 
     @rpc_errors
@@ -61,7 +66,11 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
                             ) -> cache_pb2.DeleteSessionResponse:
         peers.require(context, "DeleteSession", peers.SESSIONS)
         with server_span("cache.delete_session", context):
-            return cache_pb2.DeleteSessionResponse(found=self.sessions.delete(request.session_id, time.monotonic()))
+            now = time.monotonic()
+            found = self.sessions.delete(request.session_id, now)
+            if found and self.journal is not None:
+                self.journal.deleted(self.sessions, request.session_id, now)
+            return cache_pb2.DeleteSessionResponse(found=found)
 
     @rpc_errors
     async def GetStats(self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext

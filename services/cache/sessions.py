@@ -78,6 +78,18 @@ class SessionStore:
             self._sessions.popitem(last=False)
         return session
 
+    def restore(self, session_id: str, messages: list[Message], expires_at: float) -> None:
+        """Bring back a session kept on disk (services/cache/journal.py), as the most recently used."""
+        self._sessions[session_id] = Session(list(messages), expires_at)
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def items(self, now: float) -> list[tuple[str, Session]]:
+        """The live sessions, least recently used first."""
+        self.expire(now)
+        return list(self._sessions.items())
+
     def delete(self, session_id: str, now: float) -> bool:
         self._check_id(session_id)
         found = self._live(session_id, now) is not None

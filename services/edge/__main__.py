@@ -1,4 +1,4 @@
-"""`python -m services.edge --replica-id ID [--host ADDR] [--http-port P] [--http3-port P] --router ADDR [limits]`
+"""`python -m services.edge --replica-id ID [--host ADDR] [--http-port P] [--http3-port P] --router ADDR... [limits]`
 
 Every flag can also come from INFERMESH_EDGE_<FLAG> (mesh/envargs.py; `infermesh up` passes its
 environment on), e.g. INFERMESH_EDGE_MAX_CONCURRENT=64; the rate limits also read the shorter
@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from mesh.apikeys import load_keys
-from mesh.clients.router import RouterClient
-from mesh.discovery import BACKENDS, HealthCheck, advertise_address
+from mesh.clients.routers import RouterPool
+from mesh.discovery import BACKENDS, HealthCheck, advertise_address, make_discovery
 from mesh.envargs import apply_env
 from mesh.models import home
 from mesh.ratelimit import parse_rate
@@ -24,6 +24,7 @@ from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.http1 import http_server
 from services.edge.http3 import serve_http3
+from services.edge.metrics import ROUTER_FAILOVERS
 from services.edge.tls import ensure_self_signed_cert
 
 log = logging.getLogger("edge")
@@ -37,7 +38,10 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                    help="the address registered for other hosts to reach (default: --host, or this host's name)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--http3-port", type=int, default=8443, help="0 disables HTTP/3")
-    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--router", action="append", default=[], metavar="HOST:PORT[,HOST:PORT...]",
+                   help="a router; repeat (or comma-separate) for several: requests are spread over them and a "
+                        "stream whose router dies resumes on another (default 127.0.0.1:50051; with --discovery "
+                        "consul, also every router registered there)")
     p.add_argument("--cert-dir", default="", help="default: <infermesh home>/tls")
     p.add_argument("--discovery", choices=BACKENDS, default="static")
     p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
@@ -67,7 +71,7 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     except ValueError as exc:
         p.error(str(exc))
     return EdgeConfig(replica_id=a.replica_id, host=a.host, http_port=a.http_port, http3_port=a.http3_port,
-                      router=a.router, cert_dir=a.cert_dir or str(home() / "tls"),
+                      router=",".join(a.router) or "127.0.0.1:50051", cert_dir=a.cert_dir or str(home() / "tls"),
                       api_key_digests=load_keys(),
                       admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), max_body_bytes=a.max_body_bytes,
                       max_messages=a.max_messages, discovery=a.discovery, rate_limit=rate_limit,
@@ -82,7 +86,10 @@ async def serve(config: EdgeConfig) -> None:
     """Both transports on one app until SIGINT/SIGTERM (or the HTTP/1.1 server's own end); announced
     only once HTTP/1.1 answers, since the registry's HTTP check probes /health; on the way out the
     replica is withdrawn first, then both transports stop, then the router channel closes."""
-    router = RouterClient(config.router)
+    registry = make_discovery("consul") if config.discovery == "consul" else None
+    router = RouterPool([a for a in config.router.split(",") if a], registry,
+                        on_failover=lambda address: ROUTER_FAILOVERS.labels(address).inc())
+    router.start()
     app = EdgeApp(config, router)
     http = http_server(app, config)
     http3 = None
@@ -117,6 +124,8 @@ async def serve(config: EdgeConfig) -> None:
         http3.close()
     await asyncio.gather(http_task, return_exceptions=True)
     await router.close()
+    if registry is not None:
+        await registry.close()
     if not http.started:
         raise SystemExit(f"edge: cannot listen on {config.host}:{config.http_port}")
 

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mesh.clients.router import RouterClient
+from mesh.clients.routers import Routers
 from services.edge import openai, openapi
 from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
@@ -42,7 +42,7 @@ ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/comple
 
 
 class EdgeApp:
-    def __init__(self, config: EdgeConfig, router: RouterClient):
+    def __init__(self, config: EdgeConfig, router: Routers):
         self.config = config
         self.router = router
         self.admission = Admission(config)
@@ -125,7 +125,8 @@ class EdgeApp:
             "status": "ok" if ok else "unavailable", "edge": "serving",
             "router": {"address": self.router.address, "state": "ready" if ok else "not ready",
                        "expected_engines": state["expected_engines"], "load_entropy": state["load_entropy"]},
-            "tokenizer": state["tokenizer"], "engines": state["engines"]})
+            "tokenizer": state["tokenizer"], "engines": state["engines"],
+            **({"routers": state["routers"]} if "routers" in state else {})})
         return 200 if ok else 503
 
     async def models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:

@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 
 from mesh import tools
-from mesh.clients.router import Delta, GenerateSpec, RouterClient, TokenLogprob
+from mesh.clients.router import Delta, GenerateSpec, TokenLogprob
+from mesh.clients.routers import Routers
 from services.edge.responses import LogprobFormatter
 
 _UNPIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
@@ -40,7 +41,7 @@ def specs(spec: GenerateSpec) -> list[GenerateSpec]:
     return out
 
 
-async def fan_out(router: RouterClient, calls: list[GenerateSpec], n: int, timeout: float | None
+async def fan_out(router: Routers, calls: list[GenerateSpec], n: int, timeout: float | None
                   ) -> AsyncGenerator[tuple[int, Delta], None]:
     """(choice index, delta) as they come, from every choice's call (`specs`: n per prompt); a call's
     error is raised here (the other calls are then cancelled, as they are when the caller stops

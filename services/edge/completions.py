@@ -22,7 +22,8 @@ import grpc
 from opentelemetry import trace
 
 from mesh.apikeys import tenant_of
-from mesh.clients.router import Delta, GenerateSpec, RouterClient
+from mesh.clients.router import Delta, GenerateSpec
+from mesh.clients.routers import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
 from services.edge import choices, openai, responses
@@ -64,7 +65,7 @@ async def unless_gone(work: Awaitable[T], receive: Receive) -> T | None:
 
 
 class Completions:
-    def __init__(self, config: EdgeConfig, router: RouterClient, admission: Admission):
+    def __init__(self, config: EdgeConfig, router: Routers, admission: Admission):
         self.config = config
         self.router = router
         self.admission = admission

@@ -13,4 +13,7 @@ DURATION = Histogram("infermesh_edge_request_duration_seconds", "Completion requ
 COMPLETION_TOKENS = Counter("infermesh_edge_completion_tokens_total", "Completion tokens returned")
 SLOW_READERS = Counter("infermesh_edge_slow_readers_total",
                        "Streams ended because the client took longer than --stream-send-timeout to accept a chunk")
+ROUTER_FAILOVERS = Counter("infermesh_edge_router_failovers_total",
+                           "Requests moved to another router because theirs went away (mid-stream: resumed)",
+                           ["router"])
 REFUSED = Counter("infermesh_edge_refused_total", "Requests refused by the edge's limits", ["limit"])

@@ -1,4 +1,4 @@
-"""`python -m services.router --replica-id ID --tokenizer ADDR --engine ID=ADDR ... [--cache ADDR]`"""
+"""`python -m services.router --replica-id ID --tokenizer ADDR... --engine ID=ADDR ... [--cache ADDR]`"""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
                    help="the address registered for other hosts to reach (default: --host, or this host's name)")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--tokenizer", default="127.0.0.1:50052")
+    p.add_argument("--tokenizer", action="append", default=[], metavar="HOST:PORT[,HOST:PORT...]",
+                   help="a tokenizer replica; repeat (or comma-separate) for several: calls go to them in turn, "
+                        "each behind its own breaker (default 127.0.0.1:50052)")
     p.add_argument("--cache", default="")
     p.add_argument("--engine", action="append", default=[], help="ID=HOST:PORT; repeat for each engine")
     p.add_argument("--expect-engines", type=int, default=0, metavar="N",
@@ -90,7 +92,8 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
             engines += tuple(e for e in load_endpoints(a.discovery_file) if e.service == "engine")
         except ValueError as exc:
             p.error(str(exc))
-    return RouterConfig(tokenizer=a.tokenizer, engines=engines, cache=a.cache, replica_id=a.replica_id,
+    return RouterConfig(tokenizer=",".join(a.tokenizer) or "127.0.0.1:50052", engines=engines, cache=a.cache,
+                        replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
                         default_model=a.default_model, default_versions=tuple(defaults),
                         discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),

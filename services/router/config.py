@@ -12,7 +12,7 @@ from services.router.policies import POLICIES
 
 @dataclass(frozen=True)
 class RouterConfig:
-    tokenizer: str                         # host:port
+    tokenizer: str                         # host:port; several replicas: comma-separated
     engines: tuple[Endpoint, ...]          # the static registry's engines
     cache: str = ""                        # host:port; empty: no session store
     replica_id: str = "router-0"

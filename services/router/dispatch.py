@@ -62,8 +62,8 @@ class Dispatcher:
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
-        answer: list[str] = []
-        async for reply in self._attempts(request, request_id, model, version, conversation, key, context):
+        answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
+        async for reply in self._attempts(request, request_id, model, version, conversation, key, context, answer):
             answer.append(reply.text)
             if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
@@ -100,22 +100,29 @@ class Dispatcher:
         return replica
 
     async def _prepare(self, request: Request, model: str, conversation: list[Message], key: str,
-                       deadline_s: float | None = None) -> tuple[list[int], Stream, RouteRequest]:
-        """Token ids, a fresh client stream and the routing request, for `model`'s tokenizer."""
+                       deadline_s: float | None = None, sent: list[str] | None = None
+                       ) -> tuple[list[int], Stream, RouteRequest]:
+        """Token ids, a client stream and the routing request, for `model`'s tokenizer; the stream
+        starts after the request's `resume_ids` (their text appended to `sent`)."""
         prompt_ids = await self.tokenizer.tokenize(request, model, conversation, deadline_s)
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
                         request.include_token_ids)
+        if request.resume_ids:
+            text = stream.resume(request.resume_ids)
+            if sent is not None:
+                sent.append(text)
         route = RouteRequest(model, session_key=key, region=request.region,
                              prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size,
                                                               salt=self.cache_salt(request))))
         return prompt_ids, stream, route
 
     async def _attempts(self, request: Request, request_id: str, model: str, version: str,
-                        conversation: list[Message], key: str, context: grpc.aio.ServicerContext
-                        ) -> AsyncIterator[Reply]:
+                        conversation: list[Message], key: str, context: grpc.aio.ServicerContext,
+                        sent: list[str]) -> AsyncIterator[Reply]:
         """Attempts until the stream finishes, within the call's attempts and the retry budget."""
         root = trace.get_current_span()                # router.generate: it carries the final decision
-        prompt_ids, stream, route = await self._prepare(request, model, conversation, key, context.time_remaining())
+        prompt_ids, stream, route = await self._prepare(request, model, conversation, key, context.time_remaining(),
+                                                        sent)
         if request.pinned_replica:                     # operators and tests: exactly there, or an error
             replica = self.pinned(model, request.pinned_replica)
             pinned = Plan(model, [replica], False, 1.0)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from mesh.detokenize import IncrementalDecoder
+from mesh.errors import InvalidArgument
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from services.router.stops import StopMatcher
 
@@ -52,6 +53,15 @@ class Stream:
     @property
     def ids(self) -> list[int]:
         return list(self.decoder.ids)
+
+    def resume(self, ids: Sequence[int]) -> str:
+        """Take over a stream another router was relaying: `ids` went to the client already.  Returns
+        the text they carried (the detokenizer and stop matcher hold back exactly what that router
+        held back, since both depend only on the ids so far), which is not sent again."""
+        text, stopped = self.stops.push(self.decoder.push(list(ids), False))
+        if stopped:
+            raise InvalidArgument("resume_ids already end the stream (they contain a stop string)")
+        return text
 
     def push(self, chunk: engine_pb2.GenerateResponse, served_by: common_pb2.ServedBy
              ) -> router_pb2.RouterGenerateResponse:

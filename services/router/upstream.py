@@ -1,8 +1,9 @@
-"""The router's single-replica dependencies: the tokenizer and the session store.
+"""The router's dependencies besides engines: the tokenizer replicas and the session store.
 
-Each sits behind the `circuitbreaker` package's breaker (consecutive failures, fixed recovery
-time: all they need): when one is down, requests fail fast (tokenizer) or go on without history
-(session store) instead of each waiting out a timeout.  Engines need more (windows, probes, a
+Each replica sits behind the `circuitbreaker` package's breaker (consecutive failures, fixed
+recovery time: all they need): a tokenizer replica that is down passes its calls to the next, and
+when all are, requests fail fast; a session store that is down lets requests go on without history,
+instead of each waiting out a timeout.  Engines need more (windows, probes, a
 fake clock in tests): services/router/failover.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 from circuitbreaker import CircuitBreaker, CircuitBreakerError
@@ -49,14 +51,45 @@ def _chat(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage]:
 
 
 class Tokenizer:
-    """Token ids from the tokenizer service; text from ids in process (`decoder`)."""
+    """Token ids from the tokenizer service's replicas; text from ids in process (`decoder`).
 
-    def __init__(self, address: str, name: str):
-        self.address = address
-        self.stub = tokenizer_pb2_grpc.TokenizerStub(channel(address))
-        self.breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=5, expected_exception=_dependency_down,
-                                      name=name)
+    `addresses`: one or more, comma-separated.  Calls go to the replicas in turn; each replica has
+    its own breaker, a call that meets a replica down moves on to the next, and only when every
+    replica is failing (or its breaker open) does the request fail, fast."""
+
+    def __init__(self, addresses: str, name: str):
+        self.addresses = [a for a in addresses.split(",") if a]
+        if not self.addresses:
+            raise ValueError("the router needs a tokenizer address (--tokenizer HOST:PORT)")
+        self.address = ",".join(self.addresses)
+        self.stubs = [tokenizer_pb2_grpc.TokenizerStub(channel(a)) for a in self.addresses]
+        self.breakers = [CircuitBreaker(failure_threshold=3, recovery_timeout=5, expected_exception=_dependency_down,
+                                        name=f"{name}/{a}") for a in self.addresses]
+        self._turn = 0
         self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
+
+    async def _call(self, method: str, request: Any, timeout: float) -> Any:
+        """`method` on the next replica that answers; a replica that is down (or whose breaker is
+        open) passes the call on to the next."""
+        self._turn += 1
+        order = [(self._turn + i) % len(self.stubs) for i in range(len(self.stubs))]
+        failures: list[str] = []
+        waits: list[int] = []
+        for i in order:
+            breaker, address = self.breakers[i], self.addresses[i]
+            try:
+                return await breaker.call_async(getattr(self.stubs[i], method), request,
+                                                metadata=outgoing_metadata(), timeout=timeout)
+            except CircuitBreakerError:
+                waits.append(max(1, breaker.open_remaining))
+                failures.append(f"{address}: circuit open")
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _DOWN_CODES:
+                    raise relay_error("tokenizer", err) from None
+                failures.append(f"{address}: {err.code().name}")
+        wait = min(waits) if waits else 1
+        raise Unavailable(f"every tokenizer replica is failing ({'; '.join(failures)}); retry in {wait} s",
+                          retry_after_s=wait)
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message],
                        deadline_s: float | None = None) -> list[int]:
@@ -65,26 +98,15 @@ class Tokenizer:
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
         timeout = within(deadline_s, 30.0)
-        try:
-            with client_span("router.tokenize", model=model, input=kind) as span:
-                if kind == "chat":
-                    enc = await self.breaker.call_async(
-                        self.stub.ApplyChatTemplate, tokenizer_pb2.ChatTemplateRequest(
-                            model=model, messages=_chat(conversation), add_generation_prompt=True,
-                            tools=request.chat.tools),
-                        metadata=outgoing_metadata(), timeout=timeout)
-                else:
-                    enc = await self.breaker.call_async(
-                        self.stub.Encode,
-                        tokenizer_pb2.EncodeRequest(model=model, text=request.prompt, add_special_tokens=True),
-                        metadata=outgoing_metadata(), timeout=timeout)
-                span.set_attribute("prompt_tokens", len(enc.ids))
-        except CircuitBreakerError:
-            wait = max(1, self.breaker.open_remaining)
-            raise Unavailable(f"tokenizer {self.address} is failing: not called again for {wait} s "
-                              "(circuit open)", retry_after_s=wait) from None
-        except grpc.aio.AioRpcError as err:
-            raise relay_error("tokenizer", err) from None
+        with client_span("router.tokenize", model=model, input=kind) as span:
+            if kind == "chat":
+                enc = await self._call("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest(
+                    model=model, messages=_chat(conversation), add_generation_prompt=True,
+                    tools=request.chat.tools), timeout)
+            else:
+                enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
+                    model=model, text=request.prompt, add_special_tokens=True), timeout)
+            span.set_attribute("prompt_tokens", len(enc.ids))
         return list(enc.ids)
 
     async def decoder(self, model: str) -> Callable[[Sequence[int]], str]:
@@ -94,12 +116,8 @@ class Tokenizer:
         cost more CPU than the decode itself on a busy machine."""
         decode = self._decoders.get(model)
         if decode is None:
-            try:
-                with client_span("router.tokenizer_json", model=model):
-                    spec = await self.stub.GetTokenizerJson(tokenizer_pb2.ModelInfoRequest(model=model),
-                                                            metadata=outgoing_metadata(), timeout=30.0)
-            except grpc.aio.AioRpcError as err:
-                raise relay_error("tokenizer", err) from None
+            with client_span("router.tokenizer_json", model=model):
+                spec = await self._call("GetTokenizerJson", tokenizer_pb2.ModelInfoRequest(model=model), 30.0)
             vocabulary = Vocabulary.from_str(spec.tokenizer_json)
 
             def decode(ids: Sequence[int]) -> str:

@@ -105,7 +105,8 @@ class ReplicaWatch:
         replica.healthy = healthy
 
     async def probe_all(self) -> None:
-        self.tokenizer_healthy = await check_health(self.config.tokenizer)
+        tokenizers = await asyncio.gather(*(check_health(a) for a in self.config.tokenizer.split(",") if a))
+        self.tokenizer_healthy = any(tokenizers)
         await asyncio.gather(*(self.probe(r) for r in self.table.all()))
 
     async def _probe_every_interval(self) -> None:

@@ -50,6 +50,8 @@ def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | 
              None if "--insecure-mesh" in args else home() / "mesh-ca" / "client")
     if http_ok(f"{m.http}/health"):
         pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
+    if "--cache-dir" not in args:     # each mesh its own: no session or KV block left by an earlier one
+        args = [*args, "--cache-dir", str(log.parent / "cache-service")]
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", *args, "--port-offset", str(offset)],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

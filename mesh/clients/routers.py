@@ -1,0 +1,238 @@
+"""RouterPool: the edge's way to every router, with the RouterClient interface.
+
+Requests are spread over the routers (fewest of this edge's calls in flight, ties in turn) that
+answer their health checks; a probe every `probe_interval_s` follows each one, and with Consul
+the list itself follows the `router` registrations.  When a router dies mid-stream (its process
+gone, or silent past the channel's keepalive), the stream goes on through another router from
+the prompt and the token ids the client already has (`resume_ids`), on the same model version:
+the caller sees one stream, no token lost or repeated, exactly as a router resumes a stream when an
+engine dies.  A status the router itself answered (it carries grpcutil.ANSWERED) is the answer
+about the request and is raised as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mesh.clients.router import Delta, GenerateSpec, ModelCard, ModelRouting, RouterClient, ServedBy
+from mesh.discovery import Discovery
+from mesh.grpcutil import answered
+
+log = logging.getLogger(__name__)
+
+# How a call fails when its router, not the request, is the problem (and no status was answered).
+_TRANSPORT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.CANCELLED})
+
+
+def router_failed(err: grpc.aio.AioRpcError) -> bool:
+    """True when `err` says the router went away, not that it refused the request."""
+    return err.code() in _TRANSPORT and not answered(err)
+
+
+@dataclasses.dataclass
+class _Router:
+    client: RouterClient
+    up: bool = True                    # its last health probe answered SERVING (optimistic at first)
+    in_flight: int = 0
+
+
+class RouterPool:
+    def __init__(self, addresses: Sequence[str], discovery: Discovery | None = None, probe_interval_s: float = 1.0,
+                 max_attempts: int = 3, on_failover: Callable[[str], None] | None = None):
+        if not addresses and discovery is None:
+            raise ValueError("the edge needs at least one router address (--router) or Consul discovery")
+        self._routers: dict[str, _Router] = {a: _Router(RouterClient(a)) for a in addresses}
+        self._discovery = discovery
+        self._probe_interval_s = probe_interval_s
+        self._max_attempts = max_attempts
+        self._on_failover = on_failover or (lambda address: None)
+        self._turn = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def address(self) -> str:
+        return ",".join(self._routers)
+
+    def start(self) -> None:
+        """Follow the routers' health (and Consul's list); call on the event loop."""
+        if not self._tasks:
+            self._tasks.append(asyncio.create_task(self._probe()))
+            if self._discovery is not None:
+                self._tasks.append(asyncio.create_task(self._follow(self._discovery)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(r.client.close() for r in self._routers.values()), return_exceptions=True)
+
+    async def _follow(self, discovery: Discovery) -> None:
+        async for endpoints in discovery.watch("router"):
+            found = {e.address for e in endpoints}
+            for address in found - set(self._routers):
+                self._routers[address] = _Router(RouterClient(address))
+                log.info("router %s joined", address)
+            for address in set(self._routers) - found:
+                if found:                       # an empty list is an outage of the registry, not of every router
+                    gone = self._routers.pop(address)
+                    log.info("router %s left", address)
+                    self._tasks.append(asyncio.create_task(_close_later(gone.client, 60.0)))
+
+    async def _probe(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(r) for r in list(self._routers.values())))
+            await asyncio.sleep(self._probe_interval_s)
+
+    async def _check(self, router: _Router) -> None:
+        was = router.up
+        router.up = await _serving(router.client, timeout=max(0.5, self._probe_interval_s))
+        if was != router.up:
+            log.warning("router %s is %s", router.client.address, "back" if router.up else "not answering")
+
+    def _pick(self, avoid: set[str]) -> _Router | None:
+        """The router with the fewest calls in flight, among those up and not failed for this call;
+        when none is up, any not yet failed (a probe may lag behind a restart)."""
+        candidates = [r for a, r in self._routers.items() if a not in avoid]
+        usable = [r for r in candidates if r.up] or candidates
+        if not usable:
+            return None
+        self._turn += 1
+        least = min(r.in_flight for r in usable)
+        tied = [r for r in usable if r.in_flight == least]
+        return tied[self._turn % len(tied)]
+
+    async def healthy(self) -> bool:
+        """True when a router reports SERVING (the mesh behind it is ready)."""
+        replies = await asyncio.gather(*(_serving(r.client) for r in list(self._routers.values())))
+        return any(replies)
+
+    async def generate(self, spec: GenerateSpec, timeout: float | None = None,
+                       extra_metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Delta]:
+        """RouterClient.generate over the pool, resuming on another router when one dies mid-call."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        sent: list[int] = []
+        served: ServedBy | None = None
+        failed: set[str] = set()
+        while True:
+            router = self._pick(failed)
+            if router is None:
+                raise _no_router(failed)
+            call = spec if not failed else _resumed(spec, served, len(failed))
+            left = None if deadline is None else max(0.001, deadline - loop.time())
+            router.in_flight += 1
+            try:
+                async for delta in router.client.generate(call, timeout=left, extra_metadata=extra_metadata,
+                                                          resume_ids=sent):
+                    sent.extend(delta.ids)
+                    served = delta.served_by or served
+                    yield delta
+                return
+            except grpc.aio.AioRpcError as err:
+                if not router_failed(err) or len(failed) + 1 >= self._max_attempts:
+                    raise
+                address = router.client.address
+                failed.add(address)
+                router.up = False
+                self._on_failover(address)
+                log.warning("request %s: router %s failed (%s: %s) after %d token(s); resuming on another router",
+                            spec.request_id, address, err.code().name, err.details(), len(sent))
+            finally:
+                router.in_flight -= 1
+
+    async def _first(self, what: Callable[[RouterClient], Any]) -> Any:
+        """`what(client)` from the first router that answers (up ones first)."""
+        routers = sorted(self._routers.values(), key=lambda r: not r.up)
+        last: grpc.aio.AioRpcError | None = None
+        for router in routers:
+            try:
+                return await what(router.client)
+            except grpc.aio.AioRpcError as err:
+                if not router_failed(err) and err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                last = err
+        if last is None:
+            raise _no_router(set())
+        raise last
+
+    async def state(self, timeout: float = 2.0) -> dict[str, Any]:
+        """A ready router's view of the mesh (RouterClient.state), plus every router's own state."""
+        routers = list(self._routers.values())
+        states = await asyncio.gather(*(r.client.state(timeout) for r in routers), return_exceptions=True)
+        listed = [{"address": r.client.address,
+                   "state": ("ready" if s["ready"] else "not ready") if isinstance(s, dict)
+                   else f"unreachable: {s.code().name}" if isinstance(s, grpc.aio.AioRpcError) else "unreachable"}
+                  for r, s in zip(routers, states, strict=True)]
+        views = [s for s in states if isinstance(s, dict)]
+        if not views:
+            raise next((s for s in states if isinstance(s, grpc.aio.AioRpcError)), None) or _no_router(set())
+        view = next((s for s in views if s["ready"]), views[0])
+        return {**view, "ready": any(s["ready"] for s in views), "routers": listed}
+
+    async def models(self, timeout: float = 5.0) -> list[ModelCard]:
+        result: list[ModelCard] = await self._first(lambda c: c.models(timeout))
+        return result
+
+    async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:
+        result: ModelRouting = await self._first(lambda c: c.model_routing(model, timeout))
+        return result
+
+    async def set_model_routing(self, model: str, default_version: str = "", canary: dict[str, float] | None = None,
+                                timeout: float = 5.0) -> ModelRouting:
+        """Every router takes the change (each keeps its own routing table); one that cannot be
+        reached is skipped with a warning, and the change is refused only when none took it."""
+        routers = list(self._routers.values())
+        replies = await asyncio.gather(*(r.client.set_model_routing(model, default_version, canary, timeout)
+                                         for r in routers), return_exceptions=True)
+        for r, reply in zip(routers, replies, strict=True):
+            if isinstance(reply, grpc.aio.AioRpcError) and not router_failed(reply):
+                raise reply                      # refused (unknown model or version): the same for every router
+            if isinstance(reply, BaseException):
+                log.warning("router %s missed a routing change of %s: %s", r.client.address, model, reply)
+        done = [reply for reply in replies if isinstance(reply, ModelRouting)]
+        if not done:
+            raise next(r for r in replies if isinstance(r, BaseException))
+        return done[0]
+
+
+def _resumed(spec: GenerateSpec, served: ServedBy | None, retry: int) -> GenerateSpec:
+    """The call that continues `spec` elsewhere: on the model version that produced the tokens sent,
+    without the prompt's logprobs (they went out with the first message), under a request id of its
+    own (the dead router's engine call may not have ended yet; an engine refuses an id in flight)."""
+    changed: dict[str, Any] = {"request_id": f"{spec.request_id}~{retry}" if spec.request_id else ""}
+    if served is not None:
+        changed.update(sampling=dataclasses.replace(spec.sampling, prompt_logprobs=False), model=served.model,
+                       model_version=served.model_version)
+    return dataclasses.replace(spec, **changed)
+
+
+async def _close_later(client: RouterClient, delay_s: float) -> None:
+    """Close a departed router's channel once the calls still on it have had time to end."""
+    await asyncio.sleep(delay_s)
+    await client.close()
+
+
+async def _serving(client: RouterClient, timeout: float = 1.0) -> bool:
+    try:
+        reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                        timeout=timeout)
+    except grpc.aio.AioRpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _no_router(failed: set[str]) -> grpc.aio.AioRpcError:
+    why = f"every router failed for this request ({', '.join(sorted(failed))})" if failed else "no router is known"
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=f"{why}; retry shortly")
+
+
+Routers = RouterClient | RouterPool      # what the edge calls: one router (tests, tools) or the pool

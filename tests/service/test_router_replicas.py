@@ -1,0 +1,156 @@
+"""Issue 20: no single router or tokenizer.  Routers in-process against the fake engines, tokenizer
+and cache of test_router.py: a stream resumed on another router from the token ids already sent
+(`resume_ids`), the edge's RouterPool moving a stream whose router died, and a router balancing
+over tokenizer replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from mesh.clients.router import GenerateSpec, Message, Sampling
+from mesh.clients.routers import RouterPool, router_failed
+from mesh.grpcutil import Service, answered
+from meshpb.v1 import router_pb2_grpc
+from services.router.server import RouterServicer
+from tests.service.test_router import FIRST, LENGTH, MODEL, _until, chat, collect, ids_of, run, running, words
+
+
+@contextlib.asynccontextmanager
+async def second_router(servicer: RouterServicer) -> AsyncIterator[tuple[Service, RouterServicer]]:
+    """Another router over the same engines, tokenizer and cache."""
+    other = RouterServicer(servicer.config)
+    service = Service("meshpb.v1.Router", "127.0.0.1", 0)
+    router_pb2_grpc.add_RouterServicer_to_server(other, service.server)
+    await service.start()
+    await other.start(report_ready=service.ready)
+    try:
+        await _until(other.ready, "second router ready")
+        yield service, other
+    finally:
+        await other.close()
+        await service.stop(0)
+
+
+def spec(max_tokens: int) -> GenerateSpec:
+    return GenerateSpec(model=MODEL, sampling=Sampling(max_tokens=max_tokens, seed=7),
+                        messages=(Message("user", "hi"),), request_id="r-1")
+
+
+def test_a_router_resumes_a_stream_from_the_ids_another_router_sent() -> None:
+    async def scenario() -> None:
+        async with running() as mesh:
+            expected = [FIRST + p for p in range(8)]
+            request = chat(("user", "hi"), max_tokens=8)
+            request.resume_ids.extend(expected[:3])
+            replies = await collect(mesh, request)
+            assert ids_of(replies) == expected[3:]                     # only what comes after
+            assert words(expected[:3]) + "".join(r.text for r in replies) == words(expected)
+            assert replies[-1].finish_reason == LENGTH and replies[-1].usage.completion_tokens == 8
+            [(_, engine_request)] = mesh.script.calls
+            assert list(engine_request.resume_ids) == expected[:3]
+
+    run(scenario)
+
+
+def test_the_pool_resumes_a_stream_on_another_router_when_its_router_dies() -> None:
+    async def scenario() -> None:
+        async with running() as mesh, second_router(mesh.servicer) as (other, _):
+            moved: list[str] = []
+            pool = RouterPool([mesh.router_address, f"127.0.0.1:{other.port}"], on_failover=moved.append)
+            pool.start()
+            try:
+                got = []
+                stream = pool.generate(spec(40), timeout=30)
+                async for delta in stream:
+                    got.append(delta)
+                    if len(got) == 5:                            # kill the router carrying it, mid-stream
+                        [carrying] = [r for r in pool._routers.values() if r.in_flight]
+                        await _SERVERS[carrying.client.address].stop(0)
+                expected = [FIRST + p for p in range(40)]
+                assert [i for d in got for i in d.ids] == expected          # none lost, none repeated
+                assert "".join(d.text for d in got) == words(expected)
+                assert got[-1].finish_reason == "length" and got[-1].completion_tokens == 40
+                assert len(moved) == 1
+            finally:
+                await pool.close()
+
+    run(scenario)
+
+
+_SERVERS: dict[str, Service] = {}
+
+
+@pytest.fixture(autouse=True)
+def _track_router_services(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remember each router Service by address, so a test can stop the one test_router.running made."""
+    original = Service.start
+
+    async def start(self: Service) -> None:
+        await original(self)
+        if self.name == "meshpb.v1.Router":
+            _SERVERS[f"127.0.0.1:{self.port}"] = self
+
+    monkeypatch.setattr(Service, "start", start)
+
+
+def test_the_pool_does_not_retry_what_a_router_answered() -> None:
+    async def scenario() -> None:
+        async with running() as mesh, second_router(mesh.servicer) as (other, _):
+            moved: list[str] = []
+            pool = RouterPool([mesh.router_address, f"127.0.0.1:{other.port}"], on_failover=moved.append)
+            try:
+                bad = dataclasses.replace(spec(4), model="no-such-model")
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in pool.generate(bad, timeout=10):
+                        pass
+                assert answered(caught.value) and not router_failed(caught.value) and not moved
+                assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+            finally:
+                await pool.close()
+
+    run(scenario)
+
+
+def _dead_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_router_balances_over_tokenizer_replicas_and_skips_a_dead_one() -> None:
+    async def scenario() -> None:
+        async with running() as mesh:
+            both = f"{_dead_address()},{mesh.servicer.config.tokenizer}"
+            config = dataclasses.replace(mesh.servicer.config, tokenizer=both)
+            router = RouterServicer(config)
+            service = Service("meshpb.v1.Router", "127.0.0.1", 0)
+            router_pb2_grpc.add_RouterServicer_to_server(router, service.server)
+            await service.start()
+            await router.start(report_ready=service.ready)
+            try:
+                await _until(router.ready, "ready with one tokenizer replica of two up")
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as ch:
+                    stub = router_pb2_grpc.RouterStub(ch)
+                    for _ in range(6):                 # every call, whichever replica its turn starts at
+                        replies = [r async for r in stub.Generate(chat(("user", "hi"), max_tokens=3), timeout=20)]
+                        assert ids_of(replies) == [FIRST, FIRST + 1, FIRST + 2]
+                    dead = router.tokenizer.breakers[0]
+                    assert dead.failure_count >= 1 or dead.state != "closed"
+                    # Every replica down: UNAVAILABLE at once, naming each, with a retry hint.
+                    only_dead = RouterServicer(dataclasses.replace(config, tokenizer=_dead_address()))
+                    with pytest.raises(Exception) as caught:
+                        await only_dead.tokenizer.tokenize(chat(("user", "hi")), MODEL, [Message("user", "hi")])
+                    assert "every tokenizer replica is failing" in str(caught.value)
+                    assert getattr(caught.value, "code", None) == grpc.StatusCode.UNAVAILABLE
+            finally:
+                await router.close()
+                await service.stop(0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
