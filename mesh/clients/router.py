@@ -6,7 +6,7 @@ CLI never touch protobuf.  The HTTP/3 client lives in mesh/clients/http3.py.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,7 +181,7 @@ class RouterClient:
 
     async def generate(self, spec: GenerateSpec, timeout: float | None = None,
                        extra_metadata: Sequence[tuple[str, str]] = (), resume_ids: Sequence[int] = ()
-                       ) -> AsyncIterator[Delta]:
+                       ) -> AsyncGenerator[Delta, None]:
         """Stream text deltas (with their token ids); raises grpc.aio.AioRpcError with the router's
         status on failure.  `resume_ids`: continue a stream after these tokens (mesh/clients/routers.py)."""
         call = self._stub.Generate(_to_pb(spec, resume_ids), timeout=timeout,

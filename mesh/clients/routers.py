@@ -37,11 +37,23 @@ def router_failed(err: grpc.aio.AioRpcError) -> bool:
     return err.code() in _TRANSPORT and not answered(err)
 
 
+# Health probes missed in a row before a router counts as down: its waiting streams move, new calls avoid it.
+DOWN_AFTER = 2
+
+
 @dataclasses.dataclass
 class _Router:
     client: RouterClient
-    up: bool = True                    # its last health probe answered SERVING (optimistic at first)
+    misses: int = 0                    # health probes missed in a row
     in_flight: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.misses < DOWN_AFTER
+
+
+class _RouterDown(Exception):
+    """The router a call waits on stopped answering its health probes (a hung process)."""
 
 
 class RouterPool:
@@ -93,7 +105,8 @@ class RouterPool:
 
     async def _check(self, router: _Router) -> None:
         was = router.up
-        router.up = await _serving(router.client, timeout=max(0.5, self._probe_interval_s))
+        serving = await _serving(router.client, timeout=max(0.5, self._probe_interval_s))
+        router.misses = 0 if serving else router.misses + 1
         if was != router.up:
             log.warning("router %s is %s", router.client.address, "back" if router.up else "not answering")
 
@@ -129,24 +142,31 @@ class RouterPool:
             call = spec if not failed else _resumed(spec, served, len(failed))
             left = None if deadline is None else max(0.001, deadline - loop.time())
             router.in_flight += 1
+            deltas = router.client.generate(call, timeout=left, extra_metadata=extra_metadata, resume_ids=sent)
             try:
-                async for delta in router.client.generate(call, timeout=left, extra_metadata=extra_metadata,
-                                                          resume_ids=sent):
+                while True:
+                    try:
+                        delta = await _next(deltas, router)
+                    except StopAsyncIteration:
+                        return
                     sent.extend(delta.ids)
                     served = delta.served_by or served
                     yield delta
-                return
-            except grpc.aio.AioRpcError as err:
-                if not router_failed(err) or len(failed) + 1 >= self._max_attempts:
+            except (grpc.aio.AioRpcError, _RouterDown) as exc:
+                why = "stopped answering its health checks" if isinstance(exc, _RouterDown) else \
+                    f"failed ({exc.code().name}: {exc.details()})"
+                if isinstance(exc, grpc.aio.AioRpcError) and not router_failed(exc) or \
+                        len(failed) + 1 >= self._max_attempts:
                     raise
                 address = router.client.address
                 failed.add(address)
-                router.up = False
+                router.misses = max(router.misses, DOWN_AFTER)
                 self._on_failover(address)
-                log.warning("request %s: router %s failed (%s: %s) after %d token(s); resuming on another router",
-                            spec.request_id, address, err.code().name, err.details(), len(sent))
+                log.warning("request %s: router %s %s after %d token(s); resuming on another router",
+                            spec.request_id, address, why, len(sent))
             finally:
                 router.in_flight -= 1
+                await deltas.aclose()
 
     async def _first(self, what: Callable[[RouterClient], Any]) -> Any:
         """`what(client)` from the first router that answers (up ones first)."""
@@ -201,6 +221,22 @@ class RouterPool:
         if not done:
             raise next(r for r in replies if isinstance(r, BaseException))
         return done[0]
+
+
+async def _next(deltas: AsyncIterator[Delta], router: _Router) -> Delta:
+    """The call's next delta; _RouterDown if its router goes down (by its probes) while we wait."""
+    pending = asyncio.ensure_future(deltas.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=0.5)
+            if done:
+                return pending.result()
+            if not router.up:
+                raise _RouterDown
+    finally:
+        if not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
 
 
 def _resumed(spec: GenerateSpec, served: ServedBy | None, retry: int) -> GenerateSpec:

@@ -49,7 +49,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         engines = Engines()
         self.tokenizer = Tokenizer(config.tokenizer, name=f"tokenizer@{config.port}")
         self.sessions = Sessions(config.cache, name=f"sessions@{config.port}")
-        self.watch = ReplicaWatch(config, self.table, self.failover, engines)
+        self.watch = ReplicaWatch(config, self.table, self.failover, engines, self.tokenizer.probed)
         self.dispatcher = Dispatcher(config, self.table, self.policy, self.failover, versions, engines,
                                      self.tokenizer, self.sessions)
         self.admin = Admin(self.table, versions, self.failover, self.policy, config.default_model)

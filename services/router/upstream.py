@@ -65,14 +65,21 @@ class Tokenizer:
         self.stubs = [tokenizer_pb2_grpc.TokenizerStub(channel(a)) for a in self.addresses]
         self.breakers = [CircuitBreaker(failure_threshold=3, recovery_timeout=5, expected_exception=_dependency_down,
                                         name=f"{name}/{a}") for a in self.addresses]
+        self.healthy = [True] * len(self.addresses)     # the router's probes (probed), one per replica
         self._turn = 0
         self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
+
+    def probed(self, healthy: list[bool]) -> None:
+        """The latest health probe of each replica: calls try the ones that passed first (a hung
+        replica, SIGSTOPped say, would hold a call until its timeout)."""
+        self.healthy = healthy
 
     async def _call(self, method: str, request: Any, timeout: float) -> Any:
         """`method` on the next replica that answers; a replica that is down (or whose breaker is
         open) passes the call on to the next."""
         self._turn += 1
-        order = [(self._turn + i) % len(self.stubs) for i in range(len(self.stubs))]
+        order = sorted(((self._turn + i) % len(self.stubs) for i in range(len(self.stubs))),
+                       key=lambda i: not self.healthy[i])
         failures: list[str] = []
         waits: list[int] = []
         for i in order:

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaWatch:
-    def __init__(self, config: RouterConfig, table: ReplicaTable, failover: Failover, engines: Engines):
+    def __init__(self, config: RouterConfig, table: ReplicaTable, failover: Failover, engines: Engines,
+                 on_tokenizers: Callable[[list[bool]], None] = lambda healthy: None):
         self.config, self.table, self.failover, self.engines = config, table, failover, engines
+        self.on_tokenizers = on_tokenizers     # each tokenizer replica's probe, in --tokenizer order
         self.discovery = make_discovery(config.discovery, config.engines)
         self.verdicts = ProbeVerdicts(config.unhealthy_after)
         self.tokenizer_healthy = False
@@ -107,6 +109,7 @@ class ReplicaWatch:
     async def probe_all(self) -> None:
         tokenizers = await asyncio.gather(*(check_health(a) for a in self.config.tokenizer.split(",") if a))
         self.tokenizer_healthy = any(tokenizers)
+        self.on_tokenizers(list(tokenizers))
         await asyncio.gather(*(self.probe(r) for r in self.table.all()))
 
     async def _probe_every_interval(self) -> None:

@@ -51,6 +51,7 @@ class Behaviour:
     fail_after: int | None = None             # tokens sent before the call fails; None: it does not
     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     final: bool = True                        # False: the last token comes without finish_reason
+    stall_after: int | None = None            # tokens sent before the call goes silent (a hung process)
 
 
 @dataclass
@@ -76,6 +77,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         for sent, position in enumerate(range(len(request.resume_ids), limit)):
             if behaviour.fail_after is not None and sent >= behaviour.fail_after:
                 await context.abort(behaviour.code, f"{self.replica_id} fails on purpose")
+            if behaviour.stall_after is not None and sent >= behaviour.stall_after:
+                await asyncio.sleep(3600)
             final = position == limit - 1 and behaviour.final
             yield engine_pb2.GenerateResponse(
                 ids=[FIRST + position], finish_reason=LENGTH if final else common_pb2.FINISH_REASON_UNSPECIFIED,

@@ -19,7 +19,20 @@ from mesh.clients.routers import RouterPool, router_failed
 from mesh.grpcutil import Service, answered
 from meshpb.v1 import router_pb2_grpc
 from services.router.server import RouterServicer
-from tests.service.test_router import FIRST, LENGTH, MODEL, _until, chat, collect, ids_of, run, running, words
+from tests.service.test_router import (
+    FIRST,
+    LENGTH,
+    MODEL,
+    Behaviour,
+    Script,
+    _until,
+    chat,
+    collect,
+    ids_of,
+    run,
+    running,
+    words,
+)
 
 
 @contextlib.asynccontextmanager
@@ -141,6 +154,13 @@ def test_a_router_balances_over_tokenizer_replicas_and_skips_a_dead_one() -> Non
                     for _ in range(6):                 # every call, whichever replica its turn starts at
                         replies = [r async for r in stub.Generate(chat(("user", "hi"), max_tokens=3), timeout=20)]
                         assert ids_of(replies) == [FIRST, FIRST + 1, FIRST + 2]
+                    # The probes found the dead replica: calls try the live one first.
+                    assert router.tokenizer.healthy == [False, True]
+                    router.watch.on_tokenizers = lambda healthy: None
+                    router.tokenizer.healthy = [True, True]      # as before the first probe: the dead one gets turns
+                    for _ in range(4):
+                        replies = [r async for r in stub.Generate(chat(("user", "hi"), max_tokens=3), timeout=20)]
+                        assert ids_of(replies) == [FIRST, FIRST + 1, FIRST + 2]
                     dead = router.tokenizer.breakers[0]
                     assert dead.failure_count >= 1 or dead.state != "closed"
                     # Every replica down: UNAVAILABLE at once, naming each, with a retry hint.
@@ -154,3 +174,24 @@ def test_a_router_balances_over_tokenizer_replicas_and_skips_a_dead_one() -> Non
                 await service.stop(0)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_stream_waiting_on_a_router_that_stops_answering_probes_moves_on() -> None:
+    """A hung router (SIGSTOP) never closes its connection; its probes failing is what moves the stream."""
+    async def scenario() -> None:
+        async with running(script=Script([Behaviour(stall_after=5)])) as mesh, \
+                second_router(mesh.servicer) as (other, _):
+            moved: list[str] = []
+            pool = RouterPool([mesh.router_address, f"127.0.0.1:{other.port}"], on_failover=moved.append)
+            got = []
+            async for delta in pool.generate(spec(60), timeout=30):   # no probe task: the test plays it
+                got.append(delta)
+                if len(got) == 5:                        # its engine, and so the router, goes silent now
+                    [carrying] = [r for r in pool._routers.values() if r.in_flight]
+                    carrying.misses = 2                  # as two missed probes of a hung router would
+            expected = [FIRST + p for p in range(60)]
+            assert [i for d in got for i in d.ids] == expected and "".join(d.text for d in got) == words(expected)
+            assert len(moved) == 1
+            await pool.close()
+
+    run(scenario)
