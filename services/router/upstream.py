@@ -9,7 +9,6 @@ fake clock in tests): services/router/failover.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,8 +21,6 @@ from mesh.errors import InvalidArgument, MeshError, Unavailable
 from mesh.grpcutil import channel
 from mesh.telemetry import client_span, outgoing_metadata
 from meshpb.v1 import cache_pb2, cache_pb2_grpc, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 # What the dependency breakers count: the service failing, not a request it refused.
 _DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
@@ -135,16 +132,26 @@ class Tokenizer:
 
 
 class Sessions:
-    """The cache service's session store; address "": none (every request stands alone)."""
+    """The cache service's session store; address "": none (every request stands alone).
+
+    A session's turn is answered with its history or not at all: when the store cannot be read, or
+    the turn cannot be stored, the request fails with UNAVAILABLE and a retry hint (the launcher
+    restarts the store, which keeps its sessions on disk), since an answer that silently forgot the
+    conversation, or a turn missing from the next one's history, is a wrong answer, not a degraded one."""
 
     def __init__(self, address: str, name: str):
+        self.address = address
         self.stub = cache_pb2_grpc.CacheStub(channel(address)) if address else None
-        self.breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=10, expected_exception=_dependency_down,
+        self.breaker = CircuitBreaker(failure_threshold=3, recovery_timeout=3, expected_exception=_dependency_down,
                                       name=name)
 
+    def _unavailable(self, err: grpc.aio.AioRpcError | CircuitBreakerError, what: str) -> Unavailable:
+        wait = max(1, self.breaker.open_remaining) if isinstance(err, CircuitBreakerError) else 1
+        return Unavailable(f"the session store {self.address} is unreachable ({_why(err)}): {what}; "
+                           f"retry in {wait} s", retry_after_s=wait)
+
     async def history(self, session_id: str) -> list[Message]:
-        """The stored conversation, or [] (no session store, no such session, or the store is
-        down: the request then goes on with the messages it carries, and a warning is logged)."""
+        """The stored conversation, or [] (no session store, no session id, or a new session)."""
         if self.stub is None or not session_id:
             return []
         try:
@@ -153,14 +160,16 @@ class Sessions:
                     self.stub.GetSession, cache_pb2.SessionRequest(session_id=session_id),
                     metadata=outgoing_metadata(), timeout=5.0)
                 span.set_attributes({"found": found.found, "messages": len(found.messages)})
-        except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
-            log.warning("session store unavailable (%s); session %s goes on without its history",
-                        _why(err), session_id)
-            return []
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in _DOWN_CODES:
+                raise relay_error("session store", err) from None
+            raise self._unavailable(err, "the session's history cannot be read") from None
+        except CircuitBreakerError as err:
+            raise self._unavailable(err, "the session's history cannot be read") from None
         return [from_pb(m) for m in found.messages]
 
     async def remember(self, session_id: str, messages: list[Message]) -> None:
-        """Append the turn; a store that is down costs the session this turn, not the request."""
+        """Append the turn (before the answer's last message goes out)."""
         if self.stub is None or not session_id or not messages:
             return
         try:
@@ -169,8 +178,12 @@ class Sessions:
                     self.stub.AppendSession,
                     cache_pb2.AppendSessionRequest(session_id=session_id, messages=_chat(messages)),
                     metadata=outgoing_metadata(), timeout=5.0)
-        except (grpc.aio.AioRpcError, CircuitBreakerError) as err:
-            log.warning("session %s: could not store the turn (%s)", session_id, _why(err))
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in _DOWN_CODES:
+                raise relay_error("session store", err) from None
+            raise self._unavailable(err, "this turn could not be stored; send it again") from None
+        except CircuitBreakerError as err:
+            raise self._unavailable(err, "this turn could not be stored; send it again") from None
 
 
 def _why(err: grpc.aio.AioRpcError | CircuitBreakerError) -> str:

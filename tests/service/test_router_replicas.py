@@ -102,13 +102,12 @@ _SERVERS: dict[str, Service] = {}
 
 @pytest.fixture(autouse=True)
 def _track_router_services(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Remember each router Service by address, so a test can stop the one test_router.running made."""
+    """Remember each Service by address, so a test can stop one that test_router.running made."""
     original = Service.start
 
     async def start(self: Service) -> None:
         await original(self)
-        if self.name == "meshpb.v1.Router":
-            _SERVERS[f"127.0.0.1:{self.port}"] = self
+        _SERVERS[f"127.0.0.1:{self.port}"] = self
 
     monkeypatch.setattr(Service, "start", start)
 
@@ -193,5 +192,23 @@ def test_a_stream_waiting_on_a_router_that_stops_answering_probes_moves_on() -> 
             assert [i for d in got for i in d.ids] == expected and "".join(d.text for d in got) == words(expected)
             assert len(moved) == 1
             await pool.close()
+
+    run(scenario)
+
+
+def test_a_session_turn_is_refused_not_answered_without_its_history_when_the_store_is_down() -> None:
+    async def scenario() -> None:
+        async with running() as mesh:
+            turn = chat(("user", "hi"), max_tokens=3, session="s-1")
+            assert ids_of(await collect(mesh, turn)) == [FIRST, FIRST + 1, FIRST + 2]
+            assert len(mesh.cache.sessions) == 1
+            await _SERVERS[mesh.servicer.config.cache].stop(0)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await collect(mesh, chat(("user", "again"), max_tokens=3, session="s-1"))
+            err = caught.value
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "session store" in (err.details() or "")
+            assert "retry in" in (err.details() or "") and dict(err.trailing_metadata() or ())["retry-after"]
+            # Requests without a session never touch the store.
+            assert ids_of(await collect(mesh, chat(("user", "hi"), max_tokens=2))) == [FIRST, FIRST + 1]
 
     run(scenario)
