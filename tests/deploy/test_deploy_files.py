@@ -6,6 +6,8 @@
   cannot leave a deployment file behind; ports, addresses and health checks must agree with
   mesh/launcher.py and the README, and with each other (router -> tokenizer/cache, edge -> router,
   Prometheus targets, Services -> container ports, probes -> service ports).
+- At least two routers and two tokenizers, the edge naming every router and each router every
+  tokenizer; the cache's --cold-dir and --sessions-dir on a volume (a PVC on Kubernetes).
 - kubernetes-validate checks every manifest against Kubernetes' own schema (strict: unknown fields
   fail), for a pinned Kubernetes version, from schemas shipped in the package (no network).
 """
@@ -51,6 +53,25 @@ PORTS = {"services.cache": (launcher.CACHE_PORT, launcher.CACHE_METRICS_PORT),
          "services.tokenizer": (launcher.TOKENIZER_PORT, launcher.TOKENIZER_METRICS_PORT),
          "services.router": (launcher.ROUTER_PORT, launcher.ROUTER_METRICS_PORT),
          "services.engine": (launcher.ENGINE_BASE_PORT, launcher.ENGINE_METRICS_BASE_PORT)}
+# Replica i >= 1 of a router or tokenizer (`infermesh up --routers N --tokenizers N`) adds i to these
+# metrics ports.  A container has its own network, so compose replicas keep the gRPC port (like the
+# engines) and differ only in the metrics port they publish on the host's loopback.
+REPLICA_METRICS_BASE = {"services.router": launcher.ROUTER_METRICS_BASE_PORT,
+                        "services.tokenizer": launcher.TOKENIZER_METRICS_BASE_PORT}
+
+
+def launcher_metrics_port(module: str, i: int) -> int:
+    """The metrics port `infermesh up` gives replica i of `module` (engine i: ENGINE_METRICS_BASE_PORT + i)."""
+    port, metrics = PORTS[module]
+    if module == "services.engine":
+        return metrics + i
+    return metrics if i == 0 else REPLICA_METRICS_BASE[module] + i
+
+
+def addresses(values: list[str] | str) -> list[str]:
+    """A repeatable address flag's value (repeated, comma-separated, or both) as one list."""
+    items = [values] if isinstance(values, str) else values
+    return [a.strip() for item in items for a in item.split(",") if a.strip()]
 
 
 # --- the services' own parsers -------------------------------------------------------------------
@@ -229,8 +250,8 @@ def test_docker_compose_parses_it() -> None:
 def test_compose_format_and_services(compose: dict[str, Any]) -> None:
     assert compose["version"] == "3.8"
     services = compose["services"]
-    assert {"consul", "cache", "tokenizer", "router", "edge", "prometheus", "grafana", "otel-collector",
-            "jaeger"} <= set(services)
+    assert {"consul", "cache", "tokenizer-a", "tokenizer-b", "router-a", "router-b", "edge", "prometheus",
+            "grafana", "otel-collector", "jaeger"} <= set(services)
     assert services["consul"]["image"].startswith("hashicorp/consul:")
     modules = [module for _, module, _, _ in compose_infermesh(compose)]
     assert sorted(set(modules)) == sorted(PREFIXES) and modules.count("services.engine") >= 2
@@ -238,7 +259,7 @@ def test_compose_format_and_services(compose: dict[str, Any]) -> None:
 
 def test_compose_services_use_real_flags_and_the_launchers_ports(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    engines = []
+    replicas: dict[str, list[tuple[str, argparse.Namespace]]] = {}
     config: dict[str, argparse.Namespace] = {}
     for name, module, argv, env in compose_infermesh(compose):
         a = effective(module, argv, env, f"docker-compose.yml service {name}")
@@ -252,7 +273,6 @@ def test_compose_services_use_real_flags_and_the_launchers_ports(compose: dict[s
             assert check[4] == f"http://127.0.0.1:{a.http_port}/health"
             assert {f"{a.http_port}:{a.http_port}/tcp", f"{a.http3_port}:{a.http3_port}/udp"} <= set(service["ports"])
             assert env["INFERMESH_API_KEYS"] == "${INFERMESH_API_KEYS:?set INFERMESH_API_KEYS}"
-            assert service["depends_on"]["router"]["condition"] == "service_healthy"
             continue
         assert a.host == "0.0.0.0" and a.advertise == name, f"{name}: binds 0.0.0.0 and advertises its name"
         assert a.discovery == "consul" and env["CONSUL_HTTP_ADDR"] == "consul:8500"
@@ -260,22 +280,26 @@ def test_compose_services_use_real_flags_and_the_launchers_ports(compose: dict[s
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317" and env["OTEL_SERVICE_NAME"]
         assert check[4] == f"127.0.0.1:{a.port}", f"{name}: healthcheck probes its own port"
         assert f"127.0.0.1:{a.metrics_port}:{a.metrics_port}" in service["ports"], f"{name}: metrics on loopback"
-        port, metrics = PORTS[module]
-        if module == "services.engine":
-            engines.append((name, a))
-        else:
-            assert (a.port, a.metrics_port) == (port, metrics), f"{name}: the launcher's ports"
-    for i, (name, a) in enumerate(sorted(engines, key=lambda e: e[1].metrics_port)):
-        assert a.port == launcher.ENGINE_BASE_PORT and a.metrics_port == launcher.ENGINE_METRICS_BASE_PORT + i, name
-    regions = {a.region for _, a in engines}
+        replicas.setdefault(module, []).append((name, a))
+    # Replica i (in metrics-port order) has the launcher's gRPC port and replica i's metrics port.
+    for module, found in replicas.items():
+        for i, (name, a) in enumerate(sorted(found, key=lambda r: (r[1].metrics_port != PORTS[module][1],
+                                                                   r[1].metrics_port))):
+            assert (a.port, a.metrics_port) == (PORTS[module][0], launcher_metrics_port(module, i)), \
+                f"{name}: the launcher's ports (replica {i})"
+    regions = {a.region for _, a in replicas["services.engine"]}
     assert {"a", "b"} <= regions
-    router = config["router"]
-    assert router.region == "a" and not router.engine and not router.discovery_file, "engines come from Consul"
-    assert router.tokenizer == f"tokenizer:{config['tokenizer'].port}"
-    assert router.cache == f"cache:{config['cache'].port}"
-    assert config["edge"].router == f"router:{router.port}"
-    for dependency in ("tokenizer", "cache"):
-        assert services["router"]["depends_on"][dependency]["condition"] == "service_healthy"
+    tokenizers = [f"{name}:{a.port}" for name, a in replicas["services.tokenizer"]]
+    for name, router in replicas["services.router"]:
+        assert router.region == "a" and not router.engine and not router.discovery_file, "engines come from Consul"
+        assert sorted(addresses(router.tokenizer)) == sorted(tokenizers), f"{name}: every tokenizer"
+        assert router.cache == f"cache:{config['cache'].port}"
+        for dependency in ("cache", *(t for t, _ in replicas["services.tokenizer"])):
+            assert services[name]["depends_on"][dependency]["condition"] == "service_healthy", name
+    routers = [name for name, _ in replicas["services.router"]]
+    assert sorted(addresses(config["edge"].router)) == sorted(f"{name}:{config[name].port}" for name in routers)
+    for name in routers:
+        assert services["edge"]["depends_on"][name]["condition"] == "service_healthy"
     cache_mounts = [v.split(":")[1] for v in services["cache"]["volumes"]]
     assert config["cache"].cold_dir in cache_mounts, "the cold tier lives on a volume"
 
@@ -300,6 +324,40 @@ def test_compose_services_talk_mutual_tls_and_only_the_edge_is_public(compose: d
     assert {s["target"] for s in consul["secrets"]} == {"ca.crt", "tls.crt", "tls.key"}
     assert "cert_file" in " ".join(consul["command"]), "Consul's gRPC checks present a mesh certificate"
     assert all("public" not in (s.get("networks") or []) for n, s in services.items() if n != "edge")
+
+
+def _under(path: str, mounts: list[str]) -> bool:
+    return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+def test_compose_runs_two_routers_and_two_tokenizers(compose: dict[str, Any]) -> None:
+    """Two of each stateless hop behind the edge, wired to each other by name; the cache's state on a volume."""
+    services = compose["services"]
+    config = {name: (module, effective(module, argv, env, name))
+              for name, module, argv, env in compose_infermesh(compose)}
+    by_module: dict[str, list[str]] = {}
+    for name, (module, _) in config.items():
+        by_module.setdefault(module, []).append(name)
+    routers, tokenizers = by_module["services.router"], by_module["services.tokenizer"]
+    assert len(routers) >= 2 and len(tokenizers) >= 2, f"routers {routers}, tokenizers {tokenizers}"
+    for names in (routers, tokenizers):
+        assert len({config[n][1].replica_id for n in names}) == len(names), f"{names}: one replica id each"
+    edge = config["edge"][1]
+    assert sorted(addresses(edge.router)) == sorted(f"{r}:{config[r][1].port}" for r in routers), \
+        "the edge names every router"
+    for router in routers:
+        assert sorted(addresses(config[router][1].tokenizer)) == sorted(
+            f"{t}:{config[t][1].port}" for t in tokenizers), f"{router} names every tokenizer"
+    cache = config["cache"][1]
+    named = [v.split(":")[1] for v in services["cache"]["volumes"] if not v.startswith((".", "/"))]
+    assert cache.sessions_dir and _under(cache.sessions_dir, named), "--sessions-dir on a named volume"
+    assert cache.cold_dir and _under(cache.cold_dir, named), "--cold-dir on a named volume"
+    # The mesh CA's --host list (the file's header and compose/README.md): every name the mesh dials.
+    dialed = sorted(n for n, (module, _) in config.items() if module != "services.edge")
+    header = "\n".join(line for line in COMPOSE_FILE.read_text().splitlines() if line.startswith("#"))
+    readme = (COMPOSE_DIR / "README.md").read_text()
+    for where, text in (("docker-compose.yml", header), ("compose/README.md", readme)):
+        assert sorted(re.findall(r"--host (\S+)", text)) == dialed, f"{where}: mesh.pki --host for {dialed}"
 
 
 def test_compose_observability_files_exist_and_are_scraped(compose: dict[str, Any]) -> None:
@@ -414,7 +472,7 @@ def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, A
                 f"{where}: --tls-dir {a.tls_dir!r} is the infermesh-mesh-{kind} Secret"
             assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]
             if module == "services.edge":
-                assert a.host == "0.0.0.0" and a.router == f"router:{launcher.ROUTER_PORT}"
+                assert a.host == "0.0.0.0" and addresses(a.router) == [f"router:{launcher.ROUTER_PORT}"]
                 assert (a.http_port, a.http3_port) == (launcher.HTTP_PORT, launcher.HTTP3_PORT)
                 assert ports["http"]["containerPort"] == a.http_port
                 assert ports["http3"] == {"name": "http3", "containerPort": a.http3_port, "protocol": "UDP"}
@@ -443,10 +501,53 @@ def test_kubernetes_infermesh_containers(manifests: list[tuple[Path, dict[str, A
                 claims = {c["metadata"]["name"] for c in workload["spec"]["volumeClaimTemplates"]}
                 assert workload["kind"] == "StatefulSet" and a.cold_dir in mounts and claims
             if module == "services.router":
-                assert a.tokenizer == f"tokenizer:{launcher.TOKENIZER_PORT}"
+                assert addresses(a.tokenizer) == [f"tokenizer:{launcher.TOKENIZER_PORT}"]
                 assert a.cache == f"cache:{launcher.CACHE_PORT}" and a.region == "a"
     assert sorted(seen) == sorted(PREFIXES)
     assert len(seen["services.engine"]) >= 3, "engine-a, engine-b and the GPU variant"
+
+
+def test_kubernetes_runs_two_routers_and_two_tokenizers(manifests: list[tuple[Path, dict[str, Any]]]) -> None:
+    """Two router and two tokenizer pods; the edges follow every router pod (Consul), the routers reach
+    the tokenizers through a Service over both; the cache's sessions and cold tier on its claim."""
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in _by_kind(manifests, "ConfigMap")}
+    workloads = _by_kind(manifests, "Deployment", "StatefulSet")
+    services = {s["metadata"]["name"]: s for s in _by_kind(manifests, "Service")}
+
+    def runs(module: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        return [(w, c) for w in workloads for c in w["spec"]["template"]["spec"]["containers"]
+                if (c.get("args") or [""])[0] == module]
+
+    def pods_behind(address: str, module: str) -> int:
+        host = address.rpartition(":")[0]
+        assert host in services, f"{address}: not a Service of these manifests"
+        selector = services[host]["spec"]["selector"]
+        return sum(w["spec"].get("replicas", 1) for w, _ in runs(module)
+                   if _matches(selector, w["spec"]["template"]["metadata"]["labels"]))
+
+    for module in ("services.router", "services.tokenizer"):
+        found = runs(module)
+        assert all(w["kind"] == "Deployment" for w, _ in found), f"{module}: stateless, a Deployment"
+        assert sum(w["spec"].get("replicas", 1) for w, _ in found) >= 2, f"{module}: at least two pods"
+    ((_, edge),) = runs("services.edge")
+    parser, _ = service_parser("services.edge")
+    a = parser.parse_args(edge["args"][1:])
+    assert a.discovery == "consul", "a Service pins the edge's one connection: it follows each router pod in Consul"
+    assert sum(pods_behind(r, "services.router") for r in addresses(a.router)) >= 2, "the edge names both routers"
+    env = _container_env(edge, config_maps)
+    fields = {i["name"]: i.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for i in edge["env"]}
+    assert "CONSUL_HTTP_ADDR" in env and fields.get("INFERMESH_EDGE_ADVERTISE") == "status.podIP"
+    for _, router in runs("services.router"):
+        tokenizer = _container_env(router, config_maps)["INFERMESH_ROUTER_TOKENIZER"]
+        assert tokenizer and sum(pods_behind(t, "services.tokenizer") for t in addresses(tokenizer)) >= 2, \
+            "the routers reach both tokenizers"
+    ((cache, container),) = runs("services.cache")
+    env = _container_env(container, config_maps)
+    claims = {c["metadata"]["name"] for c in cache["spec"].get("volumeClaimTemplates", [])}
+    claimed = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in claims]
+    assert cache["kind"] == "StatefulSet" and claimed
+    for variable in ("INFERMESH_CACHE_SESSIONS_DIR", "INFERMESH_CACHE_COLD_DIR"):
+        assert env.get(variable) and _under(str(env[variable]), claimed), f"{variable} on the cache's claim"
 
 
 def test_kubernetes_network_policies_expose_only_the_edge(manifests: list[tuple[Path, dict[str, Any]]]) -> None:
