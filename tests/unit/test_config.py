@@ -78,6 +78,30 @@ def test_launch_plan_gives_every_process_a_replica_id() -> None:
     assert "engine-1=127.0.0.1:50161" in router.argv
 
 
+def test_launch_plan_with_replicated_routers_and_tokenizers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stages = plan(MeshConfig(engines=2, routers=2, tokenizers=3, port_offset=100, cache_dir=str(tmp_path)))
+    names = [c.name for stage in stages for c in stage]
+    assert names == ["cache-0", "tokenizer-0", "tokenizer-1", "tokenizer-2", "engine-0", "engine-1",
+                     "router-0", "router-1", "edge-0"]
+    children = {c.name: c for stage in stages for c in stage}
+
+    def flag(name: str, option: str) -> str:
+        argv = children[name].argv
+        return argv[argv.index(option) + 1]
+
+    tokenizers = "127.0.0.1:50152,127.0.0.1:50141,127.0.0.1:50142"
+    assert [flag(f"tokenizer-{i}", "--port") for i in range(3)] == ["50152", "50141", "50142"]
+    assert flag("router-0", "--tokenizer") == flag("router-1", "--tokenizer") == tokenizers
+    assert [flag(f"router-{i}", "--port") for i in range(2)] == ["50151", "50131"]
+    assert [flag(f"router-{i}", "--metrics-port") for i in range(2)] == ["9280", "9261"]
+    assert flag("edge-0", "--router") == "127.0.0.1:50151,127.0.0.1:50131"
+    assert flag("cache-0", "--cold-dir") == str(tmp_path / "blocks")
+    assert flag("cache-0", "--sessions-dir") == str(tmp_path)
+    assert "--sessions-dir" not in plan(MeshConfig(cache_dir="none"))[0][0].argv
+    with pytest.raises(ValueError, match="--routers"):
+        MeshConfig(routers=0)
+
+
 def test_versions_are_dealt_out_to_engines_and_the_first_is_the_default() -> None:
     stages = plan(MeshConfig(engines=3, versions=("1", "2=/models/v2")))
     engines = stages[0][2:]

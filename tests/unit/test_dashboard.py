@@ -98,8 +98,13 @@ def test_prometheus_scrapes_every_service_on_the_launchers_ports() -> None:
             for job in config["scrape_configs"]}
     assert set(jobs) == set(metric_names.SERVICES)
     assert jobs["edge"] == [f"127.0.0.1:{launcher.HTTP_PORT}"]
-    assert jobs["router"] == [f"127.0.0.1:{launcher.ROUTER_METRICS_PORT}"]
-    assert jobs["tokenizer"] == [f"127.0.0.1:{launcher.TOKENIZER_METRICS_PORT}"]
+    # Replica 0 on the first port, replica i >= 1 on BASE + i (`infermesh up --routers 3 --tokenizers 3`).
+    assert jobs["router"] == [f"127.0.0.1:{p}" for p in (launcher.ROUTER_METRICS_PORT,
+                                                          launcher.ROUTER_METRICS_BASE_PORT + 1,
+                                                          launcher.ROUTER_METRICS_BASE_PORT + 2)]
+    assert jobs["tokenizer"] == [f"127.0.0.1:{p}" for p in (launcher.TOKENIZER_METRICS_PORT,
+                                                             launcher.TOKENIZER_METRICS_BASE_PORT + 1,
+                                                             launcher.TOKENIZER_METRICS_BASE_PORT + 2)]
     assert jobs["cache"] == [f"127.0.0.1:{launcher.CACHE_METRICS_PORT}"]
     assert jobs["launcher"] == [f"127.0.0.1:{launcher.LAUNCHER_METRICS_PORT}"]
     assert jobs["engine"][0] == f"127.0.0.1:{launcher.ENGINE_METRICS_BASE_PORT}"
