@@ -120,7 +120,10 @@ async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: d
 
 def _cmd_model(a: argparse.Namespace) -> int:
     from mesh import models
+    from mesh.checkpoints import cli as checkpoints
 
+    if a.action in checkpoints.ACTIONS:
+        return checkpoints.run(a)
     try:
         if a.action == "pull":
             print(models.pull(a.name))
@@ -212,6 +215,8 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from mesh.checkpoints import cli as checkpoints  # light: its commands import their libraries when run
+
     p = argparse.ArgumentParser(prog="infermesh", description="LLM serving as a mesh of gRPC services")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -277,6 +282,7 @@ def parser() -> argparse.ArgumentParser:
                                           "and how the engine would run it here")
     ins.add_argument("name", help="model NAME, or a folder")
     msub.add_parser("list", help="known models")
+    checkpoints.add_parsers(msub)
     model.set_defaults(func=_cmd_model)
 
     top = sub.add_parser("top", help="live view of the replicas: load, queue, KV use, breaker, region, version")

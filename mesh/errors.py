@@ -38,6 +38,10 @@ class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class FailedPrecondition(MeshError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 # gRPC status -> (HTTP status, OpenAI error type) for the edge.
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

@@ -58,6 +58,9 @@ METRICS: tuple[Metric, ...] = (
        "Requests answered by a fallback model (marked degraded, lower confidence)"),
     _m("infermesh_router_shed_total", "counter", "router", "model",
        "Requests refused with 503 + Retry-After: no replica of the model's chain could take them"),
+    _m("infermesh_router_shadow_requests_total", "counter", "router", "model version outcome",
+       "Requests mirrored to a shadow version (shadow traffic), by outcome: matched (same text as the served "
+       "answer), diverged, failed"),
     _m("infermesh_router_in_flight", "gauge", "router", "replica", "Requests this router has open on each replica"),
     _m("infermesh_router_replicas_healthy", "gauge", "router", "", "Healthy engine replicas"),
     _m("infermesh_router_load_entropy", "gauge", "router", "",

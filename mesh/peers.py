@@ -18,7 +18,7 @@ from mesh.errors import MeshError
 ROUTER_ADMIN = frozenset({"edge", "client"})             # SetModelRouting: the edge checked the admin key
 SESSIONS = frozenset({"router", "client"})               # the cache's GetSession, AppendSession, DeleteSession
 BLOCKS = frozenset({"engine", "router", "client"})       # MatchPrefix, GetBlocks, PutBlocks, GetStats
-ENGINE = frozenset({"router", "client"})                 # Generate, Abort, WatchLoad, GetInfo
+ENGINE = frozenset({"router", "client"})                 # Generate, Abort, WatchLoad, GetInfo, LoadVersion, Drain
 TOKENIZER = frozenset({"router", "client"})
 
 TENANT_KIND = "edge"            # the one caller whose `tenant` field is honoured: it derived it from a key

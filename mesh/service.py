@@ -73,15 +73,28 @@ async def announce_self(kind: str, config: Hosted, port: int, *, check: HealthCh
 
 async def serve_grpc(kind: str, config: Hosted, service: Service, *, metrics_port: int = 0,
                      ready: bool = True, on_stop: Callable[[], Awaitable[None]] | None = None,
-                     model: str = "", model_version: str = "", region: str = "local") -> None:
+                     model: str = "", model_version: str = "", region: str = "local",
+                     on_announced: Callable[[Callable[[], Awaitable[None]]], None] | None = None) -> None:
     """Start `service` (its servicers already added), export metrics, report SERVING unless the
     service decides that itself (`ready=False`), announce, and serve until a signal.  Then health
-    turns NOT_SERVING, in-flight RPCs get a grace period, the replica is withdrawn and `on_stop` runs."""
+    turns NOT_SERVING, in-flight RPCs get a grace period, the replica is withdrawn and `on_stop` runs.
+    `on_announced` gets the withdraw coroutine (a drained engine leaves discovery early; once only)."""
     await service.start()
     serve_metrics(metrics_port, config.host)
     if ready:
         await service.ready()
-    withdraw = await announce_self(kind, config, service.port, model=model, model_version=model_version, region=region)
+    announced = await announce_self(kind, config, service.port, model=model, model_version=model_version,
+                                    region=region)
+    withdrawn = False
+
+    async def withdraw() -> None:
+        nonlocal withdrawn
+        if not withdrawn:
+            withdrawn = True
+            await announced()
+
+    if on_announced is not None:
+        on_announced(withdraw)
     # Shielded: cancelling a pending wait_for_termination() makes the server's shutdown raise CancelledError.
     ended = asyncio.ensure_future(service.server.wait_for_termination())
     await wait_for_signal(asyncio.shield(ended))

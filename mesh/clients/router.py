@@ -130,10 +130,15 @@ class ModelRouting:
     default_version: str
     canary: dict[str, float]
     versions: tuple[str, ...]
+    shadow: dict[str, Any] | None = None   # {"version", "share", "mirrored", "matched", ...} while shadowing
 
     def as_dict(self) -> dict[str, object]:
-        return {"model": self.model, "default_version": self.default_version,
-                "canary": {v: round(s, 6) for v, s in sorted(self.canary.items())}, "versions": list(self.versions)}
+        out: dict[str, object] = {"model": self.model, "default_version": self.default_version,
+                                  "canary": {v: round(s, 6) for v, s in sorted(self.canary.items())},
+                                  "versions": list(self.versions)}
+        if self.shadow is not None:
+            out["shadow"] = self.shadow
+        return out
 
 
 def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.RouterGenerateRequest:
@@ -223,12 +228,46 @@ class RouterClient:
     async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:
         return _routing(await self._stub.GetModelRouting(router_pb2.ModelRoutingRequest(model=model), timeout=timeout))
 
+    async def load_model_version(self, model: str, version: str, source: str, activate: bool = True,
+                                 timeout: float = 1800.0) -> VersionLoaded:
+        """Hot swap `version` (weights from `source`) onto every replica of `model` (router LoadModelVersion)."""
+        r = await self._stub.LoadModelVersion(router_pb2.LoadModelVersionRequest(
+            model=model, version=version, source=source, activate=activate), timeout=timeout)
+        return VersionLoaded(tuple({"replica": x.replica_id, "active_version": x.active_version,
+                                    "loaded_versions": list(x.loaded_versions),
+                                    "load_seconds": round(x.load_seconds, 2)} for x in r.replicas),
+                             _routing(r.routing))
+
+    async def drain_replica(self, replica_id: str, timeout: float = 1800.0) -> int:
+        """Drain an engine replica (router DrainReplica); returns the calls it finished."""
+        reply = await self._stub.DrainReplica(router_pb2.DrainReplicaRequest(replica_id=replica_id), timeout=timeout)
+        return int(reply.finished)
+
+    async def add_replica(self, replica_id: str, address: str, region: str = "", timeout: float = 10.0) -> None:
+        await self._stub.AddReplica(router_pb2.AddReplicaRequest(replica_id=replica_id, address=address,
+                                                                 region=region), timeout=timeout)
+
     async def set_model_routing(self, model: str, default_version: str = "", canary: dict[str, float] | None = None,
-                                timeout: float = 5.0) -> ModelRouting:
-        """Switch the default version and/or replace the canary shares (None keeps them)."""
+                                timeout: float = 5.0, shadow: tuple[str, float] | None = None) -> ModelRouting:
+        """Switch the default version and/or replace the canary shares and/or the shadow rule
+        ((version, share); ("", 0) ends it; None keeps them)."""
         request = router_pb2.SetModelRoutingRequest(model=model, default_version=default_version,
-                                                    canary=canary or {}, replace_canary=canary is not None)
+                                                    canary=canary or {}, replace_canary=canary is not None,
+                                                    shadow_version=shadow[0] if shadow else "",
+                                                    shadow_share=shadow[1] if shadow else 0.0,
+                                                    replace_shadow=shadow is not None)
         return _routing(await self._stub.SetModelRouting(request, timeout=timeout))
+
+
+@dataclass(frozen=True)
+class VersionLoaded:
+    """A hot swap's outcome: each replica's versions, and the model's routing after it."""
+
+    replicas: tuple[dict[str, Any], ...]
+    routing: ModelRouting
+
+    def as_dict(self) -> dict[str, object]:
+        return {"replicas": list(self.replicas), "routing": self.routing.as_dict()}
 
 
 def _logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
@@ -237,8 +276,15 @@ def _logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob,
 
 
 def _routing(r: router_pb2.ModelRouting) -> ModelRouting:
-    return ModelRouting(r.model, r.default_version, dict(r.canary), tuple(r.versions))
+    shadow = None
+    if r.shadow_version:
+        s = r.shadow
+        shadow = {"version": r.shadow_version, "share": round(r.shadow_share, 6), "mirrored": s.mirrored,
+                  "matched": s.matched, "diverged": s.diverged, "failed": s.failed,
+                  "mean_first_divergence": round(s.mean_first_divergence, 2),
+                  "served_p50_ms": round(s.served_p50_ms, 1), "shadow_p50_ms": round(s.shadow_p50_ms, 1)}
+    return ModelRouting(r.model, r.default_version, dict(r.canary), tuple(r.versions), shadow)
 
 
 __all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "ModelRouting", "RouterClient", "Sampling", "ServedBy",
-           "TokenLogprob", "TopLogprob", "grpc"]
+           "TokenLogprob", "TopLogprob", "VersionLoaded", "grpc"]

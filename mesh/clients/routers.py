@@ -21,7 +21,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh.clients.router import Delta, GenerateSpec, ModelCard, ModelRouting, RouterClient, ServedBy
+from mesh.clients.router import (
+    Delta,
+    GenerateSpec,
+    ModelCard,
+    ModelRouting,
+    RouterClient,
+    ServedBy,
+    VersionLoaded,
+)
 from mesh.discovery import Discovery
 from mesh.grpcutil import answered
 
@@ -205,21 +213,43 @@ class RouterPool:
         result: ModelRouting = await self._first(lambda c: c.model_routing(model, timeout))
         return result
 
-    async def set_model_routing(self, model: str, default_version: str = "", canary: dict[str, float] | None = None,
-                                timeout: float = 5.0) -> ModelRouting:
-        """Every router takes the change (each keeps its own routing table); one that cannot be
-        reached is skipped with a warning, and the change is refused only when none took it."""
+    async def load_model_version(self, model: str, version: str, source: str, activate: bool = True,
+                                 ) -> VersionLoaded:
+        """One router loads the version on every engine; then every other router takes the new default."""
+        loaded: VersionLoaded = await self._first(lambda c: c.load_model_version(model, version, source, activate))
+        if activate:
+            await self.set_model_routing(model, version)
+        return loaded
+
+    async def drain_replica(self, replica_id: str) -> int:
+        """Every router stops sending to the replica and drops it once its engine has drained."""
+        finished: int = max(await self._everywhere(lambda c: c.drain_replica(replica_id)))
+        return finished
+
+    async def add_replica(self, replica_id: str, address: str, region: str = "") -> None:
+        await self._everywhere(lambda c: c.add_replica(replica_id, address, region))
+
+    async def _everywhere(self, what: Callable[[RouterClient], Any]) -> list[Any]:
+        """`what(client)` on every router at once; a router that cannot be reached is skipped with a
+        warning, a refusal is raised, and so is the last failure when no router answered."""
         routers = list(self._routers.values())
-        replies = await asyncio.gather(*(r.client.set_model_routing(model, default_version, canary, timeout)
-                                         for r in routers), return_exceptions=True)
+        replies = await asyncio.gather(*(what(r.client) for r in routers), return_exceptions=True)
         for r, reply in zip(routers, replies, strict=True):
             if isinstance(reply, grpc.aio.AioRpcError) and not router_failed(reply):
-                raise reply                      # refused (unknown model or version): the same for every router
+                raise reply
             if isinstance(reply, BaseException):
-                log.warning("router %s missed a routing change of %s: %s", r.client.address, model, reply)
-        done = [reply for reply in replies if isinstance(reply, ModelRouting)]
+                log.warning("router %s missed an admin change: %s", r.client.address, reply)
+        done = [reply for reply in replies if not isinstance(reply, BaseException)]
         if not done:
             raise next(r for r in replies if isinstance(r, BaseException))
+        return done
+
+    async def set_model_routing(self, model: str, default_version: str = "", canary: dict[str, float] | None = None,
+                                timeout: float = 5.0, shadow: tuple[str, float] | None = None) -> ModelRouting:
+        """Every router takes the change (each keeps its own routing table); one that cannot be
+        reached is skipped with a warning, and the change is refused only when none took it."""
+        done: list[ModelRouting] = await self._everywhere(
+            lambda c: c.set_model_routing(model, default_version, canary, timeout, shadow))
         return done[0]
 
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[int]]
 
 ADMIN_PREFIX = "/admin/models/"
+REPLICAS = "/admin/replicas"
 PUBLIC = ("/health", "/metrics", "/openapi.json")      # no API key needed
 ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions")
 
@@ -64,9 +65,11 @@ class EdgeApp:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         method, path = scope["method"], scope["path"]
         route = self.routes.get((method, path))
-        admin = path.startswith(ADMIN_PREFIX)
-        if admin and method in ("GET", "PUT"):
+        admin = path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
+        if path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
             route = self.admin
+        elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):
+            route = self.replicas
         status = 500
         started = False
 
@@ -159,19 +162,72 @@ class EdgeApp:
         PUT body: {"default_version": "2"} and/or {"canary": {"3": 0.1}} (replaces the shares;
         {} ends a canary).  Requests already streaming finish on the version they started on."""
         model, _, tail = scope["path"][len(ADMIN_PREFIX):].partition("/")
+        if model and tail.startswith("versions/") and scope["method"] == "PUT":
+            return await self._load_version(model, tail.removeprefix("versions/"), headers, receive, send)
         if not model or tail != "routing":
-            raise ApiError(404, f"no admin route {shown(scope['path'])}; use {ADMIN_PREFIX}MODEL/routing",
-                           kind="not_found_error", code=None)
+            raise ApiError(404, f"no admin route {shown(scope['path'])}; use {ADMIN_PREFIX}MODEL/routing (GET, PUT) "
+                           f"or {ADMIN_PREFIX}MODEL/versions/VERSION (PUT)", kind="not_found_error", code=None)
         try:
             if scope["method"] == "GET":
                 routing = await self.router.model_routing(model)
             else:
                 body = await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s)
-                default, canary = openai.parse_model_routing(parse_json(body))
-                routing = await self.router.set_model_routing(model, default, canary)
+                default, canary, shadow = openai.parse_model_routing(parse_json(body))
+                routing = await self.router.set_model_routing(model, default, canary, shadow=shadow)
         except grpc.aio.AioRpcError as err:
             raise from_grpc(err) from None
         await send_json(send, 200, routing.as_dict())
+        return 200
+
+
+    async def replicas(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        """POST /admin/replicas/{id}/drain: no new requests to the engine, its streams finish, then it
+        leaves discovery (answers then).  POST /admin/replicas {"replica_id", "address", "region"}:
+        add an engine at runtime (static discovery)."""
+        tail = scope["path"][len(REPLICAS):].strip("/")
+        try:
+            if tail.endswith("/drain") and tail.count("/") == 1:
+                replica = tail.removesuffix("/drain")
+                finished = await self.router.drain_replica(replica)
+                await send_json(send, 200, {"replica": replica, "drained": True, "finished": finished})
+                return 200
+            if tail:
+                raise ApiError(404, f"no admin route {shown(scope['path'])}; use POST {REPLICAS}/ID/drain or "
+                               f"POST {REPLICAS}", kind="not_found_error", code=None)
+            body = parse_json(await read_body(receive, headers, self.config.max_body_bytes,
+                                              self.config.body_timeout_s))
+            fields = {k: body.get(k, "") for k in ("replica_id", "address", "region")}
+            if set(body) - set(fields) or not all(isinstance(v, str) for v in fields.values()):
+                raise ApiError(400, "give {\"replica_id\": ID, \"address\": \"HOST:PORT\"} and optionally "
+                               "\"region\", all strings", "replica_id")
+            await self.router.add_replica(fields["replica_id"], fields["address"], fields["region"])
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        await send_json(send, 200, {"replica": fields["replica_id"], "added": True})
+        return 200
+
+    async def _load_version(self, model: str, version: str, headers: dict[str, str], receive: Receive,
+                            send: Send) -> int:
+        """PUT /admin/models/{model}/versions/{version}, body {"source": FOLDER_OR_REGISTERED_NAME,
+        "activate": true}: hot swap onto every replica (in-flight requests finish on the weights they
+        started with); with activate (the default) the version becomes the model's default."""
+        body = parse_json(await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s))
+        unknown = sorted(set(body) - {"source", "activate"})
+        if unknown:
+            raise ApiError(400, f"unrecognized field(s): {shown(', '.join(unknown))}; use source and activate",
+                           unknown[0], code="unknown_parameter")
+        source, activate = body.get("source", ""), body.get("activate", True)
+        if not isinstance(source, str) or not isinstance(activate, bool) or not version or "/" in version:
+            raise ApiError(400, "give {\"source\": FOLDER_OR_REGISTERED_NAME} (a string) and optionally "
+                           "{\"activate\": false}, for /admin/models/MODEL/versions/VERSION", "source")
+        if not source and not activate:
+            raise ApiError(400, "nothing to do: give a source to load, or activate a loaded version", "source",
+                           code="missing_required_parameter")
+        try:
+            loaded = await self.router.load_model_version(model, version, source, activate)
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        await send_json(send, 200, loaded.as_dict())
         return 200
 
 

@@ -302,19 +302,31 @@ def parse_completion(body: dict[str, Any], session_id: str = "", pinned: str = "
                         pinned_replica=pinned)
 
 
-def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | None]:
-    """The admin API's PUT body -> (default version or "", canary shares or None to keep them)."""
-    unknown = sorted(set(body) - {"default_version", "canary"})
+def parse_model_routing(body: dict[str, Any]
+                        ) -> tuple[str, dict[str, float] | None, tuple[str, float] | None]:
+    """The admin API's PUT body -> (default version or "", canary shares or None to keep them, shadow
+    rule (version, share) or None to keep it; {"shadow": null} or {} ends it)."""
+    unknown = sorted(set(body) - {"default_version", "canary", "shadow"})
     if unknown:
-        raise ApiError(400, f"unrecognized field(s): {shown(', '.join(unknown))}; use default_version and/or canary",
-                       unknown[0], code="unknown_parameter")
+        raise ApiError(400, f"unrecognized field(s): {shown(', '.join(unknown))}; use default_version, canary "
+                       "and/or shadow", unknown[0], code="unknown_parameter")
     default = string(body, "default_version", max_len=64)
+    shadow = None
+    if "shadow" in body:
+        rule = body["shadow"] or {}
+        version, share = rule.get("version", "") if isinstance(rule, dict) else None, \
+            rule.get("share", 0) if isinstance(rule, dict) else None
+        if not isinstance(version, str) or isinstance(share, bool) or not isinstance(share, int | float) or \
+                (version and not 0 < share <= 1) or set(rule) - {"version", "share"}:
+            raise ApiError(400, "'shadow' must be {\"version\": V, \"share\": S} with S in (0, 1], or null to end "
+                           "it", "shadow", code="invalid_type")
+        shadow = (version, float(share))
     canary = body.get("canary")
     if canary is None:
-        if not default:
-            raise ApiError(400, "give default_version and/or canary", "default_version",
+        if not default and shadow is None:
+            raise ApiError(400, "give default_version, canary and/or shadow", "default_version",
                            code="missing_required_parameter")
-        return default, None
+        return default, None, shadow
     if not isinstance(canary, dict):
         raise ApiError(400, "'canary' must be an object of version -> share, e.g. {\"2\": 0.1}", "canary",
                        code="invalid_type")
@@ -325,4 +337,4 @@ def parse_model_routing(body: dict[str, Any]) -> tuple[str, dict[str, float] | N
                            f"got {shown(repr(share))}",
                            "canary")
         shares[str(version)] = float(share)
-    return default, shares
+    return default, shares, shadow

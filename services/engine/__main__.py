@@ -95,10 +95,11 @@ async def serve(config: EngineConfig) -> None:
     remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
     speculation = speculate.for_plan(runner.plan, config.speculate, config.speculate_rows)
-    engine = Engine(runner, config.max_waiting, limits, outbox, speculation)
+    engine = Engine(runner, config.max_waiting, limits, outbox, speculation, version=config.model_version)
     servicer = EngineServicer(engine, config, remote, step_thread)
     service = Service("meshpb.v1.Engine", config.host, config.port)
     add_to(service, servicer)
+    servicer.set_serving = service.ready
     servicer.start()
     log.info("engine %s serving %s (%d KV blocks of %d tokens%s) at %s%s", config.replica_id, config.model,
              runner.num_blocks, runner.block_size,
@@ -107,7 +108,7 @@ async def serve(config: EngineConfig) -> None:
              f"; shared KV cache {remote.address} as {config.model}@{remote.version}" if remote is not None else "")
     await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
                      on_stop=servicer.close, model=config.model, model_version=config.model_version,
-                     region=config.region)
+                     region=config.region, on_announced=lambda withdraw: setattr(servicer, "withdraw", withdraw))
 
 
 def load(config: EngineConfig) -> ModelRunner:

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
-from mesh.errors import InvalidArgument, ResourceExhausted
+from mesh.errors import ResourceExhausted
 from services.engine import grammar, kv_transfer, sampler
 from services.engine.block_manager import BlockManager
 from services.engine.kv_transfer import Outbox
+from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
 from services.engine.request import (
     FinishReason,
@@ -40,12 +41,14 @@ from services.engine.request import (
 from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
 from services.engine.speculate import Lookup, SpeculationConfig
 from services.engine.stats import EngineStats, Timing
+from services.engine.versions import Versions
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None,
-                 outbox: Outbox | None = None, speculation: SpeculationConfig | None = None):
+                 outbox: Outbox | None = None, speculation: SpeculationConfig | None = None, version: str = "1"):
         self.runner = runner
+        self.versions = Versions(runner, version)      # hot swaps (services/engine/versions.py)
         self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache
@@ -64,46 +67,12 @@ class Engine:
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      resume_ids: list[int] | None = None, priority: int = 0, cache_salt: bytes = b"") -> Request:
-        """Validate a request against the model's and the KV cache's limits; raise a precise error."""
-        resume = list(resume_ids or [])
-        limit = self.runner.max_context
-        if not prompt_ids:
-            raise InvalidArgument("the prompt is empty")
-        bad = next((i for i in prompt_ids + resume + [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)
-                    if not 0 <= i < self.runner.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {self.runner.vocab_size})")
-        context = len(prompt_ids) + len(resume)
-        if context >= limit:
-            raise InvalidArgument(
-                f"the prompt has {context} tokens but the model's context is {limit} tokens; shorten the prompt")
-        max_tokens = sampling.max_tokens or (limit - len(prompt_ids))
-        if len(prompt_ids) + max_tokens > limit:
-            raise InvalidArgument(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"context of {limit} tokens; lower max_tokens to at most {limit - len(prompt_ids)}")
-        if len(resume) >= max_tokens:
-            raise InvalidArgument(f"resume_ids already hold {len(resume)} of max_tokens {max_tokens}")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if len(prompt_ids) + max_tokens > capacity:
-            # Permanent for this request (a 400, not a retry-later 429).
-            raise InvalidArgument(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can never fit this engine's KV "
-                f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
-        if priority not in (0, 1):
-            raise InvalidArgument(f"priority {priority} is not 0 (interactive) or 1 (batch)")
-        if len(cache_salt) > 256:
-            raise InvalidArgument(f"cache_salt is {len(cache_salt)} bytes; at most 256")
-        if getattr(self.runner.model, "dynamic", False) and len(prompt_ids) > self.runner.config.max_position:
-            # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
-            cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
-        if sampling.prompt_logprobs:
-            # Every prompt position is computed (its logits are wanted): a namespace no other request shares.
-            cache_salt = cache_salt + b"|prompt-logprobs:" + request_id.encode()
-        req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
-        req.priority = priority
-        if sampling.prompt_logprobs:
-            req.prompt_logprobs.append(TokenLogprob(prompt_ids[0], float("nan")))
+        """Validate a request against the model's and the KV cache's limits (a precise error if it
+        breaks one); it runs on the active model version to its end."""
+        req = build_request(self.runner, self.blocks, request_id, prompt_ids, sampling, resume_ids, priority,
+                            cache_salt)
+        self.versions.hold(req)
+        req.cache_salt += self.versions.salt(req.version)
         return req
 
     def add(self, request: Request) -> None:
@@ -147,6 +116,8 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """schedule -> run the model -> postprocess: each running request's new token, or its end."""
+        if self.versions.switch() and self.outbox is not None:
+            self.outbox.clear()            # blocks of the version before: published under its name, or not at all
         self._pending = outputs = self._drain()
         if self.speculation.max_draft:
             self._propose()
@@ -155,6 +126,8 @@ class Engine:
             if batch.chunks:
                 outputs += self._postprocess(batch, self._run(batch))
         self._batch, self._pending = None, []
+        if len(self.versions.models) > 1:
+            self.versions.release_unused()
         return outputs
 
     def fail_step(self) -> list[StepOutput]:
@@ -225,8 +198,8 @@ class Engine:
         """The model on the batch: (S, V) logits of its sampled rows, or (S,) token ids if all are greedy."""
         kv_transfer.import_blocks(self.runner.kv, batch.imports)     # what the shared cache had for them
         sampled = [c.request.sampling for c in batch.chunks if c.sample]
-        logits = self.runner.run(batch.chunks, greedy=all(p.greedy and not p.logprobs and not p.processed
-                                                          for p in sampled))
+        logits = self.versions.run(batch.chunks, greedy=all(p.greedy and not p.logprobs and not p.processed
+                                                            for p in sampled))
         self.scheduler.commit(batch)
         self._publish(batch)
         return logits
@@ -243,8 +216,8 @@ class Engine:
         hashes: list[bytes] = []
         for chunk in batch.chunks:
             req = chunk.request
-            if req.sampling.prompt_logprobs:
-                continue            # blocks in a namespace of their own (make_request): no one could use them
+            if req.sampling.prompt_logprobs or req.version != self.versions.active:
+                continue            # a namespace of its own (make_request), or a version on its way out
             end = min(chunk.start + chunk.num_tokens, len(req.prompt_ids) + len(req.resume_ids))
             for i in range(chunk.start // bs, end // bs):
                 block, h = req.table.blocks[i], req.table.hashes[i]
@@ -253,7 +226,7 @@ class Engine:
                     hashes.append(h)
         if ids:
             exported = kv_transfer.export_blocks_async(self.runner.kv, ids)   # the publisher waits for it
-            self.outbox.put(hashes, exported.kv, exported.ready)
+            self.outbox.put(hashes, exported.kv, exported.ready, version=self.versions.active)
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy; a chunk with drafts has

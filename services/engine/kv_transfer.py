@@ -156,6 +156,7 @@ class Published(NamedTuple):
     hashes: list[bytes]
     kv: torch.Tensor                # (n, layers, 2, block_size, kv_heads, head_dim), CPU
     ready: Any = None               # the Exported copy's event: wait for it before reading kv
+    version: str = ""               # the model version that computed them ("": the engine's first)
 
 
 class Outbox:
@@ -176,15 +177,22 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, hashes: list[bytes], kv: torch.Tensor, ready: Any = None) -> None:
+    def put(self, hashes: list[bytes], kv: torch.Tensor, ready: Any = None, version: str = "") -> None:
         with self._lock:
-            self._items.append(Published(hashes, kv, ready))
+            self._items.append(Published(hashes, kv, ready, version))
             self._bytes += kv.nbytes
             self.put_blocks += len(hashes)
             while self._bytes > self.max_bytes:
                 old = self._items.popleft()
                 self._bytes -= old.kv.nbytes
                 self.dropped_blocks += len(old.hashes)
+
+    def clear(self) -> None:
+        """Drop what waits (a hot swap: the blocks of the version before are not sent)."""
+        with self._lock:
+            self.dropped_blocks += sum(len(item.hashes) for item in self._items)
+            self._items.clear()
+            self._bytes = 0
 
     def take(self) -> Published | None:
         with self._lock:

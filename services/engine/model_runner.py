@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,6 +75,13 @@ class ModelRunner:
                 # Slower, still right: serve with every kernel launched from Python rather than not at all.
                 log.warning("CUDA graph capture failed (%s); decode steps launch their kernels one by one", exc)
                 torch.cuda.synchronize(self.device)
+
+    def use_model(self, model: Any) -> None:
+        """Run `model` from now on (a hot swap: services/engine/versions.py); decode graphs follow it."""
+        self.model = model
+        if self.graphs is not None:
+            self.graphs = DecodeGraphs(model, self.kv, self.block_size, self.max_context, self.scratch_block,
+                                       self.graphs.max_batch, self.device, capture=self.plan.graphs == "cuda")
 
     def _slots(self, blocks: Sequence[int], start: int, n: int) -> list[int]:
         bs = self.block_size

@@ -89,26 +89,34 @@ class RemoteCache:
         self._failing = False
 
     # -- fetch -------------------------------------------------------------------------
-    async def fetch(self, start: int, hashes: Sequence[bytes], metadata: Metadata = ()) -> list[StagedBlock]:
+    def key_version(self, model_version: str) -> str:
+        """The cache keys' version for `model_version`'s blocks ("": the engine's first): kv_version's
+        layout part stays, the weights' version changes (a hot swap)."""
+        return model_version + self.version[self.version.index("/"):] if model_version else self.version
+
+    async def fetch(self, start: int, hashes: Sequence[bytes], metadata: Metadata = (),
+                    model_version: str = "") -> list[StagedBlock]:
         """The stored prefix of `hashes` (the prompt's blocks start, start+1, ...), decoded; [] on any failure.
         `metadata` goes with both calls (the trace context)."""
         if not hashes or self._skipped():
             return []
         try:
-            staged = await asyncio.wait_for(self._fetch(start, hashes, metadata), self.timeout_s)
+            staged = await asyncio.wait_for(self._fetch(start, hashes, metadata, self.key_version(model_version)),
+                                            self.timeout_s)
         except Exception as exc:                    # best effort: nothing here may fail the request
             self._failed("fetch", exc)
             return []
         self._succeeded()
         return staged
 
-    async def _fetch(self, start: int, hashes: Sequence[bytes], metadata: Metadata) -> list[StagedBlock]:
-        reply = await self._stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model=self.model, version=self.version,
+    async def _fetch(self, start: int, hashes: Sequence[bytes], metadata: Metadata, version: str
+                     ) -> list[StagedBlock]:
+        reply = await self._stub.MatchPrefix(cache_pb2.MatchPrefixRequest(model=self.model, version=version,
                                                                           hashes=hashes), metadata=metadata)
         if not reply.matched:
             return []
         wanted = hashes[:reply.matched]
-        keys = [cache_pb2.BlockKey(model=self.model, version=self.version, hash=h) for h in wanted]
+        keys = [cache_pb2.BlockKey(model=self.model, version=version, hash=h) for h in wanted]
         call = self._stub.GetBlocks(cache_pb2.GetBlocksRequest(keys=keys), metadata=metadata)
         data: list[bytes] = []
         lay = self.layout
@@ -135,9 +143,11 @@ class RemoteCache:
         if batch.ready is not None:                 # a GPU's copy into pinned memory may still be running
             await asyncio.to_thread(batch.ready.synchronize)
 
+        version = self.key_version(batch.version)
+
         def messages() -> Iterator[cache_pb2.KVBlock]:
             for h, block in zip(batch.hashes, batch.kv, strict=True):
-                yield cache_pb2.KVBlock(key=cache_pb2.BlockKey(model=self.model, version=self.version, hash=h),
+                yield cache_pb2.KVBlock(key=cache_pb2.BlockKey(model=self.model, version=version, hash=h),
                                         data=kv_transfer.to_bytes(block), dtype=lay.dtype_name, shape=lay.shape,
                                         num_tokens=lay.block_size, tenant=self.tenant)
 

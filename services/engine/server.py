@@ -17,82 +17,29 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
 
 from mesh import peers
-from mesh.errors import InvalidArgument, ResourceExhausted
+from mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from mesh.grpcutil import Service, rpc_errors
-from mesh.models.folder import SAMPLING_DEFAULTS, sampling_defaults
+from mesh.models.folder import sampling_defaults
 from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine import metrics
 from services.engine.config import EngineConfig
+from services.engine.convert import output_to_pb, sampling_from_pb
 from services.engine.engine import Engine, Timing
-from services.engine.grammar import constraint_from_pb
+from services.engine.lifecycle import Lifecycle
 from services.engine.remote_cache import RemoteCache
-from services.engine.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprob
+from services.engine.request import FinishReason, Request, StepOutput
 
 log = logging.getLogger(__name__)
 
-FINISH = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
-}
-
-
-def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float] | None = None) -> SamplingParams:
-    """The engine's SamplingParams; the fields named in s.model_defaults take the model's generation_config
-    value (`defaults`) where it has one."""
-    unknown = sorted(set(s.model_defaults) - set(SAMPLING_DEFAULTS))
-    if unknown:
-        raise InvalidArgument(f"model_defaults names {', '.join(unknown)}; only {', '.join(SAMPLING_DEFAULTS)} "
-                              "may take the model's defaults")
-    given = {"temperature": s.temperature, "top_p": s.top_p, "top_k": float(s.top_k)}
-    for name in s.model_defaults:
-        if defaults and name in defaults:
-            given[name] = defaults[name]
-    top_p = given["top_p"]
-    return SamplingParams(
-        temperature=given["temperature"],
-        top_p=top_p if top_p > 0 else 1.0,
-        top_k=int(given["top_k"]),
-        seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens,
-        ignore_eos=s.ignore_eos,
-        stop_token_ids=tuple(s.stop_token_ids),
-        logprobs=s.logprobs or s.top_logprobs > 0,
-        top_logprobs=s.top_logprobs,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty or 1.0,
-        min_p=s.min_p,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
-        min_tokens=s.min_tokens,
-        constraint=constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
-        prompt_logprobs=s.prompt_logprobs,
-    )
-
-
-def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
-    def entries(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
-        return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[
-            common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
-    reply = engine_pb2.GenerateResponse(ids=out.new_ids, logprobs=entries(out.logprobs),
-                                        prompt_logprobs=entries(out.prompt_logprobs))
-    if out.finish_reason is not None:
-        reply.finish_reason = FINISH[out.finish_reason]
-        reply.usage.prompt_tokens = out.prompt_tokens
-        reply.usage.completion_tokens = out.completion_tokens
-        reply.usage.cached_tokens = out.cached_tokens
-    return reply
-
-
-class EngineServicer(engine_pb2_grpc.EngineServicer):
+class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: Engine, config: EngineConfig, remote: RemoteCache | None = None,
                  step_thread: ThreadPoolExecutor | None = None):
         self.engine = engine
@@ -105,6 +52,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._publisher: asyncio.Task[None] | None = None
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._wakeup = asyncio.Event()
+        self._loading = asyncio.Lock()             # one LoadVersion builds weights at a time
+        self.draining = False                      # Drain: no new work, then out of discovery
+        self.set_serving: Callable[[bool], Awaitable[None]] | None = None    # the Service's health
+        self.withdraw: Callable[[], Awaitable[None]] | None = None           # leave discovery
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
         # Always the same thread, the one that loaded the model (services/engine/__main__.py): OpenMP
@@ -135,7 +86,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            await self._wakeup.wait()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), 1.0)
+            except TimeoutError:              # idle: an old model version whose last request has gone
+                if len(self.engine.versions.models) > 1:
+                    self.engine.versions.release_unused()
+                continue
             self._wakeup.clear()              # a request added from here on sets it again
             if self.engine.has_work():
                 await loop.run_in_executor(self._step_thread, self._steps, loop)
@@ -174,6 +130,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         peers.require(context, "Generate", peers.ENGINE)
         request_id = request.request_id or uuid.uuid4().hex
+        if self.draining:
+            raise Unavailable(f"engine {self.config.replica_id} is draining; another replica takes new requests")
         if request_id in self.queues:
             raise InvalidArgument(f"request_id {request_id!r} is already in flight on this engine")
         with server_span("engine.generate", context, request_id=request_id,
@@ -251,7 +209,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if not hashes:
             return
         fetch_ns = time.time_ns()
-        req.staged = await self.remote.fetch(start, hashes, outgoing_metadata(context=span_context(span)))
+        req.staged = await self.remote.fetch(start, hashes, outgoing_metadata(context=span_context(span)),
+                                             model_version=req.version)
         if req.staged:
             self._staging[req.request_id] = req
         span_between("engine.kv_fetch", fetch_ns, time.time_ns(), span, local_blocks=start,
@@ -326,7 +285,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.EngineInfo(
             replica_id=self.config.replica_id,
             model=self.config.model,
-            model_version=self.config.model_version,
+            model_version=self.engine.versions.active,
+            loaded_versions=self.engine.versions.loaded(),
             region=self.config.region,
             dtype=plan.dtype,
             device=plan.device,

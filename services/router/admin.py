@@ -15,6 +15,7 @@ from services.router import metrics
 from services.router.failover import Failover
 from services.router.policies import AffinityRouter
 from services.router.replicas import Replica, ReplicaTable
+from services.router.shadow import Shadows
 from services.router.versions import ModelVersions, resolve_model, version_key
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class Routing(NamedTuple):
     default_version: str
     canary: dict[str, float]     # version -> share of unpinned requests
     versions: list[str]          # served versions, natural order
+    shadow: tuple[str, float] = ("", 0.0)       # (version, share) mirrored (shadow.py)
+    shadow_stats: dict[str, float] | None = None
 
 
 class ReplicaState(NamedTuple):
@@ -43,8 +46,9 @@ class ReplicaState(NamedTuple):
 
 class Admin:
     def __init__(self, table: ReplicaTable, versions: ModelVersions, failover: Failover, policy: AffinityRouter,
-                 default_model: str):
+                 default_model: str, shadows: Shadows | None = None):
         self.table, self.versions, self.failover, self.policy = table, versions, failover, policy
+        self.shadows = shadows or Shadows()
         self.default_model = default_model
 
     def resolve(self, model: str) -> str:
@@ -65,12 +69,15 @@ class Admin:
     def routing(self, model: str) -> Routing:
         served = self._served(model)
         routing = self.versions.routing(model, served)
-        return Routing(model, routing.default, dict(routing.canary), sorted(served, key=version_key))
+        stats = self.shadows.of(model, routing.shadow[0]).as_dict() if routing.shadow[0] else None
+        return Routing(model, routing.default, dict(routing.canary), sorted(served, key=version_key), routing.shadow,
+                       stats)
 
-    def set_routing(self, model: str, default_version: str, canary: Mapping[str, float] | None) -> Routing:
+    def set_routing(self, model: str, default_version: str, canary: Mapping[str, float] | None,
+                    shadow: tuple[str, float] | None = None) -> Routing:
         """Switch the default version and/or replace the canary shares (None: keep them).
         Requests already streaming keep their replica, so their version."""
-        self.versions.set(model, self._served(model), default_version, canary)
+        self.versions.set(model, self._served(model), default_version, canary, shadow)
         routing = self.routing(model)
         log.info("model %s: default version %s, canary %s", model, routing.default_version, routing.canary)
         return routing

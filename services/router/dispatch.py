@@ -12,6 +12,7 @@ mid-stream, another replica of the same model continues from the tokens already 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from services.router.policies import AffinityRouter, RouteRequest
 from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import Replica, ReplicaTable
 from services.router.sessions import merge, session_key
+from services.router.shadow import Deadline, Shadows
 from services.router.upstream import Sessions, Tokenizer, relay_error
 from services.router.versions import ModelVersions, resolve_model
 
@@ -48,6 +50,7 @@ class Dispatcher:
                  versions: ModelVersions, engines: Engines, tokenizer: Tokenizer, sessions: Sessions):
         self.config, self.table, self.policy, self.failover = config, table, policy, failover
         self.versions, self.engines, self.tokenizer, self.sessions = versions, engines, tokenizer, sessions
+        self.shadows = Shadows()
 
     async def generate(self, request: Request, request_id: str, incoming: list[Message],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[Reply]:
@@ -62,12 +65,39 @@ class Dispatcher:
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
+        mirrored = self._mirror(request, request_id, model, version, pinned_version, conversation, key, context)
+        started = time.monotonic()
         answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
-        async for reply in self._attempts(request, request_id, model, version, conversation, key, context, answer):
-            answer.append(reply.text)
-            if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
-            yield reply
+        try:
+            async for reply in self._attempts(request, request_id, model, version, conversation, key, context,
+                                              answer):
+                answer.append(reply.text)
+                if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
+                    if mirrored is not None:      # before the last message: the caller may close us after it
+                        mirrored.set_result(("".join(answer), time.monotonic() - started))
+                yield reply
+        finally:
+            if mirrored is not None and not mirrored.done():
+                mirrored.set_result(None)         # failed or left: nothing to compare the mirror with
+
+    def _mirror(self, request: Request, request_id: str, model: str, version: str, pinned_version: str,
+                conversation: list[Message], key: str, context: grpc.aio.ServicerContext
+                ) -> asyncio.Future[tuple[str, float] | None] | None:
+        """Shadow traffic (shadow.py): start the mirror of an unpinned request picked by the model's
+        shadow share; its outcome is compared, never sent.  None when this request is not mirrored."""
+        if pinned_version or request.pinned_replica or request.resume_ids or not version:
+            return None
+        shadow = self.versions.mirror(model, version, {r.model_version for r in self.table.serving(model)},
+                                      key or request_id)
+        if not shadow:
+            return None
+        copy = Request()
+        copy.CopyFrom(request)
+        copy.session_id = ""                    # the mirror stores nothing and follows no session
+        deadline = Deadline(context.time_remaining())
+        return self.shadows.start(model, shadow, lambda: self._attempts(
+            copy, f"{request_id}~shadow", model, shadow, conversation, "", deadline, []))  # type: ignore[arg-type]
 
     def choose_version(self, model: str, pinned_version: str, request: Request, key: str) -> str:
         """The version this request runs on; "" when any will do (a pinned replica, or none serving:
@@ -139,7 +169,8 @@ class Dispatcher:
         streamed = model                               # the model whose tokens `stream` holds
         try:
             for _ in range(4 * self.failover.config.max_attempts):
-                pool = [r for r in self.table.all() if r.model != model or not version or r.model_version == version]
+                pool = [r for r in self.table.all() if not r.draining and
+                        (r.model != model or not version or r.model_version == version)]
                 if stream.ids:                         # a stream continues on the model it started with
                     pool = [r for r in pool if r.model == streamed]
                 plan = call.plan(pool, now(), context.time_remaining())

@@ -30,6 +30,9 @@ FAILOVER = Counter("infermesh_router_failover_total",
 DEGRADED = Counter("infermesh_router_degraded_responses_total",
                    "Requests answered by a fallback model (marked degraded, lower confidence)",
                    ["model", "served_model"])
+SHADOW = Counter("infermesh_router_shadow_requests_total",
+                 "Requests mirrored to a shadow version, by how the shadow's answer compared with the served one",
+                 ["model", "version", "outcome"])
 SHED = Counter("infermesh_router_shed_total",
                "Requests refused with UNAVAILABLE + retry-after: no model of the chain had a replica free",
                ["model"])

@@ -39,6 +39,7 @@ class Replica:
     max_waiting: int = 0             # the engine's queue bound (GetInfo); 0: not reported
     healthy: bool = False
     in_flight: int = 0               # routed by this router and not finished: exact, never stale
+    draining: bool = False           # an operator drains it: no new requests (services/router/swap.py)
     # The last LoadReport; kv_blocks_total == 0 means none has arrived yet.
     running: int = 0
     waiting: int = 0

@@ -34,6 +34,7 @@ from services.router.engines import Engines, load_to_pb
 from services.router.failover import Failover, Saturated
 from services.router.policies import PolicyConfig, make_policy
 from services.router.replicas import ReplicaTable
+from services.router.swap import add, drain, load_everywhere
 from services.router.upstream import Sessions, Tokenizer
 from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch
@@ -52,7 +53,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.watch = ReplicaWatch(config, self.table, self.failover, engines, self.tokenizer.probed)
         self.dispatcher = Dispatcher(config, self.table, self.policy, self.failover, versions, engines,
                                      self.tokenizer, self.sessions)
-        self.admin = Admin(self.table, versions, self.failover, self.policy, config.default_model)
+        self.admin = Admin(self.table, versions, self.failover, self.policy, config.default_model,
+                           self.dispatcher.shadows)
         self.callers = Callers(config.api_key_digests, config.admin_key_digests, config.rate_limit,
                                config.auth_failure_limit)
         metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()),
@@ -63,6 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await self.watch.start(report_ready)
 
     async def close(self) -> None:
+        await self.dispatcher.shadows.close()
         await self.watch.close()
 
     def ready(self) -> bool:
@@ -113,7 +116,41 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.callers.check_admin(context, "SetModelRouting")
         model = self.admin.resolve(request.model)
         canary = dict(request.canary) if request.replace_canary else None
-        return _routing_pb(self.admin.set_routing(model, request.default_version, canary))
+        shadow = (request.shadow_version, request.shadow_share) if request.replace_shadow else None
+        return _routing_pb(self.admin.set_routing(model, request.default_version, canary, shadow))
+
+    @rpc_errors
+    async def LoadModelVersion(self, request: router_pb2.LoadModelVersionRequest,
+                               context: grpc.aio.ServicerContext) -> router_pb2.LoadModelVersionResponse:
+        """Hot swap on every replica of the model (services/router/swap.py); with activate, the default."""
+        self.callers.check_admin(context, "LoadModelVersion")
+        model = self.admin.resolve(request.model)
+        refused = name_problem("version", request.version)
+        if refused or not request.version:
+            raise InvalidArgument(refused or "version is empty")
+        loaded = await load_everywhere(self.table, self.watch.engines, model, request.version, request.source,
+                                       request.activate)
+        routing = self.admin.set_routing(model, request.version, None) if request.activate else \
+            self.admin.routing(model)
+        reply = router_pb2.LoadModelVersionResponse(routing=_routing_pb(routing))
+        for r in loaded:
+            reply.replicas.add(replica_id=r.replica_id, active_version=r.active_version,
+                               loaded_versions=r.loaded_versions, load_seconds=r.load_seconds)
+        return reply
+
+    @rpc_errors
+    async def DrainReplica(self, request: router_pb2.DrainReplicaRequest, context: grpc.aio.ServicerContext
+                           ) -> router_pb2.DrainReplicaResponse:
+        self.callers.check_admin(context, "DrainReplica")
+        finished = await drain(self.table, self.watch.engines, self.watch.discovery, request.replica_id)
+        return router_pb2.DrainReplicaResponse(replica_id=request.replica_id, finished=finished)
+
+    @rpc_errors
+    async def AddReplica(self, request: router_pb2.AddReplicaRequest, context: grpc.aio.ServicerContext
+                         ) -> router_pb2.AddReplicaResponse:
+        self.callers.check_admin(context, "AddReplica")
+        await add(self.watch.discovery, request.replica_id, request.address, request.region)
+        return router_pb2.AddReplicaResponse()
 
     @rpc_errors
     async def ListReplicas(self, request: router_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -133,8 +170,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
-    return router_pb2.ModelRouting(model=routing.model, default_version=routing.default_version,
-                                   canary=routing.canary, versions=routing.versions)
+    reply = router_pb2.ModelRouting(model=routing.model, default_version=routing.default_version,
+                                    canary=routing.canary, versions=routing.versions,
+                                    shadow_version=routing.shadow[0], shadow_share=routing.shadow[1])
+    if routing.shadow_stats is not None:
+        reply.shadow.CopyFrom(router_pb2.ShadowStats(**routing.shadow_stats))   # type: ignore[arg-type]
+    return reply
 
 
 def _refusal(request: router_pb2.RouterGenerateRequest) -> str | None:

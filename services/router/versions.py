@@ -44,6 +44,7 @@ def unit_interval(key: str) -> float:
 class VersionRouting:
     default: str = ""                                        # "" until set or first seen
     canary: dict[str, float] = field(default_factory=dict)   # version -> share of unpinned requests
+    shadow: tuple[str, float] = ("", 0.0)                    # (version, share) mirrored; "": none
 
 
 class ModelVersions:
@@ -59,8 +60,9 @@ class ModelVersions:
         return routing
 
     def set(self, model: str, served: Iterable[str], default: str = "",
-            canary: Mapping[str, float] | None = None) -> VersionRouting:
-        """Switch the default version and/or replace the canary shares; validates everything first."""
+            canary: Mapping[str, float] | None = None, shadow: tuple[str, float] | None = None) -> VersionRouting:
+        """Switch the default version and/or replace the canary shares and/or the shadow rule (None:
+        keep); validates everything first."""
         served = set(served)
         if not served:
             raise NotFound(f"model {model!r} has no replicas; nothing to route")
@@ -75,12 +77,28 @@ class ModelVersions:
                 raise InvalidArgument(f"canary share for version {version!r} is {share}; it must be in [0, 1]")
         if sum(shares.values()) > 1.0 + 1e-9:
             raise InvalidArgument(f"canary shares add up to {sum(shares.values()):.3f}; at most 1")
+        if shadow is not None and shadow[0]:
+            if shadow[0] not in served:
+                raise InvalidArgument(f"shadow version {shadow[0]!r} of {model!r} is not served "
+                                      f"(served: {_listed(served)})")
+            if not 0.0 < shadow[1] <= 1.0:
+                raise InvalidArgument(f"shadow share is {shadow[1]}; it must be in (0, 1]")
         routing = self.routing(model, served)
+        if shadow is not None:
+            routing.shadow = shadow if shadow[0] else ("", 0.0)
         if default:
             routing.default = default
         if canary is not None:
             routing.canary = {v: s for v, s in shares.items() if s > 0}
         return routing
+
+    def mirror(self, model: str, chosen: str, served: Iterable[str], key: str) -> str:
+        """The version to mirror this request to (shadow traffic), or "": a stable hash of `key` picks
+        the share; never the version that serves it, never one with no healthy replica."""
+        version, share = self.routing(model, served).shadow
+        if not version or version == chosen or version not in set(served):
+            return ""
+        return version if unit_interval("shadow:" + key) < share else ""
 
     def choose(self, model: str, served: Iterable[str], pinned: str = "", key: str = "") -> str:
         """The version for one request.  served: versions with at least one healthy replica."""

@@ -17,13 +17,14 @@ import pytest
 from mesh.clients.router import GenerateSpec, Message, Sampling
 from mesh.clients.routers import RouterPool, router_failed
 from mesh.grpcutil import Service, answered
-from meshpb.v1 import router_pb2_grpc
+from meshpb.v1 import engine_pb2, router_pb2_grpc
 from services.router.server import RouterServicer
 from tests.service.test_router import (
     FIRST,
     LENGTH,
     MODEL,
     Behaviour,
+    FakeEngine,
     Script,
     _until,
     chat,
@@ -210,5 +211,50 @@ def test_a_session_turn_is_refused_not_answered_without_its_history_when_the_sto
             assert "retry in" in (err.details() or "") and dict(err.trailing_metadata() or ())["retry-after"]
             # Requests without a session never touch the store.
             assert ids_of(await collect(mesh, chat(("user", "hi"), max_tokens=2))) == [FIRST, FIRST + 1]
+
+    run(scenario)
+
+
+class TwoVersions(FakeEngine):
+    """engine-0 serves version 1; engine-1 version 2, whose tokens differ from the fourth on."""
+
+    async def GetInfo(self, request: engine_pb2.EngineInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> engine_pb2.EngineInfo:
+        info = await super().GetInfo(request, context)
+        info.model_version = "2" if self.replica_id == "engine-1" else "1"
+        return info
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        async for reply in super().Generate(request, context):
+            if self.replica_id == "engine-1" and reply.ids and reply.ids[0] >= FIRST + 3:
+                reply.ids[0] += 50
+            yield reply
+
+
+def test_shadow_traffic_mirrors_compares_and_never_serves_the_shadow() -> None:
+    """Issue 21: every unpinned request mirrored to version 2; the client gets version 1's answer,
+    the comparison counts each mirror as diverged (at the fourth token) in the admin API and the metric."""
+    async def scenario() -> None:
+        async with running(engine=TwoVersions) as mesh:
+            await _until(lambda: {r.model_version for r in mesh.servicer.table.all()} == {"1", "2"}, "versions")
+            mesh.servicer.admin.set_routing(MODEL, "1", None, ("2", 1.0))
+            for i in range(4):
+                replies = await collect(mesh, chat(("user", f"hi {i}"), max_tokens=6, session=f"s-{i}"))
+                assert ids_of(replies) == [FIRST + p for p in range(6)]       # version 1's, never the shadow's
+                assert replies[-1].served_by.replica == "engine-0" and replies[-1].served_by.model_version == "1"
+            shadows = mesh.servicer.dispatcher.shadows
+            await _until(lambda: shadows.of(MODEL, "2").diverged == 4, "four mirrors compared")
+            stats = mesh.servicer.admin.routing(MODEL).shadow_stats
+            assert stats is not None and stats["mirrored"] == 4 and stats["matched"] == 0 and stats["failed"] == 0
+            # "t100 t101 t102 t103" against "t100 t101 t102 t153": they part at the "0" of "t103".
+            assert stats["mean_first_divergence"] == len(words([FIRST, FIRST + 1, FIRST + 2])) + len(" t1")
+            mirrored = [r for replica, r in mesh.script.calls if replica == "engine-1"]
+            assert len(mirrored) == 4 and all(r.request_id.endswith("~shadow") for r in mirrored)
+            assert all(len(turns) == 2 for turns in mesh.cache.sessions.values())   # the mirror stored nothing
+            # Ended: nothing mirrored any more.
+            mesh.servicer.admin.set_routing(MODEL, "", None, ("", 0.0))
+            await collect(mesh, chat(("user", "bye"), max_tokens=2))
+            assert len([1 for replica, _ in mesh.script.calls if replica == "engine-1"]) == 4
 
     run(scenario)

@@ -86,6 +86,25 @@ def test_static_watch_yields_once_then_waits_and_register_is_a_no_op() -> None:
     asyncio.run(scenario())
 
 
+def test_static_list_changes_at_runtime_and_every_watcher_sees_it() -> None:
+    """Issue 21: replicas added and drained at runtime with static discovery (the router's admin RPCs)."""
+    async def scenario() -> None:
+        d = StaticDiscovery([E0, TOK])
+        first, second = d.watch("engine"), d.watch("engine")
+        assert await anext(first) == [E0] and await anext(second) == [E0]
+        await d.add(E1)
+        assert await asyncio.wait_for(anext(first), 1) == [E0, E1]
+        assert await d.remove("engine", "engine-0") and not await d.remove("engine", "engine-0")
+        assert await asyncio.wait_for(anext(first), 1) == [E1]
+        # A watcher that was busy meanwhile still gets the latest list; a change to another service is not news.
+        assert await asyncio.wait_for(anext(second), 1) in ([E0, E1], [E1])
+        await d.add(Endpoint("tokenizer", "tokenizer-1", "127.0.0.1:9"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(anext(first), 0.05)
+
+    asyncio.run(scenario())
+
+
 def test_make_discovery_picks_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     static = make_discovery("static", [E0])
     assert isinstance(static, StaticDiscovery) and static.endpoints("engine") == [E0]

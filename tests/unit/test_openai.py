@@ -190,12 +190,15 @@ def test_response_shapes_carry_infermesh_metadata() -> None:
 
 
 def test_model_routing_body_is_checked() -> None:
-    assert openai.parse_model_routing({"default_version": "2"}) == ("2", None)
-    assert openai.parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25})
-    assert openai.parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {})
-    for body, match in [({}, "default_version and/or canary"), ({"canary": [1]}, "object of version"),
+    assert openai.parse_model_routing({"default_version": "2"}) == ("2", None, None)
+    assert openai.parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25}, None)
+    assert openai.parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {}, None)
+    assert openai.parse_model_routing({"shadow": {"version": "2", "share": 0.5}}) == ("", None, ("2", 0.5))
+    assert openai.parse_model_routing({"shadow": None}) == ("", None, ("", 0.0))      # ends shadowing
+    for body, match in [({}, "default_version, canary and/or shadow"), ({"canary": [1]}, "object of version"),
                         ({"canary": {"2": 2}}, r"in \[0, 1\]"), ({"canary": {"2": True}}, r"in \[0, 1\]"),
-                        ({"weights": {}}, "unrecognized field")]:
+                        ({"weights": {}}, "unrecognized field"), ({"shadow": {"version": "2", "share": 0}}, "shadow"),
+                        ({"shadow": {"version": "2", "share": 1, "x": 1}}, "shadow"), ({"shadow": 3}, "shadow")]:
         with pytest.raises(ApiError, match=match):
             openai.parse_model_routing(body)
 

@@ -15,8 +15,9 @@ def test_generated_modules_import(name: str) -> None:
 
 @pytest.mark.parametrize("service,rpcs", [
     ("tokenizer", {"ApplyChatTemplate", "Encode", "GetTokenizerJson"}),
-    ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo"}),
-    ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting"}),
+    ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo", "LoadVersion", "Drain"}),
+    ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
+                "DrainReplica", "AddReplica"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
                "DeleteSession"}),
 ])

@@ -1,0 +1,54 @@
+"""A request's admission checks: the model's context, the KV cache's size, the fields' ranges."""
+
+from __future__ import annotations
+
+from mesh.errors import InvalidArgument
+from services.engine.block_manager import BlockManager
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request, SamplingParams, TokenLogprob
+
+
+def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, prompt_ids: list[int],
+                  sampling: SamplingParams, resume_ids: list[int] | None = None, priority: int = 0,
+                  cache_salt: bytes = b"") -> Request:
+    """Validate a request against the model's and the KV cache's limits; raise a precise error."""
+    resume = list(resume_ids or [])
+    limit = runner.max_context
+    if not prompt_ids:
+        raise InvalidArgument("the prompt is empty")
+    bad = next((i for i in prompt_ids + resume + [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)
+                if not 0 <= i < runner.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token id {bad} is outside the vocabulary (size {runner.vocab_size})")
+    context = len(prompt_ids) + len(resume)
+    if context >= limit:
+        raise InvalidArgument(
+            f"the prompt has {context} tokens but the model's context is {limit} tokens; shorten the prompt")
+    max_tokens = sampling.max_tokens or (limit - len(prompt_ids))
+    if len(prompt_ids) + max_tokens > limit:
+        raise InvalidArgument(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {limit} tokens; lower max_tokens to at most {limit - len(prompt_ids)}")
+    if len(resume) >= max_tokens:
+        raise InvalidArgument(f"resume_ids already hold {len(resume)} of max_tokens {max_tokens}")
+    capacity = blocks.num_blocks * blocks.block_size
+    if len(prompt_ids) + max_tokens > capacity:
+        # Permanent for this request (a 400, not a retry-later 429).
+        raise InvalidArgument(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can never fit this engine's KV "
+            f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
+    if priority not in (0, 1):
+        raise InvalidArgument(f"priority {priority} is not 0 (interactive) or 1 (batch)")
+    if len(cache_salt) > 256:
+        raise InvalidArgument(f"cache_salt is {len(cache_salt)} bytes; at most 256")
+    if getattr(runner.model, "dynamic", False) and len(prompt_ids) > runner.config.max_position:
+        # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
+        cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
+    if sampling.prompt_logprobs:
+        # Every prompt position is computed (its logits are wanted): a namespace no other request shares.
+        cache_salt = cache_salt + b"|prompt-logprobs:" + request_id.encode()
+    req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
+    req.priority = priority
+    if sampling.prompt_logprobs:
+        req.prompt_logprobs.append(TokenLogprob(prompt_ids[0], float("nan")))
+    return req
