@@ -78,6 +78,24 @@ class Versions:
             self.folders[version] = folder
             self._holders.setdefault(version, weakref.WeakValueDictionary())
 
+    def replace(self, version: str, folder: Path) -> None:
+        """With nothing in flight (the engine drained): free every version's weights, then load and
+        activate `version` alone, for when two would not fit in memory."""
+        with self._lock:
+            dropped = [v for v in self.models if v != version]
+            self.models.clear()
+            self.folders.clear()
+            self._holders = {}
+            self.runner.model = None
+            self.active = ""
+        gc.collect()
+        self.released.extend(dropped)
+        self.build(version, folder)
+        with self._lock:
+            self.active, self._pending = version, None
+        self.runner.use_model(self.models[version])
+        log.info("version %s replaced %s (drained first: not enough memory for both)", version, ", ".join(dropped))
+
     def activate(self, version: str) -> None:
         """New requests run on `version` from the next step on."""
         if version not in self.models:
@@ -154,3 +172,18 @@ def _model_type(folder: Path) -> str:
         raise InvalidArgument(f"{folder}: model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}")
     return str(model_type)
 
+
+def weight_bytes(folder: Path) -> int:
+    """What a version's weights take, as their files do (an upper bound for the dtypes this engine runs)."""
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))
+
+
+def available_bytes() -> int:
+    """The memory the kernel says can be had without swapping (/proc/meminfo MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62                  # unknown: do not refuse

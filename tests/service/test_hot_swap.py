@@ -113,3 +113,62 @@ def test_a_version_that_cannot_share_the_cache_is_refused(folders: tuple[Path, P
     with pytest.raises(FailedPrecondition, match="loaded already"):
         engine.versions.build("1", folders[0])
     assert engine.versions.loaded() == ["1"]
+
+
+def test_replace_frees_the_running_weights_before_loading(folders: tuple[Path, Path]) -> None:
+    v1, v2 = folders
+    engine = engine_on(v1)
+    engine.versions.replace("2", v2)
+    assert engine.versions.active == "2" and engine.versions.loaded() == ["2"] and engine.versions.released == ["1"]
+    outputs: dict[str, list[int]] = {}
+    engine.add(engine.make_request("x", PROMPT, GREEDY))
+    run_to_end(engine, outputs, {})
+    assert outputs["x"] == alone(v2, PROMPT)
+
+
+def test_load_version_over_grpc_beside_or_drained_when_memory_is_short(folders: tuple[Path, Path],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoadVersion: loaded beside (GetInfo lists both, then v1 is released); and when the weights would not fit
+    beside, the engine drains (new calls UNAVAILABLE) and replaces them; activate=false then is refused."""
+    import asyncio
+
+    import grpc
+
+    from meshpb.v1 import engine_pb2
+    from services.engine import lifecycle
+    from tests.service.test_engine_server import request, serving
+
+    v1, v2 = folders
+
+    async def scenario() -> None:
+        async with serving(v1) as (stub, servicer):
+            reply = await stub.LoadVersion(engine_pb2.LoadVersionRequest(version="2", folder=str(v2), activate=True))
+            assert reply.active_version == "2" and list(reply.loaded_versions) in (["1", "2"], ["2"])
+            info = await stub.GetInfo(engine_pb2.EngineInfoRequest())
+            assert info.model_version == "2"
+            ids = [i async for r in stub.Generate(request("after")) for i in r.ids]
+            assert len(ids) == 3
+            for _ in range(40):                     # idle: v1, held by nothing, is released within ~1 s
+                if servicer.engine.versions.loaded() == ["2"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert servicer.engine.versions.loaded() == ["2"]
+            monkeypatch.setattr(lifecycle, "available_bytes", lambda: 1)      # no room for two versions
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.LoadVersion(engine_pb2.LoadVersionRequest(version="3", folder=str(v1)))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "do not fit beside" in (refused.value.details() or "")
+            servicer.draining = True                # as the replacement runs: new calls go elsewhere
+            with pytest.raises(grpc.aio.AioRpcError) as draining:
+                async for _ in stub.Generate(request("during")):
+                    pass
+            assert draining.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in (draining.value.details()
+                                                                                           or "")
+            servicer.draining = False
+            reply = await stub.LoadVersion(engine_pb2.LoadVersionRequest(version="3", folder=str(v1), activate=True))
+            assert reply.active_version == "3" and list(reply.loaded_versions) == ["3"]
+            assert not servicer.draining
+            ids = [i async for r in stub.Generate(request("back")) for i in r.ids]
+            assert len(ids) == 3
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
