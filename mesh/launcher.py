@@ -198,6 +198,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     return [
         [Child("cache-0", [*py, "services.cache", "--replica-id", "cache-0", "--port",
                            str(config.port(CACHE_PORT)), "--metrics-port", str(config.port(CACHE_METRICS_PORT)),
+                           # the local checkpoint store, for other regions' `model sync --from grpc://`
+                           "--checkpoint-store", str(home() / "checkpoints"),
                            *state, *discovery, *config.tls("cache")], cache),
          *tokenizers,
          *engines],

@@ -21,11 +21,14 @@ def add_parsers(msub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     pub.add_argument("--store", default="", help="the store folder (default: <infermesh home>/checkpoints)")
     pub.add_argument("--key", default="", help="signing key (default: <infermesh home>/keys/signing.key)")
     pub.add_argument("--chunk-mb", type=int, default=1, help="chunk size in MiB (default 1)")
-    sync = msub.add_parser("sync", help="fetch a version's missing chunks from a store (folder or http(s) URL), "
+    sync = msub.add_parser("sync", help="fetch a version's missing chunks from a store (folder, http(s) URL, or "
+                                        "grpc://HOST:PORT of a cache service serving one), "
                                         "verify every chunk and the signature, then make it loadable")
     sync.add_argument("name")
     sync.add_argument("version")
     sync.add_argument("--from", dest="source", required=True, metavar="SOURCE", help="store folder or URL")
+    sync.add_argument("--tls-dir", default="", help="grpc://: the mesh client certificate folder (default: "
+                                                    "$INFERMESH_MESH_TLS_DIR, else <infermesh home>/mesh-ca/client)")
     sync.add_argument("--trusted", default="", help="folder of trusted public keys (*.pub; default: "
                                                     "<infermesh home>/trusted-keys)")
 
@@ -47,6 +50,8 @@ def run(a: argparse.Namespace) -> int:
             print(f"{a.name} {a.version}: {done.size:,} bytes, {done.chunks_written} new chunks "
                   f"({done.bytes_written:,} bytes compressed) -> {done.manifest}")
         else:
+            if a.source.startswith("grpc://"):
+                _mesh_credentials(a.tls_dir)
             got = ship.sync(a.source, a.name, a.version, Path(a.trusted) if a.trusted else None)
             print(f"{a.name} {a.version}: signed by key {got.key_id}; fetched {got.chunks_fetched} chunks, "
                   f"{got.bytes_fetched:,} bytes for {got.size:,} ({got.bytes_fetched / max(got.size, 1):.1%}); "
@@ -55,6 +60,17 @@ def run(a: argparse.Namespace) -> int:
         print(f"infermesh model {a.action}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _mesh_credentials(tls_dir: str) -> None:
+    """A cache service speaks mutual TLS: $INFERMESH_MESH_TLS_DIR, else this machine's mesh client leaf."""
+    import os
+
+    from mesh import credentials
+    from mesh.models import home
+
+    default = home() / "mesh-ca" / "client"
+    credentials.configure(tls_dir or os.environ.get(credentials.ENV_VAR, str(default) if default.is_dir() else ""))
 
 
 def _model_folder(name: str) -> Path:

@@ -5,7 +5,8 @@
                                                  the signature, assembles the version's folder, and only then
                                                  moves it into place (loadable)
 
-`source`: a store folder, or an http(s):// URL of one (any static file server).  The local chunk
+`source`: a store folder, an http(s):// URL of one (any static file server), or grpc://HOST:PORT: a
+region's cache service serving its store (`--checkpoint-store`).  The local chunk
 store is `<infermesh home>/checkpoints/chunks`, so a second version costs only the chunks it
 changed; the folders land in `<infermesh home>/checkpoints/models/NAME/VERSION`.
 Layout, formats and keys: mesh/checkpoints/manifest.py.
@@ -126,9 +127,11 @@ def fetcher(source: str) -> Fetch:
                 raise CheckpointError(f"{base}/{rel}: {exc}") from None
 
         return get
+    if source.startswith("grpc://"):
+        return _grpc_fetcher(source.removeprefix("grpc://"))
     root = Path(source).expanduser()
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint source {source!r} is neither a folder nor an http(s):// URL")
+        raise CheckpointError(f"checkpoint source {source!r} is neither a folder nor an http(s):// or grpc:// URL")
 
     def read(rel: str) -> bytes:
         try:
@@ -137,6 +140,30 @@ def fetcher(source: str) -> Fetch:
             raise CheckpointError(f"{root / rel}: {exc.strerror or exc}") from None
 
     return read
+
+
+def _grpc_fetcher(address: str) -> Fetch:
+    """A region's cache service serving its checkpoint store (GetCheckpointFile), with the process's mesh
+    credentials (mutual TLS) when it has them."""
+    import grpc
+
+    from mesh import credentials
+    from mesh.grpcutil import CHANNEL_OPTIONS
+    from meshpb.v1 import cache_pb2, cache_pb2_grpc
+
+    tls = credentials.current()
+    channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                  options=CHANNEL_OPTIONS + credentials.TLS_CHANNEL_OPTIONS) if tls else \
+        grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub = cache_pb2_grpc.CacheStub(channel)
+
+    def get(rel: str) -> bytes:
+        try:
+            return bytes(stub.GetCheckpointFile(cache_pb2.CheckpointFileRequest(path=rel), timeout=120).data)
+        except grpc.RpcError as err:
+            raise CheckpointError(f"grpc://{address}/{rel}: {err.code().name}: {err.details()}") from None
+
+    return get
 
 
 def sync(source: str, name: str, version: str, trusted: Path | None = None, store: Path | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
@@ -49,6 +50,8 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
     p.add_argument("--tenant-weights", type=parse_weights, default=CacheConfig.tenant_weights,
                    help="SLA class weights for --eviction tenant, e.g. premium=4,standard=2,batch=1")
     p.add_argument("--max-block-mb", type=int, default=CacheConfig.max_block_mb, help="largest KV block (MiB)")
+    p.add_argument("--checkpoint-store", default="", metavar="DIR",
+                   help="serve this checkpoint store (mesh/checkpoints) to `infermesh model sync --from grpc://...`")
     p.add_argument("--sessions-dir", default="", metavar="DIR",
                    help="keep sessions across restarts in DIR/sessions.jsonl (default: memory only)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
@@ -59,7 +62,7 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
                            discovery=a.discovery, hot_mb=a.hot_mb, cold_dir=a.cold_dir, cold_mb=a.cold_mb,
                            eviction=a.eviction, tenant_weights=a.tenant_weights, max_block_mb=a.max_block_mb,
                            metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir,
-                           sessions_dir=a.sessions_dir)
+                           sessions_dir=a.sessions_dir, checkpoint_store=a.checkpoint_store)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -74,7 +77,8 @@ async def serve(config: CacheConfig) -> None:
         restored = journal.load(sessions, time.monotonic())
         log.info("sessions kept in %s (%d brought back)", journal.path, restored)
     service = Service("meshpb.v1.Cache", config.host, config.port, max_receive_bytes=MAX_MESSAGE_BYTES)
-    add_to(service, CacheServicer(sessions, blocks, journal))
+    add_to(service, CacheServicer(sessions, blocks, journal,
+                                  Path(config.checkpoint_store) if config.checkpoint_store else None))
     if config.metrics_port:
         watch(blocks, config.replica_id)        # registered before /metrics is served
     log.info("cache %s serving on %s (KV blocks: %d MiB hot, %s, %s eviction)", config.replica_id, service.address,

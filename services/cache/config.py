@@ -18,6 +18,7 @@ class CacheConfig:
     max_sessions: int = 100_000
     max_messages_per_session: int = 1_000
     sessions_dir: str = ""              # sessions kept across restarts (services/cache/journal.py); "": memory
+    checkpoint_store: str = ""          # a checkpoint store served to other regions (GetCheckpointFile); "": none
     discovery: str = "static"           # static | consul: where this process announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
     tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext

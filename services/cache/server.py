@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
+from pathlib import Path
 
 import grpc
 
 from mesh import peers
 from mesh.chat import from_pb, to_pb
+from mesh.errors import InvalidArgument, NotFound
 from mesh.grpcutil import Service, rpc_errors
 from mesh.telemetry import server_span
 from meshpb.v1 import cache_pb2, cache_pb2_grpc
@@ -16,6 +20,10 @@ from services.cache.block_rpcs import BlockRPCs
 from services.cache.journal import SessionJournal
 from services.cache.sessions import Session, SessionStore
 from services.cache.store import BlockStore
+
+# What GetCheckpointFile serves (mesh/checkpoints/manifest.py's layout), nothing else of the folder.
+STORE_FILE = re.compile(r"manifests/[A-Za-z0-9][A-Za-z0-9._-]{0,127}/[A-Za-z0-9][A-Za-z0-9._-]{0,63}\.(json|sig)"
+                        r"|chunks/[0-9a-f]{2}/[0-9a-f]{64}\.zst")
 
 
 def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.SessionContext:
@@ -33,8 +41,10 @@ def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.Session
 
 
 class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
-    def __init__(self, sessions: SessionStore, blocks: BlockStore, journal: SessionJournal | None = None):
+    def __init__(self, sessions: SessionStore, blocks: BlockStore, journal: SessionJournal | None = None,
+                 checkpoint_store: Path | None = None):
         self.sessions = sessions
+        self.checkpoint_store = checkpoint_store      # served to other regions' `model sync` (GetCheckpointFile)
         self.journal = journal          # sessions kept across restarts (services/cache/journal.py); None: memory
         self.blocks = blocks            # the KV block store (services/cache/block_rpcs.py serves it)
         metrics.watch_sessions(lambda: len(self.sessions))
@@ -71,6 +81,21 @@ class CacheServicer(BlockRPCs, cache_pb2_grpc.CacheServicer):
             if found and self.journal is not None:
                 self.journal.deleted(self.sessions, request.session_id, now)
             return cache_pb2.DeleteSessionResponse(found=found)
+
+    @rpc_errors
+    async def GetCheckpointFile(self, request: cache_pb2.CheckpointFileRequest, context: grpc.aio.ServicerContext
+                                ) -> cache_pb2.CheckpointFile:
+        peers.require(context, "GetCheckpointFile", peers.CHECKPOINTS)
+        if self.checkpoint_store is None:
+            raise NotFound("this cache service serves no checkpoint store (start it with --checkpoint-store DIR)")
+        if not STORE_FILE.fullmatch(request.path):
+            raise InvalidArgument(f"{request.path[:200]!r} is not a checkpoint store file "
+                                  "(manifests/NAME/VERSION.json|.sig or chunks/ab/<sha256>.zst)")
+        try:
+            data = await asyncio.to_thread((self.checkpoint_store / request.path).read_bytes)
+        except FileNotFoundError:
+            raise NotFound(f"{request.path} is not in this checkpoint store") from None
+        return cache_pb2.CheckpointFile(data=data)
 
     @rpc_errors
     async def GetStats(self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext

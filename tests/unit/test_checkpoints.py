@@ -143,3 +143,38 @@ def test_sync_from_an_http_store(tmp_path: Path, keys: tuple[Path, Path], versio
     assert (synced.folder / "model.safetensors").read_bytes() == versions[2]
     with pytest.raises(CheckpointError, match="HTTP 404"):
         sync(http_store, "m", "9", trusted=keys[1], store=tmp_path / "local", target=tmp_path / "m9")
+
+
+def test_sync_from_a_cache_service_over_grpc(tmp_path: Path, keys: tuple[Path, Path],
+                                             versions: tuple[Path, bytes, bytes]) -> None:
+    """Another region's cache service serves its checkpoint store (GetCheckpointFile); only store files."""
+    import asyncio
+
+    import grpc
+
+    from mesh.grpcutil import Service, channel
+    from meshpb.v1 import cache_pb2, cache_pb2_grpc
+    from services.cache.server import CacheServicer, add_to
+    from services.cache.sessions import SessionStore
+    from services.cache.store import BlockStore
+
+    async def scenario() -> None:
+        service = Service("meshpb.v1.Cache", "127.0.0.1", 0)
+        add_to(service, CacheServicer(SessionStore(), BlockStore.create(1 << 20), checkpoint_store=versions[0]))
+        await service.start()
+        try:
+            source = f"grpc://127.0.0.1:{service.port}"
+            synced = await asyncio.to_thread(sync, source, "m", "2", keys[1], tmp_path / "local", tmp_path / "m2")
+            assert (synced.folder / "model.safetensors").read_bytes() == versions[2]
+            with pytest.raises(CheckpointError, match="NOT_FOUND"):
+                await asyncio.to_thread(sync, source, "m", "9", keys[1], tmp_path / "local", tmp_path / "m9")
+            async with channel(f"127.0.0.1:{service.port}") as ch:
+                stub = cache_pb2_grpc.CacheStub(ch)
+                for path in ("../secret", "manifests/m/../../x.json", "config.json"):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.GetCheckpointFile(cache_pb2.CheckpointFileRequest(path=path))
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await service.stop(0)
+
+    asyncio.run(scenario())

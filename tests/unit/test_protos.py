@@ -19,7 +19,7 @@ def test_generated_modules_import(name: str) -> None:
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
                 "DrainReplica", "AddReplica"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
-               "DeleteSession"}),
+               "DeleteSession", "GetCheckpointFile"}),
 ])
 def test_service_contracts(service: str, rpcs: set[str]) -> None:
     module = importlib.import_module(f"meshpb.v1.{service}_pb2")
