@@ -39,12 +39,12 @@ async def read_body(receive: Receive, headers: dict[str, str], limit: int, timeo
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline = asyncio.get_running_loop().time() + timeout_s
     chunks, size = [], 0
     while True:
         try:
-            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            async with asyncio.timeout_at(deadline):       # (wait_for may swallow a cancellation on 3.11)
+                message = await receive()
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
                            code="request_timeout", close=True) from None

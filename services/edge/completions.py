@@ -159,8 +159,12 @@ class Completions:
             # for it would hold an engine slot, and edge memory, for as long as it cares to read.
             message = {"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
                        "more_body": True}
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the cancellation that a
+            # client's disconnect sends (when the send completes in the same instant), and this stream
+            # would then go on, unread, for as long as the generation does.
             try:
-                await asyncio.wait_for(send(message), self.config.stream_send_timeout_s)
+                async with asyncio.timeout(self.config.stream_send_timeout_s):
+                    await send(message)
             except TimeoutError:
                 raise SlowReader from None
 

@@ -72,7 +72,8 @@ class Shadows:
                 async for reply in run():
                     text.append(reply.text)
             shadow_s = time.monotonic() - started
-            primary = await asyncio.wait_for(served, SHADOW_TIMEOUT_S)
+            async with asyncio.timeout(SHADOW_TIMEOUT_S):
+                primary = await served
         except Exception:                       # the shadow failed, or took too long: nothing to compare
             primary, shadow_s = None, 0.0
         if primary is None:
