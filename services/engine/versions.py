@@ -137,6 +137,8 @@ class Versions:
         return list(groups.items())
 
     def run(self, chunks: list[Chunk], greedy: bool) -> torch.Tensor:
+        if len(self.models) == 1:                # the usual step: one version, no grouping (every step)
+            return self.runner.run(chunks, greedy=greedy)
         groups = self.order(chunks)
         if len(groups) == 1 and groups[0][0] == self.active:
             return self.runner.run(chunks, greedy=greedy)
