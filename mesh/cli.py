@@ -19,7 +19,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
                             kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]),
                             fallback_engines=a.fallback_engines, mesh_tls=not a.insecure_mesh,
                             restart=not a.no_restart, routers=a.routers, tokenizers=a.tokenizers,
-                            cache_dir=a.cache_dir)
+                            cache_dir=a.cache_dir, session_store=a.session_store)
     except ValueError as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
@@ -230,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--cache-dir", default="", metavar="DIR",
                     help="where the cache service keeps its disk tier of KV blocks and its sessions across "
                          "restarts (default <infermesh home>/cache/<its port>; 'none': memory only)")
+    up.add_argument("--session-store", default="embedded", metavar="embedded|URL",
+                    help="where sessions live: 'embedded' (the cache service, kept in --cache-dir) or Redis, "
+                         "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], with the same sliding TTL")
     up.add_argument("--model", action="append", help="model NAME (default: the default model)")
     up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto",
                     help="engines' compute: auto = the matmul kinds measured fastest on this machine, none less "

@@ -6,10 +6,14 @@ Standard library only: mesh.models (imported by the CLI, which must start fast) 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Every temp file write_atomic makes ends so: a startup scan may delete what a crash left.
 TMP_SUFFIX = ".tmp"
@@ -60,3 +64,33 @@ def exclusive_lock(lock_file: str | os.PathLike[str]) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+class WatchedFile:
+    """A settings file read again when its modification time or size changes (`refresh`); a version that
+    does not parse is logged and the last good value kept."""
+
+    def __init__(self, path: str, parse: Callable[[str], Any]):
+        self.path, self.parse = path, parse
+        self.stamp: tuple[int, int] | None = None
+        self.value = self._read()
+
+    def _stat(self) -> tuple[int, int]:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size)
+
+    def _read(self) -> Any:
+        self.stamp = self._stat()
+        return self.parse(Path(self.path).read_text())
+
+    def refresh(self) -> bool:
+        """True when the file changed and was read again."""
+        try:
+            if self._stat() == self.stamp:
+                return False
+            self.value = self._read()
+            log.info("%s reloaded", self.path)
+            return True
+        except (OSError, ValueError) as exc:
+            log.error("%s not reloaded, the last good version stays: %s", self.path, exc)
+            return False

@@ -27,6 +27,7 @@ from mesh.grpcutil import check_health
 from mesh.models import canonical, home, served_model
 from mesh.pki import ensure_mesh_ca
 from mesh.supervise import supervise
+from services.cache.config import EMBEDDED, redis_address
 
 log = logging.getLogger("launcher")
 
@@ -61,6 +62,7 @@ class MeshConfig:
     routers: int = 1                   # router replicas: the edge spreads over them (mesh/clients/routers.py)
     tokenizers: int = 1                # tokenizer replicas: each router balances over them
     cache_dir: str = ""                # the cache service's disk tier and sessions; "": under home; "none": memory
+    session_store: str = EMBEDDED      # the cache service's --session-store: embedded (in cache_dir) or redis://...
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -87,6 +89,7 @@ class MeshConfig:
             raise ValueError("--routers and --tokenizers must be between 1 and 9")
         if self.engines < len(self.versions):
             raise ValueError(f"{len(self.versions)} versions need at least as many --engines (got {self.engines})")
+        redis_address(self.session_store)           # refused here, before any child starts
 
     def port(self, base: int) -> int:
         return base + self.port_offset
@@ -116,6 +119,7 @@ class Child:
     name: str
     argv: list[str]
     health: str                        # gRPC address, or an http:// URL for the edge
+    env: dict[str, str] = field(default_factory=dict)   # added to the launcher's environment
     proc: asyncio.subprocess.Process | None = None
     relay: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -183,12 +187,22 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     http_port = config.port(HTTP_PORT)
     edge = Child("edge-0", [*py, "services.edge", "--replica-id", "edge-0", "--host", config.host,
                             "--http-port", str(http_port), "--http3-port", str(config.port(HTTP3_PORT)),
-                            "--router", ",".join(r.health for r in routers), *discovery, *config.tls("edge")],
+                            "--router", ",".join(r.health for r in routers), "--cache-service", cache, *discovery,
+                            *config.tls("edge")],
                  f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")
                  else f"http://{config.host}:{http_port}/health")
     kept = config.cache_folder()
-    # The cache keeps its KV blocks' disk tier and its sessions here, so a restart loses neither.
-    state = ["--cold-dir", str(kept / "blocks"), "--sessions-dir", str(kept)] if kept else []
+    # The cache keeps its KV blocks' disk tier and its sessions here, so a restart loses neither
+    # (sessions in Redis stay there).  A Redis URL with a password goes by the environment: `ps`
+    # shows every command line.
+    state = ["--cold-dir", str(kept / "blocks")] if kept else []
+    redis, secret = redis_address(config.session_store), {}
+    if redis is not None and redis.password:
+        secret = {"INFERMESH_CACHE_SESSION_STORE": config.session_store}
+    elif redis is not None:
+        state += ["--session-store", config.session_store]
+    elif kept:
+        state += ["--sessions-dir", str(kept)]
     tokenizers = [Child(f"tokenizer-{i}", [*py, "services.tokenizer", "--replica-id", f"tokenizer-{i}", "--port",
                                            str(config.tokenizer_port(i)), "--metrics-port",
                                            str(config.port(TOKENIZER_METRICS_PORT if i == 0
@@ -200,7 +214,7 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                            str(config.port(CACHE_PORT)), "--metrics-port", str(config.port(CACHE_METRICS_PORT)),
                            # the local checkpoint store, for other regions' `model sync --from grpc://`
                            "--checkpoint-store", str(home() / "checkpoints"),
-                           *state, *discovery, *config.tls("cache")], cache),
+                           *state, *discovery, *config.tls("cache")], cache, secret),
          *tokenizers,
          *engines],
         routers,
@@ -222,7 +236,7 @@ async def _relay_logs(child: Child) -> None:
 
 
 async def _start(child: Child) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
     child.proc = await asyncio.create_subprocess_exec(
         *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
         start_new_session=True, preexec_fn=_die_with_parent)

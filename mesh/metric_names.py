@@ -34,7 +34,8 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_edge_requests_total", "counter", "edge", "route status", "HTTP requests by route and status code"),
     _m("infermesh_edge_refused_total", "counter", "edge", "limit",
        "Requests refused by the edge's limits: requests, tokens (rate limits, 429), in_flight (503), "
-       "auth_failures (a client address past its failed-key limit, 429)"),
+       "auth_failures (a client address past its failed-key limit, 429), signature (a bad, stale or replayed "
+       "signed request, 401)"),
     _m("infermesh_edge_time_to_first_token_seconds", "histogram", "edge", "",
        "Streaming request: arrival to the first text delta, as the client sees it"),
     _m("infermesh_edge_request_duration_seconds", "histogram", "edge", "", "Completion request duration"),
@@ -43,6 +44,17 @@ METRICS: tuple[Metric, ...] = (
        "Streams ended because the client took longer than --stream-send-timeout to accept a chunk"),
     _m("infermesh_edge_router_failovers_total", "counter", "edge", "router",
        "Requests moved to another router because theirs went away (mid-stream: resumed from the tokens sent)"),
+    _m("infermesh_edge_tenant_requests_total", "counter", "edge", "tenant tier status",
+       "Requests by authenticated tenant (keys-file or JWT tenant; a key without one: key:<digest prefix>; "
+       "no keys: anonymous), tier and HTTP status"),
+    _m("infermesh_edge_tenant_tokens_total", "counter", "edge", "tenant tier",
+       "Prompt + completion tokens used, by tenant and tier"),
+    _m("infermesh_edge_response_cache_total", "counter", "edge", "outcome",
+       "Response cache: hit_memory, hit_shared, miss, stale_version (the default version changed), bypass, "
+       "stored, shared_error"),
+    _m("infermesh_edge_content_filtered_total", "counter", "edge", "direction category",
+       "Inputs refused (400 content_filter) and outputs cut (finish_reason content_filter) by the content "
+       "policy, by direction (input, output) and category"),
     # -- every gRPC service (router, tokenizer, engine, cache) ----------------------------
     _m("infermesh_grpc_server_requests_total", "counter", GRPC_SERVICES, "service method code",
        "gRPC requests served, by method (its span name, e.g. router.generate) and status code (OK, UNAVAILABLE...)"),
@@ -54,13 +66,14 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_router_replica_failures_total", "counter", "router", "replica", "Streams a replica failed"),
     _m("infermesh_router_failover_total", "counter", "router", "level",
        "Failover actions: level 1 a replica isolated, 2 an attempt retried elsewhere, 3 a fallback model used"),
-    _m("infermesh_router_degraded_responses_total", "counter", "router", "model served_model",
-       "Requests answered by a fallback model (marked degraded, lower confidence)"),
+    _m("infermesh_router_degraded_responses_total", "counter", "router", "model served_model reason",
+       "Requests answered by a fallback model (marked degraded, lower confidence), by reason: capacity (no "
+       "admitted replica of the model, or its breaker open) or latency (its P95 time to first token over target)"),
     _m("infermesh_router_shed_total", "counter", "router", "model",
        "Requests refused with 503 + Retry-After: no replica of the model's chain could take them"),
     _m("infermesh_router_shadow_requests_total", "counter", "router", "model version outcome",
        "Requests mirrored to a shadow version (shadow traffic), by outcome: matched (same text as the served "
-       "answer), diverged, failed"),
+       "answer), diverged, failed; a fallback model's mirrors (measured agreement) as version=\"fallback:MODEL\""),
     _m("infermesh_router_in_flight", "gauge", "router", "replica", "Requests this router has open on each replica"),
     _m("infermesh_router_replicas_healthy", "gauge", "router", "", "Healthy engine replicas"),
     _m("infermesh_router_load_entropy", "gauge", "router", "",
@@ -71,6 +84,14 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_router_replica_waiting", "gauge", "router", "replica", "Requests queued on the replica"),
     _m("infermesh_router_replica_kv_used_ratio", "gauge", "router", "replica",
        "Fraction of the replica's KV blocks held by running requests"),
+    _m("infermesh_router_replica_weight", "gauge", "router", "replica",
+       "The replica's discovery weight: its share of new requests relative to the others; 0 a standby"),
+    _m("infermesh_router_latency_degrading", "gauge", "router", "model",
+       "1 while a share of the model's interactive requests go to its fallback because its P95 time to first "
+       "token stayed over target (level 3 by latency), else 0 (only with --latency-degrade-p95-ms)"),
+    _m("infermesh_router_time_to_first_token_p95_seconds", "gauge", "router", "model",
+       "The router's P95 time to first token of the model's interactive requests over the latency window "
+       "(only with --latency-degrade-p95-ms; absent with too few samples)"),
     _m("infermesh_router_breaker_state", "gauge", "router", "replica",
        "Replica circuit breaker: 0 closed, 1 half-open, 2 open"),
     _m("infermesh_router_model_breaker_state", "gauge", "router", "model",
@@ -118,7 +139,9 @@ METRICS: tuple[Metric, ...] = (
        "kernels, graph mode, KV cache dtype) as labels"),
     # -- cache -----------------------------------------------------------------------------
     _m("infermesh_cache_session_lookups_total", "counter", "cache", "result", "Session lookups: hit or miss"),
-    _m("infermesh_cache_sessions", "gauge", "cache", "", "Live session contexts held"),
+    _m("infermesh_cache_sessions", "gauge", "cache", "",
+       "Live session contexts held by the embedded store (0 with --session-store redis://...: count the Redis "
+       "keys infermesh:session:*)"),
     # -- cache: the shared KV block store (services/cache/block_metrics.py) ------------------
     _m("infermesh_cache_block_hits_total", "counter", "cache", "replica tier", "Block lookups found in a tier"),
     _m("infermesh_cache_block_misses_total", "counter", "cache", "replica tier", "Block lookups not found in a tier"),

@@ -20,6 +20,7 @@ SESSIONS = frozenset({"router", "client"})               # the cache's GetSessio
 BLOCKS = frozenset({"engine", "router", "client"})       # MatchPrefix, GetBlocks, PutBlocks, GetStats
 ENGINE = frozenset({"router", "client"})                 # Generate, Abort, WatchLoad, GetInfo, LoadVersion, Drain
 TOKENIZER = frozenset({"router", "client"})
+RESPONSES = frozenset({"edge", "client"})                # the cache's GetResponse, PutResponse (response cache)
 CHECKPOINTS = frozenset({"engine", "client"})            # the cache's GetCheckpointFile (model sync)
 
 TENANT_KIND = "edge"            # the one caller whose `tenant` field is honoured: it derived it from a key

@@ -43,3 +43,14 @@ def model_dir() -> Path:
         return models.path("default")
     except models.ModelError as exc:
         pytest.fail(f"{exc} (run `make setup`)")
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """The redis-server binary (tests/redis_server.py installs it as root), or the test is skipped."""
+    from tests.redis_server import install
+
+    binary, why = install()
+    if binary is None:
+        pytest.skip(f"Redis session store tests need a real redis-server: {why}")
+    return binary

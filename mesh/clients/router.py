@@ -69,6 +69,9 @@ class GenerateSpec:
     echo: bool = False                     # completions: the prompt before each choice's text
     prompt_only: bool = False              # completions: echo with max_tokens 0 (the generated token dropped)
     tool_calls: str = ""                   # read tool calls out of the answer: "", "single" or "parallel"
+    # The caller's tier (services/edge/tenants.py): preemption order in the engine, KV-cache eviction class.
+    priority: str = "interactive"          # interactive | batch
+    cache_class: str = ""                  # premium | standard | batch; "": the engine's own
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,16 @@ class ServedBy:
     region: str
     degraded: bool
     confidence: float
+    confidence_source: str = ""       # degraded: configured | offline | shadow | offline+shadow ...
+    degraded_by: str = ""             # degraded: capacity | latency
 
     def as_dict(self) -> dict[str, object]:
-        return {"replica": self.replica, "model_version": self.model_version, "region": self.region,
-                "degraded": self.degraded, "confidence": round(self.confidence, 4)}
+        out: dict[str, object] = {"replica": self.replica, "model_version": self.model_version,
+                                  "region": self.region, "degraded": self.degraded,
+                                  "confidence": round(self.confidence, 4)}
+        if self.degraded:
+            out.update(degraded_by=self.degraded_by, confidence_source=self.confidence_source)
+        return out
 
 
 @dataclass(frozen=True)
@@ -162,7 +171,8 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
         pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant,
-        include_token_ids=True, resume_ids=list(resume_ids))
+        include_token_ids=True, resume_ids=list(resume_ids), cache_class=spec.cache_class,
+        priority=common_pb2.PRIORITY_BATCH if spec.priority == "batch" else common_pb2.PRIORITY_INTERACTIVE)
     if spec.prompt is not None:
         req.prompt = spec.prompt
     else:
@@ -196,7 +206,8 @@ class RouterClient:
                 served = None
                 if r.HasField("served_by"):
                     b = r.served_by
-                    served = ServedBy(b.replica, b.model, b.model_version, b.region, b.degraded, b.confidence)
+                    served = ServedBy(b.replica, b.model, b.model_version, b.region, b.degraded, b.confidence,
+                                      b.confidence_source, b.degraded_by)
                 yield Delta(
                     text=r.text,
                     finish_reason=FINISH_NAMES.get(r.finish_reason),

@@ -27,13 +27,13 @@ import requests
 
 from mesh import credentials
 from mesh.discovery.backend import Discovery, DiscoveryError
-from mesh.discovery.endpoint import Endpoint, HealthCheck, join_address, split_address
+from mesh.discovery.endpoint import Endpoint, HealthCheck, check_weight, join_address, split_address
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_AGENT = "127.0.0.1:8500"                # Consul's own default for CONSUL_HTTP_ADDR
-RESERVED_META = ("model", "model_version", "region", "replica_id")
+RESERVED_META = ("model", "model_version", "region", "replica_id", "weight")
 _QUERY_ERRORS = (consul.ConsulException, requests.RequestException, OSError, ValueError)
 
 
@@ -83,8 +83,9 @@ def check_definition(check: HealthCheck, name: str) -> dict[str, Any]:
 def registration(endpoint: Endpoint, check: HealthCheck) -> dict[str, Any]:
     """Keyword arguments for py-consul's `agent.service.register`.
 
-    Meta carries what the router needs (model, model_version, region, replica_id) plus the endpoint's
-    own meta; tags repeat model/version/region for people reading the Consul UI and for `tag` filters."""
+    Meta carries what the router needs (model, model_version, region, replica_id, and weight when it is
+    not the default 1) plus the endpoint's own meta; tags repeat model/version/region for people reading
+    the Consul UI and for `tag` filters."""
     host, port = split_address(endpoint.address)
     meta = dict(endpoint.meta)
     clash = sorted(set(meta) & set(RESERVED_META))
@@ -92,6 +93,8 @@ def registration(endpoint: Endpoint, check: HealthCheck) -> dict[str, Any]:
         raise ValueError(f"endpoint meta must not set {', '.join(clash)}: they come from the Endpoint's fields")
     meta.update(model=endpoint.model, model_version=endpoint.model_version, region=endpoint.region,
                 replica_id=endpoint.replica_id)
+    if endpoint.weight != 1:
+        meta["weight"] = f"{endpoint.weight:g}"
     tags = ["infermesh", f"region={endpoint.region}"]
     tags += [f"model={endpoint.model}"] if endpoint.model else []
     tags += [f"version={endpoint.model_version}"] if endpoint.model_version else []
@@ -105,7 +108,8 @@ def to_endpoint(service: str, entry: Mapping[str, Any]) -> Endpoint | None:
     """One /v1/health/service entry -> Endpoint; None when it names no usable address.
 
     The address is Service.Address, or the node's address when the service registered none (Consul's
-    documented fallback); the replica id is Meta.replica_id, else the service ID."""
+    documented fallback); the replica id is Meta.replica_id, else the service ID; the weight is
+    Meta.weight, else the service's own Weights.Passing (Consul's DNS weights, 1 unless set)."""
     svc = entry.get("Service") or {}
     node = entry.get("Node") or {}
     host = svc.get("Address") or node.get("Address") or ""
@@ -116,8 +120,25 @@ def to_endpoint(service: str, entry: Mapping[str, Any]) -> Endpoint | None:
     replica_id = meta.pop("replica_id", "") or str(svc.get("ID") or "")
     model, version = meta.pop("model", ""), meta.pop("model_version", "")
     region = meta.pop("region", "") or "local"
+    weight = entry_weight(replica_id, meta.pop("weight", None), svc.get("Weights"))
     return Endpoint(service, replica_id, join_address(host, port), model, version, region,
-                    tuple(sorted(meta.items())), tuple(str(t) for t in svc.get("Tags") or ()))
+                    tuple(sorted(meta.items())), tuple(str(t) for t in svc.get("Tags") or ()), weight)
+
+
+def entry_weight(replica_id: str, meta_weight: str | None, weights: object) -> float:
+    """A Consul entry's weight: Meta.weight, else Weights.Passing, else 1.  A malformed one is logged
+    and read as 1: one bad registration must not blind the router's whole watch (it would otherwise
+    fail every query), and serving the replica at the default beats dropping its capacity."""
+    value: object = meta_weight
+    if value is None and isinstance(weights, Mapping):
+        value = weights.get("Passing")
+    if value is None:
+        return 1.0
+    try:
+        return check_weight(value, f"consul service {replica_id}")
+    except ValueError as exc:
+        log.warning("%s; using weight 1", exc)
+        return 1.0
 
 
 def to_endpoints(service: str, entries: Sequence[Mapping[str, Any]] | None) -> list[Endpoint]:

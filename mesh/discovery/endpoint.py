@@ -4,6 +4,7 @@ the address forms the flags and the static discovery file use."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,24 @@ class Endpoint:
     region: str = "local"
     meta: tuple[tuple[str, str], ...] = field(default=())   # sorted extra key/value pairs
     tags: tuple[str, ...] = field(default=())
+    # Its share of new requests relative to the others (weighted round-robin; the router's policies
+    # divide load by it): 1 by default; 0 is a standby that takes new requests only while no replica
+    # of weight > 0 is admitted.  Consul: Meta "weight"; the static file: "weight".
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight", check_weight(self.weight, f"{self.service} {self.replica_id}"))
+
+
+def check_weight(weight: object, what: str) -> float:
+    """`weight` as a float if it is a finite number >= 0; ValueError naming `what` otherwise."""
+    try:
+        value = float(weight)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: weight {weight!r} is not a number") from None
+    if isinstance(weight, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what}: weight {weight!r} must be a finite number >= 0 (0: standby)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,8 @@ def advertise_address(host: str, port: int, advertise: str = "") -> str:
 
 def load_endpoints(path: str) -> list[Endpoint]:
     """A static discovery file: a JSON list of {"service", "replica_id", "address", "region"?,
-    "model"?, "model_version"?} objects, e.g. the engines of every region on a fixed set of hosts."""
+    "model"?, "model_version"?, "weight"?} objects, e.g. the engines of every region on a fixed set of
+    hosts; "weight" is a number >= 0 (default 1; see Endpoint.weight)."""
     try:
         entries = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -103,11 +123,12 @@ def load_endpoints(path: str) -> list[Endpoint]:
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or not {"service", "replica_id", "address"} <= set(e):
             raise ValueError(f"discovery file {path}: entry {i} needs service, replica_id and address")
-        unknown = set(e) - {"service", "replica_id", "address", "region", "model", "model_version"}
+        unknown = set(e) - {"service", "replica_id", "address", "region", "model", "model_version", "weight"}
         if unknown:
             raise ValueError(f"discovery file {path}: entry {i} has unknown field(s) {', '.join(sorted(unknown))}")
         split_address(str(e["address"]))
+        weight = check_weight(e.get("weight", 1.0), f"discovery file {path}: entry {i} ({e['replica_id']})")
         endpoints.append(Endpoint(str(e["service"]), str(e["replica_id"]), str(e["address"]),
                                   model=str(e.get("model", "")), model_version=str(e.get("model_version", "")),
-                                  region=str(e.get("region", "local"))))
+                                  region=str(e.get("region", "local")), weight=weight))
     return endpoints

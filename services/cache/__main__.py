@@ -1,4 +1,5 @@
-"""`python -m services.cache --replica-id ID --port P [--hot-mb N] [--cold-dir DIR --cold-mb N]`"""
+"""`python -m services.cache --replica-id ID --port P [--hot-mb N] [--cold-dir DIR --cold-mb N]
+[--session-store embedded|redis://HOST:PORT/DB]`"""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from mesh.envargs import apply_env
 from mesh.grpcutil import MAX_MESSAGE_BYTES, Service
 from mesh.service import run_service, serve_grpc
 from services.cache.block_metrics import watch
-from services.cache.config import CacheConfig
+from services.cache.config import EMBEDDED, REDIS_FORM, CacheConfig
 from services.cache.eviction import POLICIES
 from services.cache.journal import SessionJournal
 from services.cache.server import CacheServicer, add_to
+from services.cache.session_backends import EmbeddedSessions, SessionBackend
 from services.cache.sessions import SessionStore
 from services.cache.store import BlockStore
 
@@ -52,8 +54,12 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
     p.add_argument("--max-block-mb", type=int, default=CacheConfig.max_block_mb, help="largest KV block (MiB)")
     p.add_argument("--checkpoint-store", default="", metavar="DIR",
                    help="serve this checkpoint store (mesh/checkpoints) to `infermesh model sync --from grpc://...`")
+    p.add_argument("--session-store", default=EMBEDDED, metavar="embedded|URL",
+                   help=f"where sessions live: 'embedded' (this process, with --sessions-dir) or Redis, {REDIS_FORM}"
+                        " (shared by every cache replica using it; INFERMESH_CACHE_SESSION_STORE keeps a password "
+                        "off the command line)")
     p.add_argument("--sessions-dir", default="", metavar="DIR",
-                   help="keep sessions across restarts in DIR/sessions.jsonl (default: memory only)")
+                   help="the embedded store: keep sessions across restarts in DIR/sessions.jsonl (default: memory)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     apply_env(p, "INFERMESH_CACHE")
     a = p.parse_args(argv)
@@ -62,31 +68,50 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
                            discovery=a.discovery, hot_mb=a.hot_mb, cold_dir=a.cold_dir, cold_mb=a.cold_mb,
                            eviction=a.eviction, tenant_weights=a.tenant_weights, max_block_mb=a.max_block_mb,
                            metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir,
-                           sessions_dir=a.sessions_dir, checkpoint_store=a.checkpoint_store)
+                           session_store=a.session_store, sessions_dir=a.sessions_dir,
+                           checkpoint_store=a.checkpoint_store)
     except ValueError as exc:
         p.error(str(exc))
 
 
-async def serve(config: CacheConfig) -> None:
-    sessions = SessionStore(config.session_ttl_s, config.max_sessions, config.max_messages_per_session)
-    blocks = BlockStore.create(config.hot_mb << 20, config.cold_dir or None, config.cold_mb << 20, config.eviction,
-                               dict(config.tenant_weights), config.max_block_mb << 20)
+async def open_sessions(config: CacheConfig) -> SessionBackend:
+    """The session store --session-store names: Redis (checked once, not required to be up yet), or
+    this process's own, brought back from its journal when there is one."""
+    if config.redis is not None:
+        from services.cache.redis_sessions import RedisSessions  # redis-py only where it is used
+
+        shared = RedisSessions(config.redis, config.session_ttl_s, config.max_messages_per_session)
+        down = await shared.ping()
+        if down:
+            log.warning("%s; session RPCs answer UNAVAILABLE until it is", down)
+        return shared
+    store = SessionStore(config.session_ttl_s, config.max_sessions, config.max_messages_per_session)
     journal = None
     if config.sessions_dir:
         journal = SessionJournal(config.sessions_dir)
-        restored = journal.load(sessions, time.monotonic())
-        log.info("sessions kept in %s (%d brought back)", journal.path, restored)
+        journal.load(store, time.monotonic())
+    return EmbeddedSessions(store, journal)
+
+
+async def serve(config: CacheConfig) -> None:
+    sessions = await open_sessions(config)
+    log.info("%s", sessions.describe())
+    blocks = BlockStore.create(config.hot_mb << 20, config.cold_dir or None, config.cold_mb << 20, config.eviction,
+                               dict(config.tenant_weights), config.max_block_mb << 20)
     service = Service("meshpb.v1.Cache", config.host, config.port, max_receive_bytes=MAX_MESSAGE_BYTES)
-    add_to(service, CacheServicer(sessions, blocks, journal,
-                                  Path(config.checkpoint_store) if config.checkpoint_store else None))
+    add_to(service, CacheServicer(sessions, blocks,
+                                  checkpoint_store=Path(config.checkpoint_store) if config.checkpoint_store else None))
     if config.metrics_port:
         watch(blocks, config.replica_id)        # registered before /metrics is served
     log.info("cache %s serving on %s (KV blocks: %d MiB hot, %s, %s eviction)", config.replica_id, service.address,
              config.hot_mb, f"{config.cold_mb} MiB cold in {config.cold_dir}" if config.cold_dir else "no cold tier",
              config.eviction)
-    # Blocks still being written to the cold tier are finished before the process ends.
-    await serve_grpc("cache", config, service, metrics_port=config.metrics_port,
-                     on_stop=blocks.flush)
+
+    async def stop() -> None:
+        await blocks.flush()     # blocks still being written to the cold tier are finished first
+        await sessions.close()
+
+    await serve_grpc("cache", config, service, metrics_port=config.metrics_port, on_stop=stop)
 
 
 def main(argv: list[str] | None = None) -> None:

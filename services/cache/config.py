@@ -2,11 +2,51 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 from mesh.grpcutil import MAX_MESSAGE_BYTES
 from services.cache.eviction import DEFAULT_WEIGHTS, POLICIES
 from services.cache.sessions import DEFAULT_TTL_S
+
+EMBEDDED = "embedded"
+REDIS_FORM = "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]"
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where a Redis session store lives.  `str()` leaves the credentials out (logs, error messages)."""
+    host: str
+    port: int = 6379
+    db: int = 0
+    username: str = ""
+    password: str = ""
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"redis://{host}:{self.port}/{self.db}"
+
+
+def redis_address(store: str) -> RedisAddress | None:
+    """--session-store: "embedded" -> None; a redis:// URL -> its address; anything else: ValueError."""
+    if store == EMBEDDED:
+        return None
+    shown = re.sub(r"//[^/@]*@", "//***@", store)           # never echo a password
+    if not store.startswith("redis://"):
+        raise ValueError(f"--session-store {shown!r} is neither 'embedded' nor a Redis URL ({REDIS_FORM})")
+    url = urlsplit(store)
+    try:
+        port = 6379 if url.port is None else url.port
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ValueError(f"--session-store {shown!r}: the port is not a number from 1 to 65535")
+    db = re.fullmatch(r"(?:/(\d{1,5})?)?", url.path)
+    if not url.hostname or url.query or url.fragment or db is None:
+        raise ValueError(f"--session-store {shown!r} is not a Redis URL ({REDIS_FORM}; DB a number, default 0)")
+    return RedisAddress(url.hostname, port, int(db.group(1) or 0), unquote(url.username or ""),
+                        unquote(url.password or ""))
 
 
 @dataclass(frozen=True)
@@ -17,7 +57,10 @@ class CacheConfig:
     session_ttl_s: float = DEFAULT_TTL_S   # sliding: every read or write extends it
     max_sessions: int = 100_000
     max_messages_per_session: int = 1_000
-    sessions_dir: str = ""              # sessions kept across restarts (services/cache/journal.py); "": memory
+    # "embedded": sessions in this process (kept across restarts with sessions_dir); or a Redis URL
+    # (services/cache/redis_sessions.py), where every cache replica pointed at it shares them.
+    session_store: str = EMBEDDED
+    sessions_dir: str = ""              # the embedded store's journal (services/cache/journal.py); "": memory
     checkpoint_store: str = ""          # a checkpoint store served to other regions (GetCheckpointFile); "": none
     discovery: str = "static"           # static | consul: where this process announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
@@ -36,6 +79,9 @@ class CacheConfig:
             raise ValueError("session_ttl_s must be positive")
         if self.max_sessions < 1 or self.max_messages_per_session < 1:
             raise ValueError("session limits must be at least 1")
+        if redis_address(self.session_store) is not None and self.sessions_dir:
+            raise ValueError("--sessions-dir keeps the embedded store's sessions; with --session-store "
+                             f"{self.redis} Redis keeps them: drop one of the two")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is out of range")
         if self.hot_mb < 0 or self.cold_mb < 0:
@@ -50,3 +96,8 @@ class CacheConfig:
         if not 1 <= self.max_block_mb << 20 <= MAX_MESSAGE_BYTES - (1 << 20):
             raise ValueError(f"--max-block-mb must be between 1 and {(MAX_MESSAGE_BYTES >> 20) - 1} "
                              "(mesh.grpcutil.MAX_MESSAGE_BYTES)")
+
+    @property
+    def redis(self) -> RedisAddress | None:
+        """The Redis session store; None: the embedded one."""
+        return redis_address(self.session_store)

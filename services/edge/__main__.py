@@ -63,6 +63,17 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     p.add_argument("--stream-send-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take to accept a chunk before its stream is ended with "
                         "an error and its generation aborted (slow readers)")
+    p.add_argument("--tiers-file", default=os.environ.get("INFERMESH_TIERS_FILE", ""),
+                   help="JSON: tier -> requests, tokens, priority, cache_class (reloaded when it changes)")
+    p.add_argument("--content-policy", default=os.environ.get("INFERMESH_CONTENT_POLICY", ""),
+                   help="JSON rules for input and output content (reloaded when it changes); '': none")
+    p.add_argument("--content-classifier", default="", metavar="HOST:PORT",
+                   help="a ContentClassifier gRPC service consulted on every input (and whole output)")
+    p.add_argument("--cache-service", default="", metavar="HOST:PORT",
+                   help="the cache service: the response cache's shared tier (default: the edge's memory only)")
+    p.add_argument("--response-cache-ttl", type=float, default=300.0,
+                   help="seconds a deterministic answer is reused; 0 turns the response cache off")
+    p.add_argument("--response-cache-mb", type=float, default=64.0, help="the edge's in-memory response cache")
     apply_env(p, "INFERMESH_EDGE")
     a = p.parse_args(argv)
     try:
@@ -72,7 +83,15 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
         p.error(str(exc))
     return EdgeConfig(replica_id=a.replica_id, host=a.host, http_port=a.http_port, http3_port=a.http3_port,
                       router=",".join(a.router) or "127.0.0.1:50051", cert_dir=a.cert_dir or str(home() / "tls"),
-                      api_key_digests=load_keys(),
+                      api_key_digests=load_keys({"INFERMESH_API_KEYS": os.environ.get("INFERMESH_API_KEYS", "")}),
+                      keys_file=os.environ.get("INFERMESH_API_KEYS_FILE", ""), tiers_file=a.tiers_file,
+                      jwt_secret=os.environ.get("INFERMESH_JWT_SECRET", ""),
+                      jwt_jwks_file=os.environ.get("INFERMESH_JWT_JWKS_FILE", ""),
+                      jwt_audience=os.environ.get("INFERMESH_JWT_AUDIENCE", ""),
+                      jwt_issuer=os.environ.get("INFERMESH_JWT_ISSUER", ""),
+                      content_policy=a.content_policy, content_classifier=a.content_classifier,
+                      cache_service=a.cache_service, response_cache_ttl_s=a.response_cache_ttl,
+                      response_cache_bytes=int(a.response_cache_mb * (1 << 20)),
                       admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), max_body_bytes=a.max_body_bytes,
                       max_messages=a.max_messages, discovery=a.discovery, rate_limit=rate_limit,
                       token_limit=token_limit, auth_failure_limit=auth_failure_limit,
@@ -99,8 +118,8 @@ async def serve(config: EdgeConfig) -> None:
         http3 = await serve_http3(app, config.host, config.http3_port, cert, key,
                                   head_timeout_s=config.header_timeout_s)
         log.info("HTTP/3 on udp %s:%d (self-signed certificate: %s)", config.host, config.http3_port, cert)
-    if not app.admission.keys.enabled:
-        log.warning("no API keys configured (INFERMESH_API_KEYS): serving loopback only, without auth")
+    if not app.admission.enabled:
+        log.warning("no API keys or JWTs configured (INFERMESH_API_KEYS): serving loopback only, without auth")
     log.info("limits: requests %s, tokens %s per caller; %d in flight; bodies up to %d bytes",
              config.rate_limit or "unlimited", config.token_limit or "unlimited", config.max_concurrent,
              config.max_body_bytes)
@@ -123,6 +142,7 @@ async def serve(config: EdgeConfig) -> None:
     if http3 is not None:
         http3.close()
     await asyncio.gather(http_task, return_exceptions=True)
+    await app.completions.close()
     await router.close()
     if registry is not None:
         await registry.close()

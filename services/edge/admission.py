@@ -1,8 +1,9 @@
-"""Who may call the edge, and how much: API keys, admin keys, request and token rates, requests in flight.
+"""Who may call the edge, and how much: API keys and JWTs (tenants and tiers), signed requests, admin
+keys, request and token rates per tier, requests in flight.
 
-Each check raises ApiError with the status a client sees: 401 (no or a wrong key), 403 (admin API
-off), 429 (a rate per caller, with Retry-After; or too many failed keys from one client address)
-and 503 (too many in flight across all callers).
+Each check raises ApiError with the status a client sees: 401 (no or a wrong key or token, a bad
+signature), 403 (admin API off), 429 (a rate of the caller's tier, with Retry-After; or too many
+failed keys from one client address) and 503 (too many in flight across all callers).
 The buckets themselves are pure (mesh/ratelimit.py); this reads the clock.
 """
 
@@ -10,22 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable
 
+from mesh import signing
 from mesh.apikeys import ApiKeys
 from mesh.clients.router import GenerateSpec
-from mesh.ratelimit import InFlight, Limiter, estimate_tokens, retry_after_s
+from mesh.ratelimit import InFlight, Limiter, Rate, estimate_tokens, retry_after_s
 from services.edge.asgi import Scope
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
+from services.edge.jwt_auth import JwtRefused, JwtVerifier, looks_like_jwt
 from services.edge.metrics import REFUSED
+from services.edge.tenants import STANDARD, Caller, Directory, Tier
 
 
 @dataclasses.dataclass
 class Charge:
     """One request's token reservation, settled when it ends."""
 
-    caller: Hashable
+    caller: Caller
     reserved: int
     started: bool = False           # a delta arrived: the router may have generated tokens
     used: int | None = None         # prompt + completion tokens, once the final message told
@@ -33,28 +36,81 @@ class Charge:
 
 class Admission:
     def __init__(self, config: EdgeConfig):
-        self.keys = ApiKeys(config.api_key_digests)
+        self.directory = Directory(config.api_key_digests, config.keys_file, config.tiers_file,
+                                   Tier(STANDARD, config.rate_limit, config.token_limit))
+        self.jwt = JwtVerifier(config.jwt_secret, config.jwt_jwks_file, config.jwt_audience, config.jwt_issuer) \
+            if config.jwt_secret or config.jwt_jwks_file else None
         self.admin_keys = ApiKeys(config.admin_key_digests)
-        self.request_limit = Limiter(config.rate_limit) if config.rate_limit else None
-        self.token_limit = Limiter(config.token_limit) if config.token_limit else None
+        # Per tier: its limiter, rebuilt when a reload changes the tier's rate.
+        self._limiters: dict[tuple[str, str], Limiter] = {}
+        self.nonces = signing.NonceCache()
         self.in_flight = InFlight(config.max_concurrent)
         # Failed keys per client address: past the limit the address gets 429 whatever key it sends
         # (a right key must not be told apart while guessing is refused); good keys never draw on it.
         self.auth_failures = Limiter(config.auth_failure_limit) if config.auth_failure_limit else None
 
-    def authenticate(self, scope: Scope, headers: dict[str, str]) -> Hashable:
-        """The caller that rate limits count against: its API key's digest, or with no keys configured
-        (loopback only) its address."""
+    @property
+    def enabled(self) -> bool:
+        return self.directory.enabled or self.jwt is not None
+
+    def authenticate(self, scope: Scope, headers: dict[str, str]) -> Caller:
+        """The caller: its API key's or JWT's tenant and tier; with neither configured (loopback only) its
+        address, in the standard tier."""
         address = _address(scope)
-        if not self.keys.enabled:
-            return address
+        self.directory.refresh()
+        if not self.enabled:
+            return Caller(address, f"addr:{address}", self.directory.tiers[STANDARD], "anonymous")
         self._limit_failures(address)
-        caller = self.keys.match(headers.get("authorization", ""))
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        caller = None
+        if scheme.lower() == "bearer" and token:
+            if self.jwt is not None and looks_like_jwt(token):
+                caller = self._from_jwt(token, address)
+            else:
+                caller = self.directory.by_key(token)
         if caller is None:
             self._failed(address)
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                            kind="authentication_error", code="invalid_api_key")
         return caller
+
+    def _from_jwt(self, token: str, address: str) -> Caller:
+        assert self.jwt is not None
+        try:
+            claims = self.jwt.verify(token)
+        except JwtRefused as exc:
+            self._failed(address)
+            raise ApiError(401, str(exc), kind="authentication_error", code="invalid_token") from None
+        tier = self.directory.tier(claims.tier)
+        if tier is None:
+            self._failed(address)
+            raise ApiError(401, f"the JWT's tier {claims.tier!r} is not one this edge defines "
+                           f"({', '.join(sorted(self.directory.tiers))})", kind="authentication_error",
+                           code="invalid_token")
+        return Caller(("jwt", claims.tenant, claims.subject), f"t:{claims.tenant}", tier, claims.tenant)
+
+    def check_signature(self, caller: Caller, scope: Scope, headers: dict[str, str], body: bytes) -> None:
+        """401 unless a caller whose key has a signing secret signed this request (mesh/signing.py)."""
+        if caller.signing_secret is None:
+            return
+        query = scope.get("query_string", b"").decode("latin-1")
+        path = scope["path"] + (f"?{query}" if query else "")
+        try:
+            signing.verify(caller.signing_secret, caller.bucket, scope["method"], path, headers, body, time.time(),
+                           self.nonces)
+        except signing.BadSignature as exc:
+            REFUSED.labels("signature").inc()
+            raise ApiError(401, str(exc), kind="authentication_error", code="invalid_signature") from None
+
+    def _limiter(self, tier: Tier, kind: str) -> Limiter | None:
+        rate: Rate | None = tier.requests if kind == "requests" else tier.tokens
+        if rate is None:
+            return None
+        limiter = self._limiters.get((tier.name, kind))
+        if limiter is None or limiter.rate != rate:
+            limiter = self._limiters[(tier.name, kind)] = Limiter(rate)
+        return limiter
 
     def check_admin(self, scope: Scope, headers: dict[str, str]) -> None:
         if not self.admin_keys.enabled:
@@ -83,17 +139,18 @@ class Admission:
         if self.auth_failures is not None:
             self.auth_failures.take(address, 1, time.monotonic())
 
-    def limit_requests(self, caller: Hashable) -> None:
-        if self.request_limit is None:
+    def limit_requests(self, caller: Caller) -> None:
+        limit = self._limiter(caller.tier, "requests")
+        if limit is None:
             return
-        wait = self.request_limit.take(caller, 1, time.monotonic())
+        wait = limit.take(caller.bucket, 1, time.monotonic())
         if wait > 0:
             REFUSED.labels("requests").inc()
-            raise ApiError(429, f"Rate limit reached for requests: limit {self.request_limit.rate}. "
+            raise ApiError(429, f"Rate limit reached for requests: limit {limit.rate} ({caller.tier.name} tier). "
                            f"Please try again in {wait:.3g}s.", kind="requests", code="rate_limit_exceeded",
                            retry_after_s=retry_after_s(wait))
 
-    def enter(self, caller: Hashable, spec: GenerateSpec) -> Charge:
+    def enter(self, caller: Caller, spec: GenerateSpec) -> Charge:
         """Admit a completion: a place among those in flight (503), then its tokens (429).  Every
         Charge returned must be given back to `leave`."""
         if not self.in_flight.enter():
@@ -110,16 +167,17 @@ class Admission:
         self.in_flight.leave()
         self._settle_tokens(charge)
 
-    def _reserve_tokens(self, caller: Hashable, spec: GenerateSpec) -> Charge:
+    def _reserve_tokens(self, caller: Caller, spec: GenerateSpec) -> Charge:
         text_bytes = (len(spec.prompt.encode()) if spec.prompt is not None else
                       sum(len(m.content.encode()) for m in spec.messages))
         charge = Charge(caller, estimate_tokens(text_bytes, spec.sampling.max_tokens))
-        if self.token_limit is not None:
-            limit = self.token_limit
-            wait = limit.take(caller, charge.reserved, time.monotonic())
+        limit = self._limiter(caller.tier, "tokens")
+        if limit is not None:
+            wait = limit.take(caller.bucket, charge.reserved, time.monotonic())
             if wait > 0:
                 REFUSED.labels("tokens").inc()
-                raise ApiError(429, f"Rate limit reached for tokens: limit {limit.rate}, requested about "
+                raise ApiError(429, f"Rate limit reached for tokens: limit {limit.rate} ({caller.tier.name} tier), "
+                               f"requested about "
                                f"{charge.reserved} (prompt estimate + max_tokens). Please try again in "
                                f"{wait:.3g}s.", kind="tokens", code="rate_limit_exceeded",
                                retry_after_s=retry_after_s(wait))
@@ -129,12 +187,13 @@ class Admission:
         """Refund what was reserved but not used; an overrun becomes the caller's debt.  A request that
         ended before any token (refused by the router) costs nothing; one cut off mid-stream keeps its
         reservation, since its usage is unknown."""
-        if self.token_limit is None:
+        limit = self._limiter(charge.caller.tier, "tokens")
+        if limit is None:
             return
         if charge.used is not None:
-            self.token_limit.give(charge.caller, charge.reserved - charge.used, time.monotonic())
+            limit.give(charge.caller.bucket, charge.reserved - charge.used, time.monotonic())
         elif not charge.started:
-            self.token_limit.give(charge.caller, charge.reserved, time.monotonic())
+            limit.give(charge.caller.bucket, charge.reserved, time.monotonic())
 
 
 def _address(scope: Scope) -> str:

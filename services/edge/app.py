@@ -29,7 +29,7 @@ from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
-from services.edge.metrics import REQUESTS
+from services.edge.metrics import REQUESTS, TENANT_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class EdgeApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        scope["infermesh.t0"] = time.perf_counter()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         method, path = scope["method"], scope["path"]
         route = self.routes.get((method, path))
@@ -88,6 +89,8 @@ class EdgeApp:
                 self.admission.check_admin(scope, headers)
             elif path not in PUBLIC:
                 scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
+                if method == "GET":
+                    self.admission.check_signature(caller, scope, headers, b"")
                 self.admission.limit_requests(caller)
             status = await route(scope, headers, receive, tracked_send)
         except ApiError as exc:
@@ -100,6 +103,9 @@ class EdgeApp:
                 await send_json(tracked_send, 500, error_body("internal error", "server_error", None))
         finally:
             REQUESTS.labels("/admin" if admin else path if route else "other", str(status)).inc()
+            who = scope.get("infermesh.caller")
+            if who is not None:
+                TENANT_REQUESTS.labels(who.label, who.tier.name, str(status)).inc()
 
     # -- simple routes -----------------------------------------------------------------
     async def health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
@@ -174,6 +180,7 @@ class EdgeApp:
                 body = await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s)
                 default, canary, shadow = openai.parse_model_routing(parse_json(body))
                 routing = await self.router.set_model_routing(model, default, canary, shadow=shadow)
+                self.completions.cache.versions.invalidate()     # cached answers of the old default: misses
         except grpc.aio.AioRpcError as err:
             raise from_grpc(err) from None
         await send_json(send, 200, routing.as_dict())
@@ -225,6 +232,7 @@ class EdgeApp:
                            code="missing_required_parameter")
         try:
             loaded = await self.router.load_model_version(model, version, source, activate)
+            self.completions.cache.versions.invalidate()
         except grpc.aio.AioRpcError as err:
             raise from_grpc(err) from None
         await send_json(send, 200, loaded.as_dict())

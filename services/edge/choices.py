@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -22,6 +22,7 @@ from mesh import tools
 from mesh.clients.router import Delta, GenerateSpec, TokenLogprob
 from mesh.clients.routers import Routers
 from services.edge.responses import LogprobFormatter
+from services.edge.safety import NO_RULES, ContentPolicy, OutputGuard
 
 _UNPIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 
@@ -41,13 +42,20 @@ def specs(spec: GenerateSpec) -> list[GenerateSpec]:
     return out
 
 
-async def fan_out(router: Routers, calls: list[GenerateSpec], n: int, timeout: float | None
-                  ) -> AsyncGenerator[tuple[int, Delta], None]:
+async def fan_out(router: Routers, calls: list[GenerateSpec], n: int, timeout: float | None,
+                  running: dict[int, asyncio.Task[None]] | None = None) -> AsyncGenerator[tuple[int, Delta], None]:
     """(choice index, delta) as they come, from every choice's call (`specs`: n per prompt); a call's
     error is raised here (the other calls are then cancelled, as they are when the caller stops
-    iterating or closes the generator)."""
+    iterating or closes the generator).  `running` (when given) holds each choice's task: `stop`
+    ends one choice's call alone (its deltas then end)."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
+    running = {} if running is None else running
+
+    def start(index: int, call: GenerateSpec, unpin_on_failure: bool = False) -> None:
+        task = asyncio.create_task(run(index, call, unpin_on_failure))
+        tasks.append(task)
+        running[index] = task
 
     async def run(index: int, call: GenerateSpec, unpin_on_failure: bool = False) -> None:
         sent = False
@@ -58,9 +66,8 @@ async def fan_out(router: Routers, calls: list[GenerateSpec], n: int, timeout: f
                     for j in range(1, n):
                         follower = calls[index + j]
                         pinned = follower.pinned_replica or replica
-                        tasks.append(asyncio.create_task(
-                            run(index + j, dataclasses.replace(follower, pinned_replica=pinned),
-                                not follower.pinned_replica)))
+                        start(index + j, dataclasses.replace(follower, pinned_replica=pinned),
+                              not follower.pinned_replica)
                 sent = True
                 await queue.put((index, d))
             await queue.put((index, None))
@@ -70,12 +77,13 @@ async def fan_out(router: Routers, calls: list[GenerateSpec], n: int, timeout: f
             else:
                 await queue.put((index, err))
         except asyncio.CancelledError:
+            queue.put_nowait((index, None))          # stopped alone (`stop`): its stream has ended
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
             await queue.put((index, exc))
 
     for index in range(0, len(calls), n):
-        tasks.append(asyncio.create_task(run(index, calls[index])))
+        start(index, calls[index])
     left = len(calls)
     try:
         while left:
@@ -92,11 +100,19 @@ async def fan_out(router: Routers, calls: list[GenerateSpec], n: int, timeout: f
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def stop(running: dict[int, asyncio.Task[None]], index: int) -> None:
+    """End choice `index`'s router call (fan_out's `running`): its engine stops generating it."""
+    task = running.get(index)
+    if task is not None:
+        task.cancel()
+
+
 class Choice:
     """One choice's answer, built delta by delta: its text (tool calls read out of it when the request
     has tools), its logprobs, its final message."""
 
-    def __init__(self, index: int, chat: bool, spec: GenerateSpec, prompt: str):
+    def __init__(self, index: int, chat: bool, spec: GenerateSpec, prompt: str,
+                 policy: ContentPolicy = NO_RULES):
         self.index = index
         self.chat = chat
         self.echo = prompt if spec.echo else ""
@@ -111,20 +127,40 @@ class Choice:
         self.calls: list[tools.ToolCall] = []
         self.final: Delta | None = None
         self.started = False
+        self.guard = OutputGuard(policy)       # output content rules (services/edge/safety.py)
+        self.first: Delta | None = None
+        self.generated = 0                     # token ids so far
+        self.cut = False                       # its last chunk is out: later deltas are dropped
+        self.stop_call: Callable[[], None] = lambda: None   # ends its router call (fan_out's `stop`)
+
+    @property
+    def blocked(self) -> bool:
+        """The output rules stopped this choice (its final is then made here)."""
+        return self.guard.blocked is not None
 
     def add(self, d: Delta) -> list[str | tools.ToolCall]:
-        """What this delta adds for the client: text pieces and whole tool calls."""
+        """What this delta adds for the client: text pieces and whole tool calls (none once blocked)."""
+        if self.blocked:
+            return []
+        self.first = self.first or d
+        self.generated += len(d.ids)
         self.prompt_logprobs.extend(d.prompt_logprobs)
         if d.finish_reason is not None:
             self.final = d
         if self.prompt_only:
             return []
-        self.logprobs.extend(d.logprobs)
+        text = self.guard.feed(d.text) + (self.guard.finish() if self.final else "")
+        if self.blocked:                       # the rest of this choice is not generated
+            self.final = dataclasses.replace(
+                d, text="", finish_reason="content_filter", prompt_tokens=self.first.prompt_tokens,
+                completion_tokens=self.generated, served_by=d.served_by or self.first.served_by)
+        else:
+            self.logprobs.extend(d.logprobs)
         pieces: list[str | tools.ToolCall] = []
         if self.parser is None:
-            pieces = [d.text] if d.text else []
+            pieces = [text] if text else []
         else:
-            pieces = self.parser.feed(d.text) + (self.parser.finish() if self.final else [])
+            pieces = self.parser.feed(text) + (self.parser.finish() if self.final else [])
         kept: list[str | tools.ToolCall] = []
         for p in pieces:
             if isinstance(p, tools.ToolCall):
@@ -138,7 +174,7 @@ class Choice:
 
     def stream_logprobs(self, d: Delta) -> dict[str, Any] | None:
         """A streamed delta's logprobs (formatted once: completions' offsets run on)."""
-        entries = [] if self.prompt_only else list(d.logprobs)
+        entries = [] if self.prompt_only or self.blocked else list(d.logprobs)
         return self.lp.format(entries) if self.lp and entries else None
 
     def echo_logprobs(self) -> dict[str, Any] | None:
@@ -151,6 +187,8 @@ class Choice:
             return None
         if self.prompt_only:
             return "length"
+        if self.blocked:
+            return "content_filter"
         return "tool_calls" if self.calls else self.final.finish_reason
 
     def body(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ tokens (429).  Streaming answers pull the first delta before the 200, so an erro
 reports at once is still a proper 4xx/5xx; later errors arrive as an `error` event before
 `[DONE]`.  A client that goes away, streaming or not, cancels the gRPC call, which aborts the
 engine's work; its in-flight place is given back at once.  Each request names its caller to the
-router as a tenant (`tenant`), which keeps one caller's sessions from every other's.
+router as a tenant (`tenant`), which keeps one caller's sessions from every other's, and carries its
+tier's priority and KV-cache eviction class (services/edge/tenants.py).
 """
 
 from __future__ import annotations
@@ -13,39 +14,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
 
-from mesh.apikeys import tenant_of
 from mesh.clients.router import Delta, GenerateSpec
 from mesh.clients.routers import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
 from services.edge import choices, openai, responses
 from services.edge.admission import Admission, Charge
-from services.edge.asgi import Receive, Scope, Send, read_body, send_json, wait_disconnect
+from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, wait_disconnect
 from services.edge.choices import Choice, fan_out
+from services.edge.classifier import Classifier
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.fields import parse_json
-from services.edge.metrics import COMPLETION_TOKENS, DURATION, SLOW_READERS, TTFT
+from services.edge.metrics import COMPLETION_TOKENS, DURATION, RESPONSE_CACHE, SLOW_READERS, TENANT_TOKENS, TTFT
+from services.edge.response_cache import Entry, ResponseCache, Versions, bypassed, cache_key, storable
+from services.edge.safety import ContentPolicy, PolicySource
+from services.edge.tenants import Caller
 
 Deltas = AsyncGenerator[tuple[int, Delta], None]     # services/edge/choices.py: fan_out
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 T = TypeVar("T")
-
-
-def tenant(caller: Hashable) -> str:
-    """The caller as the router knows it: its API key's tenant (mesh.apikeys.tenant_of); with no keys
-    configured (loopback only), the client's address."""
-    if isinstance(caller, bytes):
-        return tenant_of(caller)
-    return f"addr:{caller}"
 
 
 async def unless_gone(work: Awaitable[T], receive: Receive) -> T | None:
@@ -69,18 +66,40 @@ class Completions:
         self.config = config
         self.router = router
         self.admission = admission
+        self.safety = PolicySource(config.content_policy)
+        self.classifier = Classifier(config.content_classifier) if config.content_classifier else None
+        self.cache = ResponseCache(config.response_cache_ttl_s, config.response_cache_bytes,
+                                   Versions(lambda: router.models()), config.cache_service)
 
-    async def read_json(self, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
-        return parse_json(await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s))
+    async def close(self) -> None:
+        await self.cache.close()
+        if self.classifier is not None:
+            await self.classifier.close()
+
+    async def _check_input(self, policy: ContentPolicy, spec: GenerateSpec, caller: Caller) -> None:
+        """400 `content_filter` for an input the rules or the classifier block."""
+        texts = [m.content for m in spec.messages] or list(spec.prompts or (spec.prompt or "",))
+        category = policy.check_input(texts)
+        if category is None and self.classifier is not None:
+            category = await self.classifier.check_input(texts, caller.label)
+        if category is not None:
+            raise ApiError(400, f"the request was refused by the content policy (category: {category})",
+                           "messages" if spec.messages else "prompt", code="content_filter")
+
+    async def read_json(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
+        """The body, once its signature holds (for a key that must sign)."""
+        raw = await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s)
+        self.admission.check_signature(scope["infermesh.caller"], scope, headers, raw)
+        return parse_json(raw)
 
     async def chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        body = await self.read_json(receive, headers)
+        body = await self.read_json(scope, receive, headers)
         spec = openai.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
                                  self.config.max_messages)
         return await self.complete(True, body, spec, scope, headers, receive, send)
 
     async def completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        body = await self.read_json(receive, headers)
+        body = await self.read_json(scope, receive, headers)
         spec = openai.parse_completion(body, headers.get("x-session-id", ""),
                                        headers.get("x-infermesh-replica", ""))
         return await self.complete(False, body, spec, scope, headers, receive, send)
@@ -88,24 +107,49 @@ class Completions:
     async def complete(self, chat: bool, body: dict[str, Any], spec: GenerateSpec, scope: Scope,
                        headers: dict[str, str], receive: Receive, send: Send) -> int:
         stream, include_usage = openai.stream_options(body)
-        charge = self.admission.enter(scope.get("infermesh.caller", ""), spec)
+        caller: Caller = scope["infermesh.caller"]
+        policy = self.safety.current()
+        await self._check_input(policy, spec, caller)
+        pinned = headers.get("x-infermesh-model-version", "").strip()
+        key = cache_key(chat, caller.tenant, body, spec, pinned) if self.cache.enabled else None
+        if key is not None:
+            if bypassed(headers):
+                RESPONSE_CACHE.labels("bypass").inc()
+            else:
+                entry = await self.cache.get(key, pinned)
+                if entry is not None and not _blocked(policy, entry):
+                    return await _replay(chat, entry, stream, include_usage, scope, send)
+        charge = self.admission.enter(caller, spec)
         rid = responses.new_id(chat)
-        spec = dataclasses.replace(spec, request_id=rid, tenant=tenant(charge.caller),
-                                   model_version=headers.get("x-infermesh-model-version", "").strip())
+        spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
+                                   cache_class=caller.tier.cache_class, model_version=pinned)
         calls = choices.specs(spec)
-        answers = [Choice(i, chat, spec, call.prompt or "") for i, call in enumerate(calls)]
+        running: dict[int, asyncio.Task[None]] = {}
+        answers = [Choice(i, chat, spec, call.prompt or "", policy) for i, call in enumerate(calls)]
+        for i, answer in enumerate(answers):
+            answer.stop_call = functools.partial(choices.stop, running, i)
         parent = headers_context(headers)
         try:
             with tracer().start_as_current_span("edge.request", context=parent, kind=trace.SpanKind.SERVER,
                                                 attributes={"request_id": rid, "stream": stream,
                                                             "choices": len(answers)}):
-                deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s)
+                deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
                 if stream:
-                    return await self._stream(chat, rid, deltas, answers, spec.n, include_usage, charge, receive,
-                                              send)
-                return await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
+                    status = await self._stream(chat, rid, deltas, answers, spec.n, include_usage, charge, receive,
+                                                send)
+                else:
+                    status = await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
+                if key is not None and status == 200 and all(a.final is not None for a in answers):
+                    whole = responses.whole_body(chat, rid, _model(answers), [a.body() for a in answers],
+                                                 choices.usage(answers, spec.n), choices.meta(answers))
+                    if storable(whole):
+                        self.cache.put(key, Entry(whole, whole["model"], (whole["infermesh"] or {}).get(
+                            "model_version", "")))
+                return status
         finally:
             self.admission.leave(charge)
+            if charge.used:
+                TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
     async def _whole(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
                      n: int, charge: Charge, receive: Receive, send: Send) -> int:
@@ -188,6 +232,9 @@ class Completions:
             while item is not None:
                 index, d = item
                 answer = answers[index]
+                if answer.cut:                  # ended by the content filter: what was in flight is dropped
+                    item = await anext(deltas, None)
+                    continue
                 pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
                 if not chat and answer.echo and not answer.started:
                     answer.started = True
@@ -200,8 +247,13 @@ class Completions:
                                                     logprobs=logprobs, index=index,
                                                     delta=answer.delta(pieces) if chat else None))
                     answer.started = True
-                if d.finish_reason is not None:
-                    await emit(responses.chunk_body(chat, rid, model, "", answer.finish_reason, final=d, index=index))
+                if answer.blocked:
+                    answer.cut = True
+                    answer.stop_call()
+                if answer.final is not None:
+                    answer.cut = True
+                    await emit(responses.chunk_body(chat, rid, model, "", answer.finish_reason, final=answer.final,
+                                                    index=index))
                 item = await anext(deltas, None)
             use = choices.usage(answers, n)
             charge.used = use["total_tokens"]
@@ -211,6 +263,33 @@ class Completions:
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())
             await emit(error_body(err.details() or "generation failed", kind, status))
+
+
+def _blocked(policy: ContentPolicy, entry: Entry) -> bool:
+    """A cached answer the output rules now in force would cut: answered afresh (and cut) instead."""
+    if not policy.output:
+        return False
+    texts = [c.get("text") or (c.get("message") or {}).get("content") or "" for c in entry.body["choices"]]
+    return any(policy.first_match(t, policy.output) for t in texts)
+
+
+async def _replay(chat: bool, entry: Entry, stream: bool, include_usage: bool, scope: Scope, send: Send) -> int:
+    """A cached answer, whole or as a stream, marked `infermesh.cached` and with the edge's time in
+    Server-Timing (from the request's arrival)."""
+    body = {**entry.body, "id": responses.new_id(chat), "created": int(time.time()),
+            "infermesh": {**(entry.body.get("infermesh") or {}), "cached": True}}
+    if stream:
+        data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n"
+                        for c in responses.replay_chunks(chat, body, include_usage)) + b"data: [DONE]\n\n"
+        head = SSE_HEADERS
+    else:
+        data, head = json.dumps(body).encode(), [*JSON_HEADERS, (b"content-length", b"")]
+        head[-1] = (b"content-length", str(len(data)).encode())
+    spent_ms = (time.perf_counter() - scope.get("infermesh.t0", time.perf_counter())) * 1000
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        *head, (b"x-infermesh-cache", b"hit"), (b"server-timing", f"edge;dur={spent_ms:.3f}".encode())]})
+    await send({"type": "http.response.body", "body": data})
+    return 200
 
 
 class SlowReader(Exception):
@@ -235,7 +314,11 @@ async def _collect(deltas: Deltas, answers: list[Choice], charge: Charge) -> boo
     try:
         async for index, d in deltas:
             charge.started = True
-            answers[index].add(d)
+            answer = answers[index]
+            answer.add(d)
+            if answer.blocked and not answer.cut:
+                answer.cut = True
+                answer.stop_call()
     except grpc.aio.AioRpcError as err:
         raise from_grpc(err) from None
     if any(a.final is None for a in answers):

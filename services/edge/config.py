@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mesh.apikeys import is_loopback
 from mesh.ratelimit import Rate
@@ -16,7 +16,18 @@ class EdgeConfig:
     http3_port: int = 8443                 # HTTP/3 on UDP; 0 disables it
     router: str = "127.0.0.1:50051"
     cert_dir: str = ""                     # where the self-signed certificate lives
-    api_key_digests: tuple[bytes, ...] = ()
+    api_key_digests: tuple[bytes, ...] = ()    # INFERMESH_API_KEYS: standard tier, a tenant each
+    keys_file: str = ""                    # INFERMESH_API_KEYS_FILE: keys with tenant, tier, signing secret
+    tiers_file: str = ""                   # INFERMESH_TIERS_FILE: per-tier limits, priority, cache class
+    jwt_secret: str = field(default="", repr=False)     # INFERMESH_JWT_SECRET: HS256 bearer tokens
+    jwt_jwks_file: str = ""                # INFERMESH_JWT_JWKS_FILE: RS256 bearer tokens
+    jwt_audience: str = ""
+    jwt_issuer: str = ""
+    content_policy: str = ""               # INFERMESH_CONTENT_POLICY: input/output rules (services/edge/safety.py)
+    content_classifier: str = ""           # HOST:PORT of a ContentClassifier gRPC service; "": none
+    cache_service: str = ""                # HOST:PORT of the cache service: the response cache's shared tier
+    response_cache_ttl_s: float = 300.0    # 0: no response cache
+    response_cache_bytes: int = 64 << 20   # the edge's in-memory tier
     admin_key_digests: tuple[bytes, ...] = ()   # the admin API's own keys; none: admin API off
     max_body_bytes: int = 1 << 20          # larger bodies get 413 (refused on Content-Length, before reading)
     max_messages: int = 1_000              # chat `messages` longer than this get 400
@@ -36,10 +47,14 @@ class EdgeConfig:
     stream_send_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not is_loopback(self.host) and not self.api_key_digests:
+        if not is_loopback(self.host) and not (self.api_key_digests or self.keys_file or self.jwt_secret
+                                                   or self.jwt_jwks_file):
             raise ValueError(
                 f"--host {self.host} is not a loopback address: configure API keys first "
-                "(INFERMESH_API_KEYS or INFERMESH_API_KEYS_FILE)")
+                "(INFERMESH_API_KEYS or INFERMESH_API_KEYS_FILE) or JWTs (INFERMESH_JWT_SECRET or "
+                "INFERMESH_JWT_JWKS_FILE)")
+        if self.response_cache_ttl_s < 0 or self.response_cache_bytes < 0:
+            raise ValueError("the response cache's TTL and size cannot be negative")
         for name in ("http_port", "http3_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:

@@ -17,3 +17,14 @@ ROUTER_FAILOVERS = Counter("infermesh_edge_router_failovers_total",
                            "Requests moved to another router because theirs went away (mid-stream: resumed)",
                            ["router"])
 REFUSED = Counter("infermesh_edge_refused_total", "Requests refused by the edge's limits", ["limit"])
+TENANT_REQUESTS = Counter("infermesh_edge_tenant_requests_total",
+                          "Requests by authenticated tenant (API key, keys-file tenant or JWT), tier and status",
+                          ["tenant", "tier", "status"])
+TENANT_TOKENS = Counter("infermesh_edge_tenant_tokens_total", "Prompt + completion tokens used, by tenant and tier",
+                        ["tenant", "tier"])
+CONTENT_FILTERED = Counter("infermesh_edge_content_filtered_total",
+                           "Inputs refused and outputs cut by the content policy (rules file or classifier)",
+                           ["direction", "category"])
+RESPONSE_CACHE = Counter("infermesh_edge_response_cache_total",
+                         "Response cache lookups and stores: hit_memory, hit_shared, miss, stale_version, bypass, "
+                         "stored, shared_error", ["outcome"])

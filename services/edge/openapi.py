@@ -182,7 +182,9 @@ def _response_schemas() -> dict[str, Any]:
     meta = {"type": ["object", "null"], "required": ["replica", "model_version", "region", "degraded", "confidence"],
             "properties": {"replica": {"type": "string"}, "model_version": {"type": "string"},
                            "region": {"type": "string"}, "degraded": {"type": "boolean"},
-                           "confidence": {"type": "number"}}}
+                           "confidence": {"type": "number"}, "cached": {"type": "boolean"},
+                           "degraded_by": {"type": "string", "enum": ["capacity", "latency"]},
+                           "confidence_source": {"type": "string"}}}
     finish = {"type": ["string", "null"]}
 
     def completion(obj: str, choice: dict[str, Any], logprobs: dict[str, Any]) -> dict[str, Any]:

@@ -89,3 +89,30 @@ def usage_chunk(chat: bool, rid: str, model: str, use: dict[str, Any], meta: dic
                 ) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [], "usage": use, "infermesh": meta}
+
+
+def replay_chunks(chat: bool, body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A whole answer (a cached one) as the chunks of a stream: each choice's text (or tool calls) in one
+    chunk, then its finish; the usage chunk when asked for."""
+    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+    out: list[dict[str, Any]] = []
+    for c in body["choices"]:
+        if chat:
+            message = c.get("message") or {}
+            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            first: dict[str, Any] = {"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"),
+                                     "finish_reason": None}
+            last: dict[str, Any] = {"index": c["index"], "delta": {}, "logprobs": None,
+                                    "finish_reason": c["finish_reason"]}
+        else:
+            first = {"index": c["index"], "text": c.get("text", ""), "logprobs": c.get("logprobs"),
+                     "finish_reason": None}
+            last = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        out.append({**head, "choices": [first]})
+        out.append({**head, "choices": [last], "infermesh": body.get("infermesh")})
+    if include_usage:
+        out.append({**head, "choices": [], "usage": body.get("usage"), "infermesh": body.get("infermesh")})
+    return out

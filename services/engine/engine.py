@@ -66,13 +66,15 @@ class Engine:
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     resume_ids: list[int] | None = None, priority: int = 0, cache_salt: bytes = b"") -> Request:
+                     resume_ids: list[int] | None = None, priority: int = 0, cache_salt: bytes = b"",
+                     cache_class: str = "") -> Request:
         """Validate a request against the model's and the KV cache's limits (a precise error if it
         breaks one); it runs on the active model version to its end."""
         req = build_request(self.runner, self.blocks, request_id, prompt_ids, sampling, resume_ids, priority,
                             cache_salt)
         self.versions.hold(req)
         req.cache_salt += self.versions.salt(req.version)
+        req.cache_class = cache_class
         return req
 
     def add(self, request: Request) -> None:
@@ -214,6 +216,7 @@ class Engine:
         bs = self.blocks.block_size
         ids: list[int] = []
         hashes: list[bytes] = []
+        classes: list[str] = []
         for chunk in batch.chunks:
             req = chunk.request
             if req.sampling.prompt_logprobs or req.version != self.versions.active:
@@ -224,9 +227,10 @@ class Engine:
                 if self.blocks.block_hash[block] == h:
                     ids.append(block)
                     hashes.append(h)
+                    classes.append(req.cache_class)
         if ids:
             exported = kv_transfer.export_blocks_async(self.runner.kv, ids)   # the publisher waits for it
-            self.outbox.put(hashes, exported.kv, exported.ready, version=self.versions.active)
+            self.outbox.put(hashes, exported.kv, exported.ready, version=self.versions.active, classes=classes)
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy; a chunk with drafts has

@@ -157,6 +157,7 @@ class Published(NamedTuple):
     kv: torch.Tensor                # (n, layers, 2, block_size, kv_heads, head_dim), CPU
     ready: Any = None               # the Exported copy's event: wait for it before reading kv
     version: str = ""               # the model version that computed them ("": the engine's first)
+    classes: list[str] | None = None    # each block's eviction class ("": the engine's --cache-tenant)
 
 
 class Outbox:
@@ -177,9 +178,10 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, hashes: list[bytes], kv: torch.Tensor, ready: Any = None, version: str = "") -> None:
+    def put(self, hashes: list[bytes], kv: torch.Tensor, ready: Any = None, version: str = "",
+            classes: list[str] | None = None) -> None:
         with self._lock:
-            self._items.append(Published(hashes, kv, ready, version))
+            self._items.append(Published(hashes, kv, ready, version, classes))
             self._bytes += kv.nbytes
             self.put_blocks += len(hashes)
             while self._bytes > self.max_bytes:

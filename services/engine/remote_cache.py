@@ -145,11 +145,13 @@ class RemoteCache:
 
         version = self.key_version(batch.version)
 
+        classes = batch.classes or [""] * len(batch.hashes)
+
         def messages() -> Iterator[cache_pb2.KVBlock]:
-            for h, block in zip(batch.hashes, batch.kv, strict=True):
+            for h, block, sla in zip(batch.hashes, batch.kv, classes, strict=True):
                 yield cache_pb2.KVBlock(key=cache_pb2.BlockKey(model=self.model, version=version, hash=h),
                                         data=kv_transfer.to_bytes(block), dtype=lay.dtype_name, shape=lay.shape,
-                                        num_tokens=lay.block_size, tenant=self.tenant)
+                                        num_tokens=lay.block_size, tenant=sla or self.tenant)
 
         reply = await self._stub.PutBlocks(messages(), timeout=self.publish_timeout_s)
         self.stats.published_blocks += reply.stored

@@ -116,6 +116,7 @@ class Request:
     # Tokens streamed by another replica before a failover; they extend the prompt.
     resume_ids: list[int] = field(default_factory=list)
     cache_salt: bytes = b""             # prefix-cache namespace: only equal salts share cached blocks
+    cache_class: str = ""               # eviction class of the blocks it publishes; "": the engine's own
     version: str = ""                     # the model version it runs on, to its end (services/engine/versions.py)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -139,7 +139,8 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             req = self.engine.make_request(request_id, list(request.prompt_ids),
                                            sampling_from_pb(request.sampling, self.sampling_defaults),
                                            list(request.resume_ids),
-                                           priority=int(request.priority), cache_salt=request.cache_salt)
+                                           priority=int(request.priority), cache_salt=request.cache_salt,
+                                           cache_class=request.cache_class)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()

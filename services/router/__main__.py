@@ -7,13 +7,14 @@ import logging
 import os
 
 from mesh.apikeys import load_keys
-from mesh.discovery import BACKENDS, load_endpoints, parse_endpoint
+from mesh.discovery import BACKENDS, Endpoint, load_endpoints, parse_endpoint
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
-from mesh.ratelimit import parse_rate
+from mesh.ratelimit import Rate, parse_rate
 from mesh.service import run_service, serve_grpc
 from meshpb.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.failover import Evaluation, load_evaluations
 from services.router.policies import POLICIES
 from services.router.server import RouterServicer
 
@@ -46,6 +47,29 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--fallback", action="append", default=[], metavar="MODEL=NEXT:CONFIDENCE",
                    help="level-3 failover: when MODEL has no usable replica, serve NEXT (degraded, with that "
                         "confidence); repeat to chain")
+    d = RouterConfig
+    p.add_argument("--latency-degrade-p95-ms", type=float, default=0.0, metavar="MS",
+                   help="level 3 by latency: while a model's P95 time to first token (interactive requests) stays "
+                        "over MS, send a share of its interactive requests to its --fallback; 0 (default): off")
+    p.add_argument("--latency-degrade-window", type=float, default=d.latency_degrade_window_s, metavar="S",
+                   help="the sliding window the P95 is measured over (default %(default)s s)")
+    p.add_argument("--latency-degrade-min-samples", type=int, default=d.latency_degrade_min_samples, metavar="N",
+                   help="no verdict on fewer first tokens in the window (default %(default)s)")
+    p.add_argument("--latency-degrade-after", type=float, default=d.latency_degrade_after_s, metavar="S",
+                   help="degrade once the P95 has stayed over target this long (default %(default)s s)")
+    p.add_argument("--latency-degrade-share", type=float, default=d.latency_degrade_share, metavar="F",
+                   help="the share of interactive requests sent to the fallback meanwhile (default %(default)s)")
+    p.add_argument("--latency-degrade-recover", type=float, default=d.latency_degrade_recover, metavar="F",
+                   help="stop once the P95 is at or below F x the target (default %(default)s)")
+    p.add_argument("--fallback-eval", action="append", default=[], metavar="JSON",
+                   help="an offline evaluation of a fallback against its primary, {primary, fallback, agreement, "
+                        "samples} (or a list): evidence for degraded answers' confidence; repeatable")
+    p.add_argument("--fallback-shadow-share", type=float, default=0.0, metavar="F",
+                   help="mirror this share of a model's requests to its fallback and count agreement, the run-time "
+                        "evidence for degraded answers' confidence (default 0: off)")
+    p.add_argument("--confidence-prior-samples", type=float, default=d.confidence_prior_samples, metavar="K",
+                   help="the --fallback confidence weighs as K comparisons against measured agreement "
+                        "(default %(default)s)")
     p.add_argument("--p99-target-ms", type=float, default=0.0,
                    help="open a replica's breaker when its P99 time to first token exceeds this; 0: off")
     p.add_argument("--stall-timeout", type=float, default=RouterConfig.stall_timeout_s,
@@ -86,23 +110,45 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         rate_limit, auth_failure_limit = parse_rate(a.rate_limit), parse_rate(a.auth_failure_limit, default_unit="m")
     except ValueError as exc:
         p.error(str(exc))
+    evaluations = []
+    for path in a.fallback_eval:
+        try:
+            evaluations += load_evaluations(path)
+        except ValueError as exc:
+            p.error(str(exc))
     engines = tuple(parse_endpoint("engine", spec) for spec in a.engine)
     if a.discovery_file:
         try:
             engines += tuple(e for e in load_endpoints(a.discovery_file) if e.service == "engine")
         except ValueError as exc:
             p.error(str(exc))
+    try:
+        return _config(a, engines, tuple(fallbacks), tuple(defaults), tuple(evaluations), rate_limit,
+                       auth_failure_limit)
+    except ValueError as exc:            # RouterConfig's checks: the flags are wrong, say which (exit 2)
+        p.error(str(exc))
+
+
+def _config(a: argparse.Namespace, engines: tuple[Endpoint, ...], fallbacks: tuple[tuple[str, str, float], ...],
+            defaults: tuple[tuple[str, str], ...], evaluations: tuple[Evaluation, ...], rate_limit: Rate | None,
+            auth_failure_limit: Rate | None) -> RouterConfig:
     return RouterConfig(tokenizer=",".join(a.tokenizer) or "127.0.0.1:50052", engines=engines, cache=a.cache,
                         replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
-                        default_model=a.default_model, default_versions=tuple(defaults),
-                        discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=tuple(fallbacks),
+                        default_model=a.default_model, default_versions=defaults,
+                        discovery=a.discovery, metrics_port=a.metrics_port, fallbacks=fallbacks,
                         p99_target_ms=a.p99_target_ms, stall_timeout_s=a.stall_timeout, advertise=a.advertise,
                         expect_engines=a.expect_engines,
                         tls_dir=a.tls_dir, api_key_digests=load_keys(),
                         admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), rate_limit=rate_limit,
                         auth_failure_limit=auth_failure_limit, prefix_sharing=a.prefix_sharing,
-                        max_queued=a.max_queued)
+                        max_queued=a.max_queued, latency_degrade_p95_ms=a.latency_degrade_p95_ms,
+                        latency_degrade_window_s=a.latency_degrade_window,
+                        latency_degrade_min_samples=a.latency_degrade_min_samples,
+                        latency_degrade_after_s=a.latency_degrade_after, latency_degrade_share=a.latency_degrade_share,
+                        latency_degrade_recover=a.latency_degrade_recover, fallback_evals=evaluations,
+                        fallback_shadow_share=a.fallback_shadow_share,
+                        confidence_prior_samples=a.confidence_prior_samples)
 
 
 async def serve(config: RouterConfig) -> None:

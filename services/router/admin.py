@@ -94,9 +94,13 @@ class Admin:
         """The replica table and breakers, for the gauges Prometheus reads when it scrapes."""
         replicas = [metrics.ReplicaSample(r.replica_id, r.model, r.model_version, r.region,
                                           r.healthy and self.failover.isolation(r.replica_id) is None,
-                                          r.running, r.waiting, r.mem_ratio) for r in self.table.all()]
+                                          r.running, r.waiting, r.mem_ratio, r.weight) for r in self.table.all()]
+        latency = self.failover.latency
+        watched = {r.model for r in self.table.all()} if latency.enabled else set()
         return metrics.Snapshot(replicas, {rid: str(state) for rid, state in self.failover.states(now).items()},
-                                {m: str(state) for m, state in self.failover.model_states(now).items()})
+                                {m: str(state) for m, state in self.failover.model_states(now).items()},
+                                {m: (s.degrading, s.p95_s) for m in sorted(watched)
+                                 for s in (latency.state(m, now),)})
 
     def _served(self, model: str) -> set[str]:
         """Versions with a replica, healthy or not (what routing may name)."""

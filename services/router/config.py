@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mesh.discovery import Endpoint
 from mesh.ratelimit import Rate
-from services.router.failover import BreakerConfig, FailoverConfig
+from services.router.failover import BreakerConfig, Evaluation, FailoverConfig, LatencyConfig
 from services.router.policies import POLICIES
 
 
@@ -33,6 +33,22 @@ class RouterConfig:
     max_attempts: int = 3                  # replicas tried per request, mid-stream failovers included
     unhealthy_after: int = 2               # health probes missed in a row before a replica is isolated
     fallbacks: tuple[tuple[str, str, float], ...] = ()   # (model, next model, confidence): level-3 chain
+    # Level 3 by latency (failover/latency.py): while a model's P95 time to first token (interactive
+    # requests, over latency_degrade_window_s, at least latency_degrade_min_samples) stays over
+    # latency_degrade_p95_ms for latency_degrade_after_s, latency_degrade_share of its interactive
+    # requests go to its fallback, until the P95 is at or below latency_degrade_recover x the target.
+    latency_degrade_p95_ms: float = 0.0    # 0: off
+    latency_degrade_window_s: float = 30.0
+    latency_degrade_min_samples: int = 20
+    latency_degrade_after_s: float = 10.0
+    latency_degrade_share: float = 0.3
+    latency_degrade_recover: float = 0.9
+    # A degraded answer's confidence (failover/agreement.py): measured agreement of fallback and primary
+    # from offline evaluations (--fallback-eval) and from mirroring this share of the primary's requests to
+    # its fallback (shadow.py), with the --fallback confidence as a prior worth confidence_prior_samples.
+    fallback_evals: tuple[Evaluation, ...] = ()
+    fallback_shadow_share: float = 0.0
+    confidence_prior_samples: float = 20.0
     p99_target_ms: float = 0.0             # a replica whose P99 time to first token exceeds it is opened; 0: off
     max_queued: int = 0                    # shed a replica past this many queued; 0: at the engine's own bound
     prefix_sharing: str = "tenant"         # cached prompt blocks shared within a tenant, or "global": by all
@@ -57,7 +73,11 @@ class RouterConfig:
             raise ValueError("probe_interval_s must be positive")
         if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("stall/first-token timeouts must be positive and max_attempts at least 1")
-        self.failover()                    # raises on a fallback cycle or a bad confidence
+        self.failover()                    # raises on a fallback cycle, a bad confidence or latency knob
+        if not 0 <= self.fallback_shadow_share <= 1:
+            raise ValueError(f"--fallback-shadow-share is a fraction in [0, 1], not {self.fallback_shadow_share:g}")
+        if self.fallback_shadow_share and not self.fallbacks:
+            raise ValueError("--fallback-shadow-share mirrors requests to a fallback model: it needs --fallback")
         if self.expect_engines < 0:
             raise ValueError("expect_engines must be 0 or more")
 
@@ -69,6 +89,10 @@ class RouterConfig:
     def failover(self) -> FailoverConfig:
         """The failover knobs these flags set (the rest keep FailoverConfig's defaults)."""
         p99_target_s = self.p99_target_ms / 1000 if self.p99_target_ms else None
+        latency = LatencyConfig(self.latency_degrade_p95_ms / 1000 if self.latency_degrade_p95_ms else None,
+                                self.latency_degrade_window_s, self.latency_degrade_min_samples,
+                                self.latency_degrade_after_s, self.latency_degrade_share, self.latency_degrade_recover)
         return FailoverConfig(fallbacks={m: (n, c) for m, n, c in self.fallbacks}, max_attempts=self.max_attempts,
                               max_queued=self.max_queued or None,
-                              replica=BreakerConfig(p99_target_s=p99_target_s))
+                              replica=BreakerConfig(p99_target_s=p99_target_s), latency=latency,
+                              evaluations=self.fallback_evals, prior_samples=self.confidence_prior_samples)

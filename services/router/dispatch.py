@@ -35,9 +35,9 @@ from services.router.policies import AffinityRouter, RouteRequest
 from services.router.relay import EngineFailed, Stream, attempt
 from services.router.replicas import Replica, ReplicaTable
 from services.router.sessions import merge, session_key
-from services.router.shadow import Deadline, Shadows
+from services.router.shadow import FALLBACK, Deadline, Shadows
 from services.router.upstream import Sessions, Tokenizer, relay_error
-from services.router.versions import ModelVersions, resolve_model
+from services.router.versions import ModelVersions, resolve_model, unit_interval
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Dispatcher:
         self.config, self.table, self.policy, self.failover = config, table, policy, failover
         self.versions, self.engines, self.tokenizer, self.sessions = versions, engines, tokenizer, sessions
         self.shadows = Shadows()
+        failover.agreement.live = self.shadows.agreement     # fallback mirrors: measured confidence
 
     async def generate(self, request: Request, request_id: str, incoming: list[Message],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[Reply]:
@@ -65,21 +66,28 @@ class Dispatcher:
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
-        mirrored = self._mirror(request, request_id, model, version, pinned_version, conversation, key, context)
+        mirrors = [m for m in (self._mirror(request, request_id, model, version, pinned_version, conversation, key,
+                                            context),
+                               self._mirror_fallback(request, request_id, model, pinned_version, conversation,
+                                                     context)) if m is not None]
         started = time.monotonic()
         answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
         try:
             async for reply in self._attempts(request, request_id, model, version, conversation, key, context,
-                                              answer):
+                                              answer, request.priority == common_pb2.PRIORITY_INTERACTIVE):
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
-                    if mirrored is not None:      # before the last message: the caller may close us after it
-                        mirrored.set_result(("".join(answer), time.monotonic() - started))
+                    # Before the last message (the caller may close us after it).  A degraded answer is
+                    # a fallback's, not the primary's: no mirror compares with it.
+                    served = None if reply.served_by.degraded else ("".join(answer), time.monotonic() - started)
+                    for mirror in mirrors:
+                        mirror.set_result(served)
                 yield reply
         finally:
-            if mirrored is not None and not mirrored.done():
-                mirrored.set_result(None)         # failed or left: nothing to compare the mirror with
+            for mirror in mirrors:
+                if not mirror.done():
+                    mirror.set_result(None)       # failed or left: nothing to compare the mirror with
 
     def _mirror(self, request: Request, request_id: str, model: str, version: str, pinned_version: str,
                 conversation: list[Message], key: str, context: grpc.aio.ServicerContext
@@ -97,7 +105,31 @@ class Dispatcher:
         copy.session_id = ""                    # the mirror stores nothing and follows no session
         deadline = Deadline(context.time_remaining())
         return self.shadows.start(model, shadow, lambda: self._attempts(
-            copy, f"{request_id}~shadow", model, shadow, conversation, "", deadline, []))  # type: ignore[arg-type]
+            copy, f"{request_id}~shadow", model, shadow, conversation, "", deadline, [], False))  # type: ignore[arg-type]
+
+    def _mirror_fallback(self, request: Request, request_id: str, model: str, pinned_version: str,
+                         conversation: list[Message], context: grpc.aio.ServicerContext
+                         ) -> asyncio.Future[tuple[str, float] | None] | None:
+        """--fallback-shadow-share: mirror this share of the model's unpinned requests to its fallback
+        model, whose agreement with the answer is the shadow evidence of failover/agreement.py."""
+        steps = self.failover.chain.steps(model)
+        share = self.config.fallback_shadow_share
+        if not share or len(steps) < 2 or pinned_version or request.pinned_replica or request.resume_ids \
+                or unit_interval("fallback-shadow:" + request_id) >= share:
+            return None
+        fallback, copy = steps[1].model, Request()
+        copy.CopyFrom(request)
+        copy.session_id = ""
+        deadline = Deadline(context.time_remaining())
+
+        async def run() -> AsyncIterator[Reply]:
+            async for reply in self._attempts(copy, f"{request_id}~fallback", fallback, "", conversation, "",
+                                              deadline, [], False):  # type: ignore[arg-type]
+                if reply.served_by.model and reply.served_by.model != fallback:
+                    raise Unavailable(f"{fallback!r} had no replica for the mirror")   # its own fallback's: no evidence
+                yield reply
+
+        return self.shadows.start(model, FALLBACK + fallback, run)
 
     def choose_version(self, model: str, pinned_version: str, request: Request, key: str) -> str:
         """The version this request runs on; "" when any will do (a pinned replica, or none serving:
@@ -148,8 +180,9 @@ class Dispatcher:
 
     async def _attempts(self, request: Request, request_id: str, model: str, version: str,
                         conversation: list[Message], key: str, context: grpc.aio.ServicerContext,
-                        sent: list[str]) -> AsyncIterator[Reply]:
-        """Attempts until the stream finishes, within the call's attempts and the retry budget."""
+                        sent: list[str], interactive: bool = True) -> AsyncIterator[Reply]:
+        """Attempts until the stream finishes, within the call's attempts and the retry budget.
+        interactive: an interactive-priority request, not a mirror (level 3 by latency: failover/latency.py)."""
         root = trace.get_current_span()                # router.generate: it carries the final decision
         prompt_ids, stream, route = await self._prepare(request, model, conversation, key, context.time_remaining(),
                                                         sent)
@@ -165,7 +198,9 @@ class Dispatcher:
                 raise Unavailable(f"{exc} (the request is pinned to it)") from None
             return
         now = time.monotonic
-        call = Call(self.failover, model, now())
+        call = Call(self.failover, model, now(), interactive)
+        for event in self.failover.latency.take_events():
+            log.warning("%s", event)
         streamed = model                               # the model whose tokens `stream` holds
         try:
             for _ in range(4 * self.failover.config.max_attempts):
@@ -229,7 +264,8 @@ class Dispatcher:
             **_decision(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
         engine_request = engine_pb2.GenerateRequest(
             request_id=request_id, model=plan.model, prompt_ids=prompt_ids, sampling=request.sampling,
-            priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request))
+            priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request),
+            cache_class=request.cache_class)
         if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message
             engine_request.sampling.prompt_logprobs = False
         replica.in_flight += 1
@@ -264,7 +300,9 @@ class Dispatcher:
 
 def served_by(replica: Replica, plan: Plan) -> common_pb2.ServedBy:
     return common_pb2.ServedBy(replica=replica.replica_id, model=plan.model, model_version=replica.model_version,
-                               region=replica.region, degraded=plan.degraded, confidence=plan.confidence)
+                               region=replica.region, degraded=plan.degraded, confidence=plan.confidence,
+                               confidence_source=plan.confidence_source if plan.degraded else "",
+                               degraded_by=plan.degraded_by)
 
 
 def _decision(replica: Replica, plan: Plan, reason: str, failover_attempts: int | None) -> dict[str, Any]:
@@ -272,6 +310,8 @@ def _decision(replica: Replica, plan: Plan, reason: str, failover_attempts: int 
     attrs: dict[str, Any] = {"replica": replica.replica_id, "model_version": replica.model_version,
                              "served_model": plan.model, "region": replica.region, "reason": reason,
                              "degraded": plan.degraded, "confidence": plan.confidence}
+    if plan.degraded:
+        attrs.update(degraded_by=plan.degraded_by, confidence_source=plan.confidence_source)
     if failover_attempts is not None:
         attrs["failover_attempts"] = failover_attempts
     return attrs
@@ -279,4 +319,4 @@ def _decision(replica: Replica, plan: Plan, reason: str, failover_attempts: int 
 
 def _count_degraded(model: str, plan: Plan) -> None:
     if plan.degraded:
-        metrics.DEGRADED.labels(model, plan.model).inc()
+        metrics.DEGRADED.labels(model, plan.model, plan.degraded_by or "capacity").inc()

@@ -27,9 +27,11 @@ ENTROPY = Gauge("infermesh_router_load_entropy",
 FAILOVER = Counter("infermesh_router_failover_total",
                    "Failover actions by level: 1 replica isolated, 2 attempt retried elsewhere, 3 fallback model",
                    ["level"])
+# reason: capacity (no admitted replica of the model, or its breaker open) or latency (its P95 time to
+# first token over --latency-degrade-p95-ms: failover/latency.py).
 DEGRADED = Counter("infermesh_router_degraded_responses_total",
-                   "Requests answered by a fallback model (marked degraded, lower confidence)",
-                   ["model", "served_model"])
+                   "Requests answered by a fallback model (marked degraded, lower confidence), by reason: "
+                   "capacity or latency", ["model", "served_model", "reason"])
 SHADOW = Counter("infermesh_router_shadow_requests_total",
                  "Requests mirrored to a shadow version, by how the shadow's answer compared with the served one",
                  ["model", "version", "outcome"])
@@ -50,12 +52,14 @@ class ReplicaSample(NamedTuple):
     running: int
     waiting: int
     kv_used_ratio: float
+    weight: float = 1.0
 
 
 class Snapshot(NamedTuple):
     replicas: list[ReplicaSample]
     breakers: Mapping[str, str]          # replica id -> closed | half_open | open
     model_breakers: Mapping[str, str]    # model -> the same
+    latency: Mapping[str, tuple[bool, float | None]] = {}   # model -> (degrading, P95 TTFT s or None)
 
 
 class ReplicaCollector(Collector):
@@ -82,7 +86,21 @@ class ReplicaCollector(Collector):
                                     "Replica circuit breaker: 0 closed, 1 half-open, 2 open", labels=["replica"])
         model_breaker = GaugeMetricFamily("infermesh_router_model_breaker_state",
                                           "Model circuit breaker: 0 closed, 1 half-open, 2 open", labels=["model"])
+        weight = GaugeMetricFamily("infermesh_router_replica_weight",
+                                   "The replica's discovery weight (its share of new requests; 0 a standby)",
+                                   labels=["replica"])
+        degrading = GaugeMetricFamily("infermesh_router_latency_degrading",
+                                      "1 while a share of the model's interactive requests go to its fallback because "
+                                      "its P95 time to first token stayed over target, else 0", labels=["model"])
+        p95 = GaugeMetricFamily("infermesh_router_time_to_first_token_p95_seconds",
+                                "The router's P95 time to first token of the model's interactive requests over the "
+                                "latency window (absent with too few samples)", labels=["model"])
+        for model, (on, seconds) in snap.latency.items():
+            degrading.add_metric([model], 1.0 if on else 0.0)
+            if seconds is not None:
+                p95.add_metric([model], seconds)
         for r in snap.replicas:
+            weight.add_metric([r.replica_id], r.weight)
             up.add_metric([r.replica_id, r.model, r.model_version, r.region], 1.0 if r.admitted else 0.0)
             running.add_metric([r.replica_id], r.running)
             waiting.add_metric([r.replica_id], r.waiting)
@@ -90,7 +108,7 @@ class ReplicaCollector(Collector):
             breaker.add_metric([r.replica_id], BREAKER_VALUES.get(snap.breakers.get(r.replica_id, "closed"), 0))
         for model, state in snap.model_breakers.items():
             model_breaker.add_metric([model], BREAKER_VALUES.get(state, 0))
-        yield from (up, running, waiting, kv, breaker, model_breaker)
+        yield from (up, running, waiting, kv, breaker, model_breaker, weight, degrading, p95)
 
 
 REPLICAS = ReplicaCollector()

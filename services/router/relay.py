@@ -83,10 +83,12 @@ class Stream:
             return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
                                                      finish_reason=reason, usage=usage, served_by=served_by,
                                                      prompt_logprobs=chunk.prompt_logprobs)
-        # The first message names the replica too, so callers can label the stream early.
+        # The first message names the replica and counts the prompt too, so callers can label the
+        # stream early (and account for a stream they end themselves, as the edge's content filter does).
         first, self.sent_first = not self.sent_first, True
         return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
                                                  served_by=served_by if first else None,
+                                                 usage=self.usage() if first else None,
                                                  prompt_logprobs=chunk.prompt_logprobs)
 
     def usage(self) -> common_pb2.Usage:

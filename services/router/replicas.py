@@ -40,6 +40,9 @@ class Replica:
     healthy: bool = False
     in_flight: int = 0               # routed by this router and not finished: exact, never stale
     draining: bool = False           # an operator drains it: no new requests (services/router/swap.py)
+    # Discovery's weight (Endpoint.weight): the policies give it new requests in proportion, and divide
+    # its load by it; 0: a standby, picked only while no candidate of weight > 0 is (policies/weighted.py).
+    weight: float = 1.0
     # The last LoadReport; kv_blocks_total == 0 means none has arrived yet.
     running: int = 0
     waiting: int = 0
@@ -112,7 +115,8 @@ class ReplicaTable:
         """Make the table match discovery's list of engines; returns (added, removed).
 
         A replica that left is dropped from routing at once; its in-flight streams hold their
-        own reference and finish (or fail over) on their own."""
+        own reference and finish (or fail over) on their own.  A new weight for a known replica
+        at the same address applies in place (neither added nor removed: its state stays)."""
         wanted = {e.replica_id: e for e in endpoints}
         removed = [r for rid, r in list(self._replicas.items()) if rid not in wanted]
         for replica in removed:
@@ -123,6 +127,9 @@ class ReplicaTable:
             if known is None or known.address != e.address:
                 if known is not None:
                     removed.append(known)
-                replica = self._replicas[e.replica_id] = Replica(e.replica_id, e.address, region=e.region)
+                replica = self._replicas[e.replica_id] = Replica(e.replica_id, e.address, region=e.region,
+                                                                 weight=e.weight)
                 added.append(replica)
+            elif known.weight != e.weight:
+                known.weight = e.weight
         return added, removed

@@ -165,6 +165,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
                                model_version=r.model_version, region=r.region, healthy=r.healthy,
                                load=load_to_pb(r.replica_id, r.load), breaker=state.breaker, in_flight=r.in_flight,
+                               weight=r.weight,
                                isolation=state.isolation)
         return reply
 
@@ -186,4 +187,6 @@ def _refusal(request: router_pb2.RouterGenerateRequest) -> str | None:
                              dict(s.logit_bias), s.min_tokens)
             or name_problem("session_id", request.session_id) or name_problem("model", request.model)
             or name_problem("pinned_replica", request.pinned_replica)
-            or name_problem("request_id", request.request_id))
+            or name_problem("request_id", request.request_id)
+            or (f"cache_class {request.cache_class[:32]!r} is not premium, standard or batch"
+                if request.cache_class not in ("", "premium", "standard", "batch") else None))

@@ -7,6 +7,12 @@ character where they differ) with each one's latency, counted in
 `infermesh_router_shadow_requests_total{model,version,outcome}` and kept for the admin API
 (GET /admin/models/{model}/routing: `shadow`).  The mirror takes engine time on the shadow version's
 replicas, not the served one's.
+
+A mirror may also go to another model: the model's fallback (--fallback-shadow-share), kept under the
+shadow "version" FALLBACK + the fallback's name.  Those comparisons are the run-time evidence of how
+often the fallback agrees with its primary (`agreement`), which the confidence of degraded answers
+is computed from (failover/agreement.py).  A served answer that was itself degraded (from a fallback)
+is not the primary's, and a mirror compared with it counts as failed.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 from services.router import metrics
 
 SHADOW_TIMEOUT_S = 600.0
+FALLBACK = "fallback:"        # the shadow version of a mirror to the fallback model: FALLBACK + its name
 
 
 @dataclass
@@ -50,6 +57,12 @@ class Shadows:
 
     def of(self, model: str, version: str) -> ShadowStats:
         return self.stats.setdefault((model, version), ShadowStats())
+
+    def agreement(self, primary: str, fallback: str) -> tuple[int, int]:
+        """(matched, compared) of the mirrors of `primary`'s requests to the `fallback` model, so far in
+        this router's life: the shadow evidence of failover/agreement.py (failed mirrors compare nothing)."""
+        stats = self.stats.get((primary, FALLBACK + fallback))
+        return (0, 0) if stats is None else (stats.matched, stats.matched + stats.diverged)
 
     def start(self, model: str, version: str, run: Callable[[], AsyncIterator[Any]]
               ) -> asyncio.Future[tuple[str, float] | None]:

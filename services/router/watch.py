@@ -71,7 +71,7 @@ class ReplicaWatch:
                 if watcher is not None:
                     watcher.cancel()
             for replica in added:
-                log.info("replica %s (%s) joined", replica.replica_id, replica.address)
+                log.info("replica %s (%s, weight %g) joined", replica.replica_id, replica.address, replica.weight)
                 await self.probe(replica)
                 self._load_watchers[replica.replica_id] = asyncio.create_task(self.follow_load(replica))
 

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import pytest
@@ -166,7 +167,10 @@ async def _serve(name: str, add: Callable[[grpc.aio.Server], None]) -> Service:
 
 @contextlib.asynccontextmanager
 async def running(engines: int = 2, waiting: int = 0, script: Script | None = None,
-                  cache: bool = True, engine: type[FakeEngine] = FakeEngine) -> AsyncIterator[Mesh]:
+                  cache: bool = True, engine: type[FakeEngine] = FakeEngine,
+                  weights: tuple[float, ...] = (), **config_fields: Any) -> AsyncIterator[Mesh]:
+    """The router over fake engines; weights: engine i's discovery weight (default 1); config_fields:
+    RouterConfig fields beyond the defaults here."""
     script = script or Script()
     tokenizer, store = FakeTokenizer(), FakeCache()
     services = [await _serve("meshpb.v1.Tokenizer",
@@ -178,10 +182,12 @@ async def running(engines: int = 2, waiting: int = 0, script: Script | None = No
         fake = engine(f"engine-{i}", script, waiting)
         services.append(await _serve("meshpb.v1.Engine",
                                      lambda s, e=fake: engine_pb2_grpc.add_EngineServicer_to_server(e, s)))
-        endpoints.append(Endpoint("engine", f"engine-{i}", f"127.0.0.1:{services[-1].port}"))
+        endpoints.append(Endpoint("engine", f"engine-{i}", f"127.0.0.1:{services[-1].port}",
+                                  weight=weights[i] if i < len(weights) else 1.0))
     config = RouterConfig(tokenizer=f"127.0.0.1:{services[0].port}", engines=tuple(endpoints),
                           cache=f"127.0.0.1:{services[1].port}" if cache else "", default_model=MODEL,
-                          probe_interval_s=0.1, load_interval_ms=50, first_token_timeout_s=5.0, stall_timeout_s=5.0)
+                          probe_interval_s=0.1, load_interval_ms=50, first_token_timeout_s=5.0, stall_timeout_s=5.0,
+                          **config_fields)
     router = Service("meshpb.v1.Router", "127.0.0.1", 0)
     servicer = RouterServicer(config)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, router.server)

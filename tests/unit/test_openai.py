@@ -391,7 +391,8 @@ def test_keys_rates_and_limits_answer_before_the_router() -> None:
         assert json.loads(body)["error"] == {"message": json.loads(body)["error"]["message"], "type": "requests",
                                              "param": None, "code": "rate_limit_exceeded"}
         assert router.calls == []
-        app.admission.request_limit = None
+        tiers = app.admission.directory.tiers          # the standard tier without a request rate
+        tiers["standard"] = dataclasses.replace(tiers["standard"], requests=None)
         status, _, body = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, KEY)
         assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "Hi!"
         status, _, body = await asgi(app, "GET", "/openapi.json")
@@ -422,11 +423,12 @@ def test_requests_in_flight_are_bounded() -> None:
 def test_tokens_are_reserved_then_settled() -> None:
     async def main() -> None:
         app = _app(token_limit=Rate(100, 60))
-        assert app.admission.token_limit is not None
+        limit = app.admission._limiter(app.admission.directory.tiers["standard"], "tokens")
+        assert limit is not None
         big = json.dumps({**CHAT, "max_tokens": 90}).encode()
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", big)
         assert status == 200      # reserved 1 + 90, used 7 + 2: the rest is refunded
-        assert app.admission.token_limit.bucket("127.0.0.1", 0).level == pytest.approx(91, abs=0.5)
+        assert limit.bucket("127.0.0.1", 0).level == pytest.approx(91, abs=0.5)
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", big)
         assert status == 200
         status, headers, body = await asgi(app, "POST", "/v1/chat/completions", json.dumps(

@@ -70,7 +70,10 @@ def test_round_robin_cycles_in_candidate_order_and_survives_a_join() -> None:
     a, b, c = rep("a"), rep("b"), rep("c")
     rr = RoundRobin()
     assert ids(rr, [a, b], 4) == ["a", "b", "a", "b"]
-    assert ids(rr, [a, b, c], 3) == ["b", "c", "a"]   # the counter (4, 5, 6) carries over the join
+    # Smooth weighted round-robin (weights 1): c joins level with a and b, whose turns are even after
+    # four picks, so each of the three takes one of the next three; b leaving leaves a and c alternating.
+    assert ids(rr, [a, b, c], 3) == ["a", "b", "c"]
+    assert ids(rr, [a, c], 4) == ["a", "c", "a", "c"]
     assert rr.pick([a, b], REQ, 0.0).reason == "balance"
 
 

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-MODULES = ["common", "tokenizer", "engine", "router", "cache"]
+MODULES = ["common", "tokenizer", "engine", "router", "cache", "safety"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -19,7 +19,8 @@ def test_generated_modules_import(name: str) -> None:
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
                 "DrainReplica", "AddReplica"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
-               "DeleteSession", "GetCheckpointFile"}),
+               "DeleteSession", "GetCheckpointFile", "GetResponse", "PutResponse"}),
+    ("safety", {"Classify"}),
 ])
 def test_service_contracts(service: str, rpcs: set[str]) -> None:
     module = importlib.import_module(f"meshpb.v1.{service}_pb2")

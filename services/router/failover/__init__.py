@@ -5,17 +5,21 @@ that takes `now`, does no I/O and is tested with a fake clock.
     window.py   OutcomeWindow: the sliding window those rates are judged over
     budget.py   RetryBudget: retries shared by all requests, at most ~20% on top of them
     chain.py    FallbackChain: model -> next model, confidence multiplying along the chain
+    agreement.py Agreement: a degraded answer's confidence from measured fallback/primary agreement
+    latency.py  LatencyGuard: L3 by latency, a share of interactive requests to the fallback while P95 TTFT is high
     levels.py   Failover: L1 isolation, L2 admission, L3 plan over the chain; Saturated
     call.py     Call: one request's attempts, retries and model outcome: what dispatch.py uses
     probes.py   ProbeVerdicts: a replica's health from its probes (isolated after misses in a row)
-    config.py   BreakerConfig, FailoverConfig
+    config.py   BreakerConfig, LatencyConfig, FailoverConfig
 """
 
+from services.router.failover.agreement import Agreement, Estimate, Evaluation, load_evaluations, posterior
 from services.router.failover.breaker import CAUSES, Breaker, BreakerState, Pass
 from services.router.failover.budget import RetryBudget
 from services.router.failover.call import Call
 from services.router.failover.chain import FallbackChain, Step
-from services.router.failover.config import BreakerConfig, FailoverConfig
+from services.router.failover.config import BreakerConfig, FailoverConfig, LatencyConfig
+from services.router.failover.latency import LatencyGuard, LatencyState, TtftWindow
 from services.router.failover.levels import (
     EXCLUDED,
     ISOLATED,
@@ -34,6 +38,8 @@ from services.router.failover.window import OutcomeWindow, p99
 
 __all__ = [
     "CAUSES", "EXCLUDED", "ISOLATED", "LATE", "OPEN", "PROBING", "SATURATED", "UNHEALTHY",
-    "Attempt", "Breaker", "BreakerConfig", "BreakerState", "Call", "Failover", "FailoverConfig", "FallbackChain",
-    "OutcomeWindow", "Pass", "Plan", "ProbeVerdicts", "RetryBudget", "Saturated", "Step", "p99",
+    "Agreement", "Attempt", "Breaker", "BreakerConfig", "BreakerState", "Call", "Estimate", "Evaluation", "Failover",
+    "FailoverConfig", "FallbackChain", "LatencyConfig", "LatencyGuard", "LatencyState", "OutcomeWindow", "Pass",
+    "Plan", "ProbeVerdicts", "RetryBudget", "Saturated", "Step", "TtftWindow", "load_evaluations", "p99",
+    "posterior",
 ]

@@ -2,7 +2,7 @@
 
 The router, for each request:
 
-    call = Call(failover, model, now)                  # counts the request for the retry budget
+    call = Call(failover, model, now, interactive)     # counts the request for the retry budget
     while True:
         plan = call.plan(replicas, now)                # raises Saturated (UNAVAILABLE + retry-after)
         replica = policy.pick(plan.candidates, route, now).replica
@@ -20,6 +20,10 @@ replica and succeeded on the retry was served by its model, so the model breaker
 success: one bad replica is the replica breaker's business (and opening the model breaker for
 it would send all of a healthy model's traffic down the fallback chain).  Each model the call
 tried gets one outcome when the call ends: ok if the call was served there, failed otherwise.
+
+An interactive call (not batch priority, not a shadow mirror) feeds and obeys level 3 by latency
+(latency.py): its attempts' times to first token are measured for their model, and whether it
+prefers the fallback is decided once, when it starts, so its retries do not draw again.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from services.router.replicas import Replica
 
 
 class Call:
-    def __init__(self, failover: Failover, model: str, now: float):
+    def __init__(self, failover: Failover, model: str, now: float, interactive: bool = True):
         self.failover, self.model, self.started = failover, model, now
+        self.interactive = interactive
+        self.latency_fallback = interactive and failover.latency_fallback(model, now)
         self.attempts = 0                    # started on a replica, the first included
         self.failed_on: set[str] = set()     # replica ids: never planned again for this call
         self.done = False
@@ -49,7 +55,8 @@ class Call:
         if self.done:
             raise RuntimeError("the call is over: no more attempts")
         try:
-            plan = self.failover.plan(self.model, replicas, now, self.failed_on, self._model_passes, deadline_s)
+            plan = self.failover.plan(self.model, replicas, now, self.failed_on, self._model_passes, deadline_s,
+                                      self.latency_fallback)
         except Saturated:
             self._finish(now)
             raise
@@ -78,6 +85,7 @@ class Call:
         """latency_s: the attempt's time to first token, what the P99 targets judge."""
         self._attempt = None
         self.failover.record(attempt, now, True, latency_s)
+        self._first_token(attempt, now, latency_s)
         self._finish(now, served_on=attempt.model, latency_s=latency_s)
 
     def failed(self, attempt: Attempt, now: float, latency_s: float | None = None) -> bool:
@@ -85,12 +93,18 @@ class Call:
         True: retry, on a new plan; False: the call is over, answer the error."""
         self._attempt = None
         self.failover.record(attempt, now, False, latency_s)
+        self._first_token(attempt, now, latency_s)
         self.failed_on.add(attempt.replica_id)
         # Attempts first, so a call that may not retry anyway leaves the shared budget alone.
         if self.attempts < self.failover.config.max_attempts and self.failover.retry_allowed(now):
             return True
         self._finish(now)
         return False
+
+    def _first_token(self, attempt: Attempt, now: float, latency_s: float | None) -> None:
+        """A first token that came (the stream may have died later) is a sample of its model's TTFT."""
+        if self.interactive and latency_s is not None:
+            self.failover.note_first_token(attempt.model, now, latency_s)
 
     def cancelled(self, attempt: Attempt | None, now: float) -> None:
         """The client went away (or the call ends for a reason that is no replica's fault):

@@ -1,4 +1,4 @@
-"""BreakerConfig and FailoverConfig: the knobs of the breakers and the three failover levels."""
+"""BreakerConfig, LatencyConfig and FailoverConfig: the knobs of the breakers and the three failover levels."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.router.failover.agreement import Evaluation
 from services.router.failover.chain import FallbackChain
 
 
@@ -41,6 +42,38 @@ class BreakerConfig:
 
 
 @dataclass(frozen=True)
+class LatencyConfig:
+    """Level 3 by latency (latency.py): while a model's P95 time to first token stays over target_s,
+    `share` of its interactive requests go to its fallback.  The router flags are --latency-degrade-*."""
+
+    target_s: float | None = None          # the P95 time-to-first-token target; None: off
+    window_s: float = 30.0                 # the sliding window the P95 is measured over
+    min_samples: int = 20                  # fewer first tokens in the window: no verdict (not degrading)
+    after_s: float = 10.0                  # over target at every look this long before degrading
+    share: float = 0.3                     # of the model's interactive requests sent to the fallback meanwhile
+    recover: float = 0.9                   # ... until the P95 is at or below recover * target_s
+
+    def __post_init__(self) -> None:
+        if self.target_s is not None and not (math.isfinite(self.target_s) and self.target_s > 0):
+            raise ValueError(f"latency degradation: the P95 target (--latency-degrade-p95-ms) must be positive, "
+                             f"not {self.target_s * 1000:g} ms")
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise ValueError(f"latency degradation: the window (--latency-degrade-window) must be positive seconds, "
+                             f"not {self.window_s:g}")
+        if self.min_samples < 1:
+            raise ValueError(f"latency degradation: --latency-degrade-min-samples must be at least 1, "
+                             f"not {self.min_samples}")
+        if not (math.isfinite(self.after_s) and 0 <= self.after_s):
+            raise ValueError(f"latency degradation: --latency-degrade-after must be >= 0 seconds, not {self.after_s:g}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"latency degradation: the share (--latency-degrade-share) is a fraction in (0, 1], "
+                             f"not {self.share:g}")
+        if not 0 < self.recover <= 1:
+            raise ValueError(f"latency degradation: --latency-degrade-recover is a fraction of the target in "
+                             f"(0, 1], not {self.recover:g}")
+
+
+@dataclass(frozen=True)
 class FailoverConfig:
     replica: BreakerConfig = field(default_factory=BreakerConfig)   # one breaker per replica, per attempt
     model: BreakerConfig = field(default_factory=BreakerConfig)     # one per model, per request (see call.py)
@@ -62,6 +95,13 @@ class FailoverConfig:
     retry_after_max_s: int = 30
     # ... and the guess when nothing has a known recovery time (unhealthy or isolated replicas).
     unknown_retry_after_s: float = 5.0
+    # L3 by latency: a share of a model's interactive requests to its fallback while its P95 TTFT is high.
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
+    # The confidence of a degraded answer (agreement.py): measured agreement of the fallback with its
+    # primary (these offline evaluations, plus shadow comparisons at run time) under a Beta prior centred
+    # on the link's configured confidence and worth `prior_samples` comparisons.
+    evaluations: tuple[Evaluation, ...] = ()
+    prior_samples: float = 20.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -74,4 +114,14 @@ class FailoverConfig:
             raise ValueError("need 1 <= retry_after_min_s <= retry_after_max_s")
         if not math.isfinite(self.unknown_retry_after_s) or self.unknown_retry_after_s <= 0:
             raise ValueError("unknown_retry_after_s must be positive")
-        FallbackChain(self.fallbacks)      # ValueError on a cycle or a confidence outside (0, 1]
+        chain = FallbackChain(self.fallbacks)      # ValueError on a cycle or a confidence outside (0, 1]
+        if not (math.isfinite(self.prior_samples) and self.prior_samples > 0):
+            raise ValueError(f"prior_samples (--confidence-prior-samples) must be positive, not {self.prior_samples:g}")
+        for e in self.evaluations:
+            later = [step.model for step in chain.steps(e.primary)[1:]]
+            if e.fallback not in later:
+                raise ValueError(f"evaluation {e.primary} -> {e.fallback}: {e.fallback!r} is not in {e.primary!r}'s "
+                                 f"fallback chain ({' -> '.join([e.primary, *later]) if later else 'no --fallback'})")
+        if self.latency.target_s is not None and not self.fallbacks:
+            raise ValueError("latency degradation (--latency-degrade-p95-ms) needs a fallback chain to degrade to "
+                             "(--fallback MODEL=NEXT:CONFIDENCE)")

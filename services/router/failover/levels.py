@@ -10,8 +10,11 @@
         that (queued requests / the requests it finishes per second): late.
     L3  when the requested model's breaker refuses, or none of its replicas is admitted, the
         request goes to the next model of its fallback chain that has one: degraded, with
-        the chain's confidence.  When no model of the chain has one: Saturated, with a
-        Retry-After from the soonest recovery.
+        the confidence measured for it (agreement.py; the chain's configured confidence when
+        nothing is measured).  When no model of the chain has one: Saturated, with a
+        Retry-After from the soonest recovery.  And by latency (latency.py): while the model's
+        P95 time to first token stays over target, a share of its interactive requests prefer
+        its first fallback (they stay on the model when the fallback has no admitted replica).
 
 `plan` only reads; passes are taken by `start` (replica breakers) and by Call (model
 breakers), and the dispatcher uses a Call per request (call.py) rather than these directly.
@@ -25,10 +28,12 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from mesh.errors import Unavailable
+from services.router.failover.agreement import Agreement
 from services.router.failover.breaker import Breaker, BreakerState, Pass
 from services.router.failover.budget import RetryBudget
 from services.router.failover.chain import FallbackChain
 from services.router.failover.config import FailoverConfig
+from services.router.failover.latency import LatencyGuard
 from services.router.replicas import Replica
 
 # Why a replica is not admitted (refusal's answers; metrics labels), in the order checked.
@@ -50,8 +55,10 @@ class Plan(NamedTuple):
     model: str                   # where the request goes: the requested model or a fallback
     candidates: list[Replica]    # its admitted replicas, in the order given: the policy picks one
     degraded: bool               # model is a fallback
-    confidence: float            # 1.0, or the chain's product of confidences down to model
+    confidence: float            # 1.0, or the measured confidence of model's answers (agreement.py)
     why: str = ""                # why the models before it were passed over ("" when not degraded)
+    degraded_by: str = ""        # "capacity" (no admitted replica, breaker open) | "latency" | "" (not degraded)
+    confidence_source: str = ""  # configured | offline | shadow | "+"-joined (agreement.py); "" when not degraded
 
 
 class Attempt(NamedTuple):
@@ -69,6 +76,8 @@ class Failover:
         self.chain = FallbackChain(self.config.fallbacks)
         c = self.config
         self.budget = RetryBudget(c.retry_ratio, c.retry_min_per_s, c.retry_window_s)
+        self.agreement = Agreement(self.chain, c.evaluations, c.prior_samples)
+        self.latency = LatencyGuard(c.latency)
         self._replicas: dict[str, Breaker] = {}
         self._models: dict[str, Breaker] = {}
         self._isolated: dict[str, tuple[float, str]] = {}     # replica id -> (since, reason)
@@ -148,17 +157,27 @@ class Failover:
         return replica.max_waiting > 0 and replica.queued >= replica.max_waiting
 
     # -- L3: the plan ------------------------------------------------------------------
+    def latency_fallback(self, model: str, now: float) -> bool:
+        """Whether this interactive request for `model` should prefer its fallback (latency.py)."""
+        return len(self.chain.steps(model)) > 1 and self.latency.take(model, now)
+
     def plan(self, model: str, replicas: Sequence[Replica], now: float, exclude: Collection[str] = frozenset(),
-             held: Mapping[str, Pass] | None = None, deadline_s: float | None = None) -> Plan:
+             held: Mapping[str, Pass] | None = None, deadline_s: float | None = None,
+             prefer_fallback: bool = False) -> Plan:
         """The admitted replicas of the first model of `model`'s chain that has any; raises
         Saturated when none has.  exclude: replica ids the request already failed on.
         held: model -> the model-breaker pass the request holds (Call's), which admits the
         model even while its half-open breaker has every probe out.  deadline_s: the seconds the
-        request has left (a replica whose queue would outlast them is refused as LATE)."""
+        request has left (a replica whose queue would outlast them is refused as LATE).
+        prefer_fallback: latency degradation chose this request (latency_fallback): the chain's
+        second model is tried first, then the model, then the rest of the chain."""
         held = held or {}
         passed_over: list[str] = []
         recoveries: list[float] = []
-        for step in self.chain.steps(model):
+        order = list(enumerate(self.chain.steps(model)))
+        if prefer_fallback and len(order) > 1:
+            order[0], order[1] = order[1], order[0]
+        for index, step in order:
             breaker = self._models.get(step.model)
             holds = breaker is not None and step.model in held and breaker.current(held[step.model])
             if breaker is not None and not breaker.allows(now) and not holds:
@@ -180,14 +199,26 @@ class Failover:
                 else:
                     candidates.append(r)
             if candidates:
-                why_degraded = "; ".join(passed_over)
-                return Plan(step.model, candidates, step.model != model, step.confidence, why_degraded)
+                return self._plan(model, index, candidates, passed_over, prefer_fallback, now)
             counts = ", ".join(f"{n} {why}" for why, n in sorted(refused.items())) or "no replica"
             if waits:
                 counts += (f" (queue wait ~{min(waits):.0f} s at the shortest, beyond the request's deadline of "
                            f"{deadline_s:.0f} s)")
             passed_over.append(f"{step.model}: {counts}")
         raise Saturated(model, self._retry_after(recoveries), "; ".join(passed_over))
+
+    def _plan(self, model: str, index: int, candidates: list[Replica], passed_over: list[str],
+              prefer_fallback: bool, now: float) -> Plan:
+        """The plan for step `index` of `model`'s chain, whose admitted replicas are `candidates`."""
+        if index == 0:
+            return Plan(model, candidates, False, 1.0)
+        estimate = self.agreement.estimate(model, index)
+        step = self.chain.steps(model)[index]
+        if prefer_fallback and index == 1:
+            return Plan(step.model, candidates, True, estimate.confidence, self.latency.reason(model, now),
+                        "latency", estimate.source)
+        return Plan(step.model, candidates, True, estimate.confidence, "; ".join(passed_over), "capacity",
+                    estimate.source)
 
     def _recovery(self, breaker: Breaker, now: float) -> float:
         """Seconds until `breaker` may admit again: to half-open, or a moment while probing."""
@@ -231,6 +262,10 @@ class Failover:
 
     def note_request(self, now: float) -> None:
         self.budget.note_request(now)
+
+    def note_first_token(self, model: str, now: float, ttft_s: float) -> None:
+        """An interactive attempt on `model` got its first token after `ttft_s` (latency.py)."""
+        self.latency.record(model, now, ttft_s)
 
     def retry_allowed(self, now: float) -> bool:
         """Take one retry from the shared budget: True when allowed."""

@@ -14,6 +14,10 @@ affinity layers in canonical order, joined by "+":
 
 e.g. "balancing+prefix+session".  Every entry is an AffinityRouter (with no layers for a bare
 base name), so a pinned replica is honoured by every policy.
+
+Every policy honours Replica.weight (weighted.py): smooth weighted round-robin for round_robin, load
+per unit of weight for least_load, balancing and the affinity layers' overload test, and weight 0
+as a standby that takes new requests only when no candidate of weight > 0 is left.
 """
 
 from __future__ import annotations

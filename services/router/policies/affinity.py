@@ -27,13 +27,17 @@ router and token ids the session layer is redundant, and its load-blind placemen
 prefixes costs P99 (bench/router_sim.py): prefer "balancing+prefix" there.
 
 Overloaded (PolicyConfig): Replica.queued > max_queued, or Replica.mem_ratio > max_mem_ratio,
-or Replica.outstanding more than max_imbalance above the least loaded candidate's.  The last
+or its load per unit of weight (Replica.outstanding / weight, weighted.py; just outstanding at the
+default weight 1) more than max_imbalance above the least loaded candidate's.  The last
 is the one that matters for an engine that admits everything it has KV for: its queue stays
 empty while its batch grows, and every request in a batch of 30 decodes nearly four times
 slower than in a batch of 5.  In bench/router_sim.py with 16 hot prefixes, queue and memory
 limits alone let them pile up: P99 20 s against 13 s with max_imbalance=4, and 67 s against
 13 s with session affinity on top.  When every candidate is overloaded, affinity gives
 way and the base policy still picks the best of them: shedding is failover's decision.
+
+Standbys (weight 0, weighted.py) are left out before any layer but pinned looks: no session, prefix
+or ring sends new work to a standby while a replica of weight > 0 is a candidate.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from services.router.policies.config import PolicyConfig
 from services.router.policies.hash_ring import HashRing
 from services.router.policies.policy import Decision, PinnedReplicaUnavailable, Policy, RouteRequest
 from services.router.policies.prefix_map import PrefixMap
+from services.router.policies.weighted import load_per_weight, serving
 from services.router.replicas import Replica
 
 LAYERS = ("region", "prefix", "session")   # the canonical order of layer names in a policy name
@@ -63,11 +68,12 @@ class AffinityRouter(Policy):
         self.holders: OrderedDict[str, str] = OrderedDict()    # session key -> replica id (LRU)
         self._ring: HashRing | None = None
 
-    def overloaded(self, replica: Replica, least: int) -> bool:
-        """least: the smallest Replica.outstanding among the candidates it is compared with."""
+    def overloaded(self, replica: Replica, least: float) -> bool:
+        """least: the smallest load per weight (weighted.load_per_weight) among the candidates it is
+        compared with (`least_load(pool)`)."""
         c = self.config
         return (replica.queued > c.max_queued or replica.mem_ratio > c.max_mem_ratio
-                or replica.outstanding - least > c.max_imbalance)
+                or load_per_weight(replica) - least > c.max_imbalance)
 
     def choose(self, candidates: Sequence[Replica], request: RouteRequest, now: float) -> Decision:
         if request.pinned:
@@ -75,6 +81,7 @@ class AffinityRouter(Policy):
                 if r.replica_id == request.pinned:
                     return Decision(r, "pinned")
             raise PinnedReplicaUnavailable(request.pinned)
+        candidates = serving(candidates)
         pool, narrowed = candidates, ""
         if "region" in self.layers:
             pool, narrowed = self._region_pool(candidates, request)
@@ -101,7 +108,7 @@ class AffinityRouter(Policy):
         local = [r for r in candidates if r.region == region]
         if len(local) == len(candidates):
             return candidates, ""
-        least = min(r.outstanding for r in candidates)
+        least = least_load(candidates)
         if any(not self.overloaded(r, least) for r in local):
             return local, "region"
         return candidates, "spill" if local else ""
@@ -110,7 +117,7 @@ class AffinityRouter(Policy):
         """(replica, matched): the holder of the longest known prefix that can take the request;
         matched tells whether any holder in the pool was known, overloaded or not."""
         by_id = {r.replica_id: r for r in pool}
-        least = min(r.outstanding for r in pool)
+        least = least_load(pool)
         refused: set[str] = set()
         for rid, blocks in self.prefixes.matches(hashes):
             if blocks < self.config.min_prefix_blocks:
@@ -132,7 +139,7 @@ class AffinityRouter(Policy):
             return None
         self.holders.move_to_end(key)
         replica = next((r for r in pool if r.replica_id == rid), None)
-        if replica is None or self.overloaded(replica, min(r.outstanding for r in pool)):
+        if replica is None or self.overloaded(replica, least_load(pool)):
             return None
         return replica
 
@@ -143,7 +150,7 @@ class AffinityRouter(Policy):
             # keeps the common case free of rebuilding.
             self._ring = HashRing(ids, self.config.vnodes)
         by_id = {r.replica_id: r for r in pool}
-        least = min(r.outstanding for r in pool)
+        least = least_load(pool)
         for rid in self._ring.walk(key):
             if not self.overloaded(by_id[rid], least):
                 return by_id[rid]
@@ -168,3 +175,7 @@ class AffinityRouter(Policy):
         self.prefixes.forget(replica_id)
         for key in [k for k, rid in self.holders.items() if rid == replica_id]:
             del self.holders[key]
+
+
+def least_load(pool: Sequence[Replica]) -> float:
+    return min(load_per_weight(r) for r in pool)

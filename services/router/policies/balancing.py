@@ -2,10 +2,12 @@
 
     score = p99_weight * (w_q * (1 - load_ratio) + w_m * (1 - mem_ratio))
 
-load_ratio = outstanding / max(outstanding over the candidates), outstanding = in_flight +
-waiting (Replica.outstanding).  Not the reported qps: qps counts requests *finished* per
-second, a lagging signal that falls exactly when a replica stalls behind a deep queue, so a
-qps ratio would send more work to the replica that is furthest behind.  Outstanding work
+load_ratio = load / max(load over the candidates), load = outstanding / weight (weighted.py),
+outstanding = in_flight + waiting (Replica.outstanding), weight the replica's discovery weight
+(1 by default: load_ratio is then outstanding over the most outstanding).  Not the reported
+qps: qps counts requests *finished* per second, a lagging signal that falls exactly when a
+replica stalls behind a deep queue, so a qps ratio would send more work to the replica that
+is furthest behind.  Outstanding work
 sees the queue, and in_flight moves with every pick, so a burst between two load reports
 spreads instead of landing on one replica.
 
@@ -21,6 +23,9 @@ trusted only over p99_min_samples finished requests (a report's sample count is 
 engine's window): the P99 of three requests is the slowest of three, mostly a matter of how
 many tokens each asked for, and bench/router_sim.py shows that feeding such noise back through
 a 10x weight range herds work onto whichever replica was lucky and doubles P99.
+
+Only candidates of weight > 0 are scored (weighted.py: weight 0 is a standby); equal best scores
+(idle replicas) take turns by smooth weighted round-robin, so they too split by weight.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from services.router.policies.config import PolicyConfig
-from services.router.policies.policy import Decision, Policy, RouteRequest, rotate_ties
+from services.router.policies.policy import Decision, Policy, RouteRequest
+from services.router.policies.weighted import SmoothWeighted, load_per_weight, serving, ties
 from services.router.replicas import Replica
 
 
@@ -58,7 +64,7 @@ class Balancing(Policy):
         self.config = config or PolicyConfig()
         super().__init__(self.config.entropy_window_s)
         self._latency: dict[str, LatencyWindow] = {}
-        self._ties = 0
+        self.turns = SmoothWeighted()
 
     def weights(self, candidates: Sequence[Replica]) -> tuple[float, float]:
         """(w_q, w_m) for this pool: shifted toward memory under memory pressure."""
@@ -84,23 +90,20 @@ class Balancing(Policy):
 
     def scores(self, candidates: Sequence[Replica], now: float) -> list[float]:
         w_q, w_m = self.weights(candidates)
-        most = max(r.outstanding for r in candidates)
+        most = max(load_per_weight(r) for r in candidates)
         out = []
         for r in candidates:
-            load_ratio = r.outstanding / most if most else 0.0
+            load_ratio = load_per_weight(r) / most if most else 0.0
             out.append(self.p99_weight(r, now) * (w_q * (1.0 - load_ratio) + w_m * (1.0 - r.mem_ratio)))
         return out
 
     def choose(self, candidates: Sequence[Replica], request: RouteRequest, now: float) -> Decision:
-        scores = self.scores(candidates, now)
-        best = max(scores)
+        pool = serving(candidates)
+        scores = self.scores(pool, now)
         # Exact float equality is the common case (idle replicas score identically); the
         # tolerance only absorbs rounding between equal-looking states.
-        tied = [r for r, s in zip(candidates, scores, strict=True) if s >= best - 1e-12]
-        if len(tied) > 1:
-            self._ties += 1
-            return Decision(rotate_ties(tied, self._ties - 1), "balance")
-        return Decision(tied[0], "balance")
+        tied = ties(pool, scores, max(scores))
+        return Decision(tied[0] if len(tied) == 1 else self.turns.pick(tied), "balance")
 
     def on_finish(self, replica: Replica, request: RouteRequest, now: float, latency_s: float, ok: bool) -> None:
         window = self._latency.get(replica.replica_id)

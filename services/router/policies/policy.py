@@ -114,8 +114,3 @@ class Policy(ABC):
     def load_entropy(self, now: float) -> float:
         return self.entropy.value(now, self._pool)
 
-
-def rotate_ties(tied: Sequence[Replica], counter: int) -> Replica:
-    """The tie rule of least_load and balancing: take turns among the tied replicas (in
-    candidate order), so equal replicas share the work instead of the first taking it all."""
-    return tied[counter % len(tied)]
