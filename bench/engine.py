@@ -201,7 +201,8 @@ def serve_and_sweep(command: list[str], base: str, model: str, chats: list[list[
     results = []
     with open(log, "wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})})
+                                # every request reaches the engine: no answer from the edge's response cache
+                                env={**os.environ, "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", **(env or {})})
         try:
             wait_http(name, f"{base}/health", proc, 300, log)
             for i, n in enumerate(levels):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -175,7 +176,8 @@ def served(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     log = logdir / "infermesh.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen([str(INFERMESH), "up", "--engines", "1", "--port-offset", str(args.port_offset)],
-                                stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"})
         try:
             wait_http("infermesh", f"{base}/health", proc, 300, log)
             constrained = requests(args.requests)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import subprocess
@@ -64,7 +65,9 @@ def main() -> int:
     log = Path("/tmp") / f"infermesh-prefix-bench-{a.port_offset}.log"
     command = [str(INFERMESH), "up", "--engines", "1", "--port-offset", str(a.port_offset), "--dtype", a.dtype]
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                # the warm request must reach the engine, not the edge's response cache
+                                env={**os.environ, "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"})
         try:
             wait_http("infermesh", f"{base}/health", proc, 300, log)
             results = asyncio.run(measure(base, a.trials, a.prefix_tokens))

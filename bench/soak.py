@@ -396,7 +396,11 @@ async def run(a: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "mesh.cli", "up", "--routers", "2", "--tokenizers", "2", "--engines", "2",
             "--dtype", "float32", "--kv-cache-mb", "256", "--port-offset", str(offset),
             "--cache-dir", str(workdir / "cache")]
-    mesh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+    # The prompts repeat (each is checked against its reference answer): with the edge's response cache on,
+    # most would be answered from it, and the soak would no longer load the engines.
+    env = {**os.environ, "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"}
+    mesh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                            env=env)
     http = f"http://127.0.0.1:{8000 + offset}"
     print(f"mesh log: {workdir / 'infermesh-up.log'}", flush=True)
     try:

@@ -118,7 +118,8 @@ class Choice:
         self.echo = prompt if spec.echo else ""
         self.prompt_only = spec.prompt_only       # echo with max_tokens 0: the generated token is dropped
         # Offsets count from the start of the prompt; with echo the prompt's own tokens come first.
-        self.lp = LogprobFormatter(chat, 0 if spec.echo else len(prompt)) if spec.sampling.logprobs else None
+        self.lp_start = 0 if spec.echo else len(prompt)
+        self.lp = LogprobFormatter(chat, self.lp_start) if spec.sampling.logprobs else None
         self.prompt_logprobs: list[TokenLogprob] = []
         self.parser = tools.CallParser(_tools(spec)) if spec.tool_calls else None
         self.single = spec.tool_calls == "single"
@@ -195,7 +196,8 @@ class Choice:
         """The choice of a whole (not streamed) answer."""
         text = "".join(self.parts)
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
-                                  "logprobs": self.lp.format(self.prompt_logprobs + self.logprobs) if self.lp else None}
+                                  "logprobs": LogprobFormatter(self.chat, self.lp_start).format(
+                                      self.prompt_logprobs + self.logprobs) if self.lp else None}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text.strip() if self.calls else text}
             if self.calls:

@@ -52,9 +52,13 @@ def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | 
         pytest.fail(f"something already serves {m.http}; set INFERMESH_TEST_PORT_OFFSET")
     if "--cache-dir" not in args:     # each mesh its own: no session or KV block left by an earlier one
         args = [*args, "--cache-dir", str(log.parent / "cache-service")]
+    # The edge's response cache answers a repeated deterministic request without the engines; the tests
+    # that count what reaches them, or kill an engine under a request asked before, need every request to
+    # go through.  tests/e2e/test_gateway_policies.py turns it on.
+    env = {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", **(env or {})}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", *args, "--port-offset", str(offset)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
         try:
             deadline = time.monotonic() + 300
             while not http_ok(f"{m.http}/health"):

@@ -43,7 +43,8 @@ def policies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, P
     policy = folder / "policy.json"
     policy.write_text(json.dumps({"input": [{"category": "weapons", "pattern": r"build\s+a\s+bomb"}]}))
     env = {"INFERMESH_API_KEYS_FILE": str(folder / "keys"), "INFERMESH_TIERS_FILE": str(folder / "tiers.json"),
-           "INFERMESH_CONTENT_POLICY": str(policy), "INFERMESH_JWT_SECRET": JWT_SECRET}
+           "INFERMESH_CONTENT_POLICY": str(policy), "INFERMESH_JWT_SECRET": JWT_SECRET,
+           "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "300"}
     with running_mesh(["--engines", "1", "--dtype", "float32", "--kv-cache-mb", "64"], PORTS,
                       folder / "infermesh-up.log", env=env) as m:
         yield m, policy

@@ -24,7 +24,9 @@ from tests.redis_server import running_redis
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"embedded": OFFSET + 1000, "redis": OFFSET + 1100}
+# Offsets whose ports no other mesh of the run uses (OFFSET + 1100 would put the edge on the session-long
+# mesh's engine metrics port, 9100 + OFFSET).
+PORTS = {"embedded": OFFSET + 1000, "redis": OFFSET + 1500}
 SESSION = "s-stores"
 
 

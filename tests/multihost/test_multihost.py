@@ -234,7 +234,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
         wait_ready(h, {"router": f"{a('router')}:50051"})
         h.start("edge", "services.edge", "--replica-id", "edge-0", "--host", a("edge"), "--http-port", "8000",
                 "--http3-port", "8443", "--router", f"{a('router')}:50051", "--cert-dir", str(logs / "tls"),
-                *h.tls("edge"), env={"INFERMESH_API_KEYS": API_KEY})
+                # every request reaches an engine (the test kills one under prompts asked before)
+                "--response-cache-ttl", "0", *h.tls("edge"), env={"INFERMESH_API_KEYS": API_KEY})
         wait_ready(h, {"edge": f"http://{a('edge')}:8000/health"})
         print(f"\nmultihost: 6 hosts on {NET}.0/24 ready in {time.monotonic() - started:.1f}s")
         yield h
