@@ -229,8 +229,14 @@ class RouterClient:
                 "expected_engines": r.expected_engines, "load_entropy": round(r.load_entropy, 4),
                 "engines": [{"replica": e.replica_id, "model": e.model, "model_version": e.model_version,
                              "region": e.region, "healthy": e.healthy, "breaker": e.breaker, "in_flight": e.in_flight,
-                             "isolation": e.isolation, "running": e.load.running, "waiting": e.load.waiting}
-                            for e in r.replicas]}
+                             "isolation": e.isolation, "running": e.load.running, "waiting": e.load.waiting,
+                             "kv_used": round(1 - e.load.kv_blocks_free / e.load.kv_blocks_total, 4)
+                             if e.load.kv_blocks_total else 0.0,
+                             "tokens_per_s": round(e.load.tokens_per_second, 2), "weight": e.weight}
+                            for e in r.replicas],
+                "ttft_p50_ms": round(r.ttft_p50_ms, 1), "ttft_p95_ms": round(r.ttft_p95_ms, 1),
+                "events": [{"unix_ms": e.unix_ms, "kind": e.kind, "model": e.model, "replica": e.replica,
+                            "detail": e.detail} for e in r.events]}
 
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)

@@ -203,7 +203,8 @@ class RouterPool:
         if not views:
             raise next((s for s in states if isinstance(s, grpc.aio.AioRpcError)), None) or _no_router(set())
         view = next((s for s in views if s["ready"]), views[0])
-        return {**view, "ready": any(s["ready"] for s in views), "routers": listed}
+        events = sorted((e for s in views for e in s.get("events", [])), key=lambda e: e["unix_ms"])[-100:]
+        return {**view, "ready": any(s["ready"] for s in views), "routers": listed, "events": events}
 
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
         result: list[ModelCard] = await self._first(lambda c: c.models(timeout))

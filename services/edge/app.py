@@ -1,7 +1,8 @@
 """The edge's ASGI application: one app behind both HTTP/1.1 and HTTP/3.
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
-GET|PUT /admin/models/{model}/routing (admin keys only), GET /metrics, GET /openapi.json.
+GET|PUT /admin/models/{model}/routing and GET /admin/console (admin keys only), GET /metrics,
+GET /openapi.json, and the web page (GET /, /static/app.js, /static/style.css: services/edge/console.py).
 Bad requests are answered here, in OpenAI's error shape, and never reach the router.
 
 Admission, in order: one Authorization header and bounded session/replica headers (400), failed
@@ -27,6 +28,7 @@ from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
 from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
+from services.edge.console import FILES, Page
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
@@ -38,8 +40,10 @@ Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[int]]
 
 ADMIN_PREFIX = "/admin/models/"
 REPLICAS = "/admin/replicas"
-PUBLIC = ("/health", "/metrics", "/openapi.json")      # no API key needed
-ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions")
+CONSOLE = "/admin/console"
+# No API key needed: the page's static files, liveness, Prometheus' scrape, the API's description.
+PUBLIC = ("/health", "/metrics", "/openapi.json", *FILES)
+ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions", *FILES)
 
 
 class EdgeApp:
@@ -49,6 +53,8 @@ class EdgeApp:
         self.admission = Admission(config)
         self.completions = Completions(config, router, self.admission)
         self.openapi = json.dumps(openapi.document(config)).encode()
+        self.page = Page(router)
+        self.alt_svc = f'h3=":{config.http3_port}"; ma=86400'.encode() if config.http3_port else b""
         self._health_cache: tuple[float, bool] = (0.0, False)
         self.routes: dict[tuple[str, str], Route] = {
             ("GET", "/health"): self.health,
@@ -57,6 +63,8 @@ class EdgeApp:
             ("GET", "/openapi.json"): self.openapi_json,
             ("POST", "/v1/chat/completions"): self.completions.chat,
             ("POST", "/v1/completions"): self.completions.completions,
+            ("GET", CONSOLE): self.page.console,
+            **{("GET", path): self.page.static for path in FILES},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -66,7 +74,8 @@ class EdgeApp:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         method, path = scope["method"], scope["path"]
         route = self.routes.get((method, path))
-        admin = path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
+        admin = (path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
+                 or path == CONSOLE)
         if path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
             route = self.admin
         elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):
@@ -76,7 +85,10 @@ class EdgeApp:
 
         async def tracked_send(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if self.alt_svc and scope.get("http_version") != "3":    # HTTP/3 on the UDP port
+                    message = {**message, "headers": [*message.get("headers", []), (b"alt-svc", self.alt_svc)]}
             await send(message)
 
         try:

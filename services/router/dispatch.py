@@ -30,6 +30,7 @@ from meshpb.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.engines import Engines
+from services.router.events import RECENT
 from services.router.failover import Call, Failover, Plan
 from services.router.policies import AffinityRouter, RouteRequest
 from services.router.relay import EngineFailed, Stream, attempt
@@ -212,6 +213,7 @@ class Dispatcher:
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
                     if plan.degraded:
                         metrics.FAILOVER.labels("3").inc()
+                        RECENT.record("degraded", model, "", f"to {plan.model} ({plan.degraded_by}): {plan.why}")
                     prompt_ids, stream, route = await self._prepare(request, plan.model, conversation, key,
                                                                     context.time_remaining())
                     streamed = plan.model
@@ -231,6 +233,7 @@ class Dispatcher:
                     if exc.isolate:
                         self.failover.isolate(exc.replica_id, now(), exc.reason)
                         metrics.FAILOVER.labels("1").inc()
+                        RECENT.record("isolated", model, exc.replica_id, exc.reason)
                     limit = request.sampling.max_tokens
                     if limit and len(stream.ids) >= limit:     # died after the last token, before its final message
                         call.succeeded(started_attempt, now(), first_token_s)
@@ -240,6 +243,8 @@ class Dispatcher:
                     if not call.failed(started_attempt, now(), first_token_s):
                         raise Unavailable(f"{exc}; no attempt or retry budget left for this request") from None
                     metrics.FAILOVER.labels("2").inc()
+                    RECENT.record("failover", model, decision.replica.replica_id,
+                                  f"{exc} after {len(stream.ids)} token(s)")
                     log.warning("request %s: %s after %d token(s); trying another replica",
                                 request_id, exc, len(stream.ids))
                     continue
@@ -247,6 +252,7 @@ class Dispatcher:
                     call.cancelled(started_attempt, now())
                     raise
                 call.succeeded(started_attempt, now(), first_token_s)
+                RECENT.first_token(first_token_s)
                 _count_degraded(model, plan)
                 return
             raise Unavailable(f"no replica could be started for {model!r}; retry shortly")

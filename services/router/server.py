@@ -31,6 +31,7 @@ from services.router.callers import Callers
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.engines import Engines, load_to_pb
+from services.router.events import RECENT
 from services.router.failover import Failover, Saturated
 from services.router.policies import PolicyConfig, make_policy
 from services.router.replicas import ReplicaTable
@@ -89,6 +90,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except MeshError as exc:
                 if isinstance(exc, Saturated):
                     metrics.SHED.labels(exc.model).inc()
+                    RECENT.record("shed", exc.model, "", exc.detail)
                 if exc.retry_after_s > 0:             # Saturated, a tripped dependency breaker
                     context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
                 raise
@@ -167,6 +169,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                load=load_to_pb(r.replica_id, r.load), breaker=state.breaker, in_flight=r.in_flight,
                                weight=r.weight,
                                isolation=state.isolation)
+        RECENT.fill(reply)
         return reply
 
 
