@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -27,6 +28,17 @@ def load_keys(env: dict[str, str] | None = None, variable: str = "INFERMESH_API_
             words = line.split("#", 1)[0].split()
             keys.extend(words[:1])
     return tuple(sorted({digest(k) for k in keys if k}))
+
+
+def find_digest(key: str, digests: Iterable[bytes]) -> bytes | None:
+    """The digest among `digests` that `key` hashes to, or None; every digest is compared, in constant
+    time (how long it takes tells nothing about which key, if any, was close)."""
+    probe = digest(key)
+    found = None
+    for d in digests:
+        if hmac.compare_digest(probe, d):
+            found = d
+    return found
 
 
 def tenant_of(key_digest: bytes) -> str:
@@ -59,12 +71,7 @@ class ApiKeys:
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return None
-        probe = digest(key.strip())
-        found = None
-        for d in self.digests:
-            if hmac.compare_digest(probe, d):
-                found = d
-        return found
+        return find_digest(key.strip(), self.digests)
 
     def check(self, authorization: str) -> bool:
         """True for `Bearer <a configured key>`, and for anything when no keys are configured."""

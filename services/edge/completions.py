@@ -134,14 +134,14 @@ class Completions:
                                                 attributes={"request_id": rid, "stream": stream,
                                                             "choices": len(answers)}):
                 deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
+                whole = None
                 if stream:
                     status = await self._stream(chat, rid, deltas, answers, spec.n, include_usage, charge, receive,
                                                 send)
                 else:
-                    status = await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
+                    status, whole = await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
                 if key is not None and status == 200 and all(a.final is not None for a in answers):
-                    whole = responses.whole_body(chat, rid, _model(answers), [a.body() for a in answers],
-                                                 choices.usage(answers, spec.n), choices.meta(answers))
+                    whole = whole or _whole_body(chat, rid, answers, choices.usage(answers, spec.n))
                     if storable(whole):
                         self.cache.put(key, Entry(whole, whole["model"], (whole["infermesh"] or {}).get(
                             "model_version", "")))
@@ -152,19 +152,20 @@ class Completions:
                 TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
     async def _whole(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
-                     n: int, charge: Charge, receive: Receive, send: Send) -> int:
+                     n: int, charge: Charge, receive: Receive, send: Send) -> tuple[int, dict[str, Any] | None]:
+        """The status and the answer sent (None when the client left)."""
         started = time.monotonic()
         # The client may leave while the answer is collected, with no write to notice it by:
         # watch for its disconnect, or an abandoned request would run to max_tokens.
         if await unless_gone(_collect(deltas, answers, charge), receive) is None:
-            return 499
+            return 499, None
         use = choices.usage(answers, n)
         charge.used = use["total_tokens"]
         DURATION.observe(time.monotonic() - started)
         COMPLETION_TOKENS.inc(use["completion_tokens"])
-        await send_json(send, 200, responses.whole_body(chat, rid, _model(answers), [a.body() for a in answers],
-                                                        use, choices.meta(answers)))
-        return 200
+        body = _whole_body(chat, rid, answers, use)
+        await send_json(send, 200, body)
+        return 200, body
 
     async def _stream(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
                       n: int, include_usage: bool, charge: Charge, receive: Receive, send: Send) -> int:
@@ -265,6 +266,10 @@ class Completions:
             await emit(error_body(err.details() or "generation failed", kind, status))
 
 
+def _whole_body(chat: bool, rid: str, answers: list[Choice], use: dict[str, Any]) -> dict[str, Any]:
+    return responses.whole_body(chat, rid, _model(answers), [a.body() for a in answers], use, choices.meta(answers))
+
+
 def _blocked(policy: ContentPolicy, entry: Entry) -> bool:
     """A cached answer the output rules now in force would cut: answered afresh (and cut) instead."""
     if not policy.output:
@@ -283,8 +288,8 @@ async def _replay(chat: bool, entry: Entry, stream: bool, include_usage: bool, s
                         for c in responses.replay_chunks(chat, body, include_usage)) + b"data: [DONE]\n\n"
         head = SSE_HEADERS
     else:
-        data, head = json.dumps(body).encode(), [*JSON_HEADERS, (b"content-length", b"")]
-        head[-1] = (b"content-length", str(len(data)).encode())
+        data = json.dumps(body).encode()
+        head = [*JSON_HEADERS, (b"content-length", str(len(data)).encode())]
     spent_ms = (time.perf_counter() - scope.get("infermesh.t0", time.perf_counter())) * 1000
     await send({"type": "http.response.start", "status": 200, "headers": [
         *head, (b"x-infermesh-cache", b"hit"), (b"server-timing", f"edge;dur={spent_ms:.3f}".encode())]})

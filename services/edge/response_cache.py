@@ -133,9 +133,9 @@ class ResponseCache:
         elif found is not None:
             self._drop(key)
         if entry is None and self._shared is not None:
-            tier, entry = "shared", await self._get_shared(key)
+            tier, (entry, shared_size) = "shared", await self._get_shared(key)
             if entry is not None:
-                self._remember(key, entry, now)
+                self._remember(key, entry, now, shared_size)
         if entry is None:
             RESPONSE_CACHE.labels("miss").inc()
             return None
@@ -156,8 +156,8 @@ class ResponseCache:
             self._puts.add(task)
             task.add_done_callback(self._puts.discard)
 
-    def _remember(self, key: bytes, entry: Entry, now: float, size: int = 0) -> None:
-        size = size or len(json.dumps(entry.body))
+    def _remember(self, key: bytes, entry: Entry, now: float, size: int) -> None:
+        """size: the entry's JSON bytes (as stored in the shared tier)."""
         if key in self._memory:
             self._drop(key)
         if size > self.max_bytes:
@@ -171,20 +171,21 @@ class ResponseCache:
         _, _, size = self._memory.pop(key)
         self.bytes -= size
 
-    async def _get_shared(self, key: bytes) -> Entry | None:
+    async def _get_shared(self, key: bytes) -> tuple[Entry | None, int]:
+        """The shared tier's entry and its size in bytes, or (None, 0)."""
         assert self._shared is not None
         try:
             reply = await self._shared.GetResponse(cache_pb2.GetResponseRequest(key=key), timeout=SHARED_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             RESPONSE_CACHE.labels("shared_error").inc()
             log.debug("response cache: shared tier %s", err.code().name)
-            return None
+            return None, 0
         if not reply.found:
-            return None
+            return None, 0
         with contextlib.suppress(ValueError, KeyError, TypeError):
             raw = json.loads(reply.value)
-            return Entry(raw["body"], raw["model"], raw["version"])
-        return None
+            return Entry(raw["body"], raw["model"], raw["version"]), len(reply.value)
+        return None, 0
 
     async def _put_shared(self, key: bytes, value: bytes) -> None:
         assert self._shared is not None

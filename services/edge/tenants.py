@@ -18,14 +18,13 @@ parses is logged and the last good one kept, so a typo never locks every caller 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 import re
 import time
 from collections.abc import Hashable
 
-from mesh.apikeys import digest, tenant_of
+from mesh.apikeys import digest, find_digest, tenant_of
 from mesh.files import WatchedFile
 from mesh.ratelimit import Rate, parse_rate
 
@@ -157,11 +156,7 @@ class Directory:
 
     def by_key(self, key: str) -> Caller | None:
         """The caller a key names, or None; every configured digest is compared, in constant time."""
-        probe = digest(key)
-        found: bytes | None = None
-        for d in self.keys:
-            if hmac.compare_digest(probe, d):
-                found = d
+        found = find_digest(key, self.keys)
         if found is None:
             return None
         entry = self.keys[found]
