@@ -89,6 +89,14 @@ def _wait(check: Any, timeout: float, what: str) -> Any:
         time.sleep(0.1)
 
 
+def _states(driver: Any) -> dict[str, str]:
+    """Each console row's replica and state, read in one script: the page redraws the table every second, so
+    rows looked up one by one can be gone (stale) halfway."""
+    return dict(driver.execute_script(
+        "return [...document.querySelectorAll('#replicas tbody tr')]"
+        ".map(r => [r.dataset.replica, r.querySelector('td.state').textContent]);"))
+
+
 def _type(driver: Any, element_id: str, value: str) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -144,8 +152,7 @@ def test_playground_streams_an_answer_with_its_metadata_and_the_console_lists_re
     browser.save_screenshot(str(shots / "playground.png"))
 
     browser.find_element(By.ID, "tab-console").click()
-    rows = _wait(lambda: {r.get_attribute("data-replica"): r.find_element(By.CSS_SELECTOR, "td.state").text
-                          for r in browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")}, 10, "replica rows")
+    rows = _wait(lambda: _states(browser), 10, "replica rows")
     assert rows == {"engine-0": "up", "engine-1": "up"}
     assert browser.find_element(By.ID, "router-state").text == "ready"
     time.sleep(4)                                     # a few seconds of chart
@@ -153,12 +160,10 @@ def test_playground_streams_an_answer_with_its_metadata_and_the_console_lists_re
 
 
 def test_the_console_marks_a_killed_engine_down_within_5_seconds(web_mesh: Mesh, browser: Any) -> None:
-    from selenium.webdriver.common.by import By
     if "#console" not in browser.current_url:
         browser.get(f"{web_mesh.http}/#console")
         _type(browser, "admin-key", ADMIN_KEY)
-    state = lambda: {r.get_attribute("data-replica"): r.find_element(By.CSS_SELECTOR, "td.state").text  # noqa: E731
-                     for r in browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")}
+    state = lambda: _states(browser)  # noqa: E731
     _wait(lambda: state().get("engine-1") == "up", 10, "engine-1 up")
     pattern = f"services.engine --replica-id engine-1 --port {50061 + PORTS}"
     pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
