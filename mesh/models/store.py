@@ -24,7 +24,7 @@ from mesh.models.catalog import ALIASES, CATALOG, ModelError, canonical
 from mesh.models.folder import is_present, validate_folder
 
 REGISTRY = "registry.json"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def home() -> Path:
@@ -58,7 +58,7 @@ def load_registry() -> dict[str, dict[str, Any]]:
 def register(name: str, folder: str | Path) -> Path:
     """Register a local Hugging Face Llama-family folder under `name`; return the resolved folder."""
     name = name.strip()
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise ModelError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
     if name in CATALOG or name in ALIASES:
         raise ModelError(f"{name!r} is a catalog model name; register the folder under another name")

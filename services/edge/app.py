@@ -132,8 +132,11 @@ class EdgeApp:
         return status
 
     async def _health_verbose(self, scope: Scope, headers: dict[str, str], send: Send) -> int:
-        """`/health?verbose=1`: each service's state, as the router sees it (an API key when keys are set)."""
-        self.admission.authenticate(scope, headers)
+        """`/health?verbose=1`: each service's state, as the router sees it.  When keys are set, a caller's
+        key as for any API route: its signature (a key that must sign) and its request rate."""
+        scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
+        self.admission.check_signature(caller, scope, headers, b"")
+        self.admission.limit_requests(caller)
         try:
             state = await self.router.state()
         except grpc.aio.AioRpcError as err:

@@ -124,7 +124,12 @@ class Choice:
         self.parser = tools.CallParser(_tools(spec)) if spec.tool_calls else None
         self.single = spec.tool_calls == "single"
         self.parts: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
+        self.logprobs: list[TokenLogprob] = []     # released: their text went out
+        # Logprobs wait with the text they belong to: (characters fed to the guard once this delta's text
+        # was, its entries); they go out when the guard has released that many characters.
+        self.held_logprobs: list[tuple[int, TokenLogprob]] = []
+        self.new_logprobs: list[TokenLogprob] = []  # released by the last delta (a stream's chunk)
+        self.filtered = False                  # a top_logprobs alternative was dropped: never cached
         self.calls: list[tools.ToolCall] = []
         self.final: Delta | None = None
         self.started = False
@@ -148,20 +153,33 @@ class Choice:
         self.prompt_logprobs.extend(d.prompt_logprobs)
         if d.finish_reason is not None:
             self.final = d
+        self.new_logprobs = []
         if self.prompt_only:
             return []
+        entries = self._screened(d.logprobs)
         text = self.guard.feed(d.text) + (self.guard.finish() if self.final else "")
         if self.blocked:                       # the rest of this choice is not generated
             self.final = dataclasses.replace(
                 d, text="", finish_reason="content_filter", prompt_tokens=self.first.prompt_tokens,
                 completion_tokens=self.generated, served_by=d.served_by or self.first.served_by)
         else:
-            self.logprobs.extend(d.logprobs)
+            self.held_logprobs.extend((self.guard.fed, e) for e in entries)
+        # Out go the entries whose delta's text all went out (at the end, all of them unless blocked);
+        # the rest of a blocked choice's are dropped with its held text.
+        done = self.final is not None and not self.blocked
+        cut = len(self.held_logprobs) if done else next(
+            (k for k, (end, _) in enumerate(self.held_logprobs) if end > self.guard.released),
+            len(self.held_logprobs))
+        self.new_logprobs = [e for _, e in self.held_logprobs[:cut]]
+        self.held_logprobs = [] if self.blocked else self.held_logprobs[cut:]
+        self.logprobs.extend(self.new_logprobs)
         pieces: list[str | tools.ToolCall] = []
         if self.parser is None:
             pieces = [text] if text else []
         else:
-            pieces = self.parser.feed(text) + (self.parser.finish() if self.final else [])
+            # A call cut by the rules is dropped whole: its partial markup is not text to give out.
+            done = self.final is not None and not self.blocked
+            pieces = self.parser.feed(text) + (self.parser.finish() if done else [])
         kept: list[str | tools.ToolCall] = []
         for p in pieces:
             if isinstance(p, tools.ToolCall):
@@ -173,9 +191,24 @@ class Choice:
             kept.append(p)
         return kept
 
+    def _screened(self, entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
+        """Entries without the top_logprobs alternatives that would complete an output rule's match."""
+        if not self.guard.policy.output:
+            return list(entries)
+        out, before = [], ""
+        for e in entries:
+            top = tuple(t for t in e.top if t.token_id == e.token_id
+                        or not self.guard.completes_match(before, t.token))
+            if len(top) != len(e.top):
+                self.filtered = True
+                e = dataclasses.replace(e, top=top)
+            out.append(e)
+            before += e.token
+        return out
+
     def stream_logprobs(self, d: Delta) -> dict[str, Any] | None:
-        """A streamed delta's logprobs (formatted once: completions' offsets run on)."""
-        entries = [] if self.prompt_only or self.blocked else list(d.logprobs)
+        """The logprobs the last delta released (`add`), formatted once: completions' offsets run on."""
+        entries = [] if self.prompt_only else self.new_logprobs
         return self.lp.format(entries) if self.lp and entries else None
 
     def echo_logprobs(self) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ from mesh.clients.router import Delta, GenerateSpec
 from mesh.clients.routers import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
-from services.edge import choices, openai, responses
+from services.edge import choices, model_inputs, openai, responses
 from services.edge.admission import Admission, Charge
 from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, wait_disconnect
 from services.edge.choices import Choice, fan_out
@@ -76,15 +76,17 @@ class Completions:
         if self.classifier is not None:
             await self.classifier.close()
 
-    async def _check_input(self, policy: ContentPolicy, spec: GenerateSpec, caller: Caller) -> None:
-        """400 `content_filter` for an input the rules or the classifier block."""
-        texts = [m.content for m in spec.messages] or list(spec.prompts or (spec.prompt or "",))
-        category = policy.check_input(texts)
-        if category is None and self.classifier is not None:
-            category = await self.classifier.check_input(texts, caller.label)
-        if category is not None:
-            raise ApiError(400, f"the request was refused by the content policy (category: {category})",
-                           "messages" if spec.messages else "prompt", code="content_filter")
+    async def _check_input(self, policy: ContentPolicy, body: dict[str, Any], caller: Caller) -> None:
+        """400 `content_filter` for an input the rules or the classifier block: every text of the request
+        that reaches the model (services/edge/model_inputs.py)."""
+        texts = model_inputs.texts(body)
+        found = policy.blocked_input(texts)
+        if found is None and self.classifier is not None:
+            category = await self.classifier.check_input([t for _, t in texts], caller.label)
+            found = (category, "messages" if "messages" in body else "prompt") if category else None
+        if found is not None:
+            raise ApiError(400, f"the request was refused by the content policy (category: {found[0]})",
+                           found[1], code="content_filter")
 
     async def read_json(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
         """The body, once its signature holds (for a key that must sign)."""
@@ -109,7 +111,7 @@ class Completions:
         stream, include_usage = openai.stream_options(body)
         caller: Caller = scope["infermesh.caller"]
         policy = self.safety.current()
-        await self._check_input(policy, spec, caller)
+        await self._check_input(policy, body, caller)
         pinned = headers.get("x-infermesh-model-version", "").strip()
         key = cache_key(chat, caller.tenant, body, spec, pinned) if self.cache.enabled else None
         if key is not None:
@@ -140,7 +142,9 @@ class Completions:
                                                 send)
                 else:
                     status, whole = await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
-                if key is not None and status == 200 and all(a.final is not None for a in answers):
+                # Never cached: an answer cut by the rules, or one whose top_logprobs lost an alternative.
+                if key is not None and status == 200 and all(a.final is not None and not a.blocked
+                                                             and not a.filtered for a in answers):
                     whole = whole or _whole_body(chat, rid, answers, choices.usage(answers, spec.n))
                     if storable(whole):
                         self.cache.put(key, Entry(whole, whole["model"], (whole["infermesh"] or {}).get(
@@ -275,7 +279,17 @@ def _blocked(policy: ContentPolicy, entry: Entry) -> bool:
     if not policy.output:
         return False
     texts = [c.get("text") or (c.get("message") or {}).get("content") or "" for c in entry.body["choices"]]
+    texts += [t for c in entry.body["choices"] for t in _alternatives(c.get("logprobs"))]
     return any(policy.first_match(t, policy.output) for t in texts)
+
+
+def _alternatives(logprobs: dict[str, Any] | None) -> list[str]:
+    """The top_logprobs alternatives' texts of a cached choice (chat's or completions' shape)."""
+    if not logprobs:
+        return []
+    if "content" in logprobs:
+        return [t["token"] for e in logprobs["content"] or [] for t in e.get("top_logprobs") or []]
+    return [t for top in logprobs.get("top_logprobs") or [] if top for t in top]
 
 
 async def _replay(chat: bool, entry: Entry, stream: bool, include_usage: bool, scope: Scope, send: Send) -> int:

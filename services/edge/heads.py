@@ -20,7 +20,7 @@ from services.edge.asgi import Scope
 MAX_HEAD_BYTES = 16 * 1024      # request line + headers, as h11's incomplete-event limit
 MAX_HEADERS = 128               # header fields per request; real clients send about 10
 
-_VERSION = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/1\.[01]$")
+_VERSION = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ \S+ HTTP/1\.[01]")
 _END = b"\r\n\r\n"
 
 
@@ -46,7 +46,7 @@ def http1_head(buffer: bytes) -> Refusal | None:
         return Refusal(400, "request head lines must end with CRLF, not a bare LF")
     if len(lines) - 1 > MAX_HEADERS:
         return TOO_LARGE
-    if not _VERSION.match(lines[0]):
+    if not _VERSION.fullmatch(lines[0]):
         return Refusal(400, "request line must be METHOD TARGET HTTP/1.1 (or HTTP/1.0)")
     names = []
     for line in lines[1:]:

@@ -89,7 +89,7 @@ class JwtVerifier:
         except jwt.PyJWTError as exc:
             raise JwtRefused(f"the JWT was refused: {exc}") from None
         tenant, tier = claims.get(self.tenant_claim), claims.get(self.tier_claim, "standard")
-        if not isinstance(tenant, str) or not NAME.match(tenant):
+        if not isinstance(tenant, str) or not NAME.fullmatch(tenant):
             raise JwtRefused(f"the JWT's {self.tenant_claim!r} claim must be a tenant name (1 to 64 letters, "
                              "digits, '.', '_' or '-')")
         if not isinstance(tier, str):

@@ -7,7 +7,8 @@ header and the request body without `stream` and `stream_options` (JSON with sor
 does not matter).  Two tiers, each with the TTL (--response-cache-ttl, 5 minutes): this edge's memory
 (LRU, --response-cache-mb), then the cache service (--cache-service; every edge shares it).  An entry
 remembers the model version that made it; once the model's default version is another one (checked
-against the router's model list, at most a second old), the entry is a miss.  A client skips the
+against the router's model list, at most a second old), the entry is a miss; an answer to a request
+that pinned a version (x-infermesh-model-version) is a miss once no replica serves that version.  A client skips the
 cache with `Cache-Control: no-cache` or `x-infermesh-cache: bypass` (the fresh answer is stored).
 """
 
@@ -74,13 +75,14 @@ class Versions:
     def __init__(self, fetch: Callable[[], Awaitable[list[ModelCard]]]):
         self.fetch = fetch
         self.defaults: dict[str, str] = {}
+        self.served: dict[str, set[str]] = {}       # every version each model's replicas serve
         self.fetched_at = -1e9
         self._refreshing: asyncio.Task[None] | None = None
 
     def invalidate(self) -> None:
         """Read the model list again before the next answer from the cache (a default version changed)."""
         self.fetched_at = -1e9
-        self.defaults = {}
+        self.defaults, self.served = {}, {}
 
     async def refresh(self) -> None:
         try:
@@ -88,18 +90,31 @@ class Versions:
         except Exception as err:  # noqa: BLE001 - any failure: no version known, no cached answer served
             log.warning("response cache: the model list is unavailable (%s); cached answers are not served",
                         err.code().name if isinstance(err, grpc.aio.AioRpcError) else err)
-            self.defaults, self.fetched_at = {}, time.monotonic()
+            self.defaults, self.served, self.fetched_at = {}, {}, time.monotonic()
             return
         self.defaults = {c.name: c.version for c in cards}
+        self.served = {c.name: {c.version, *c.versions} for c in cards}
         self.fetched_at = time.monotonic()
 
-    async def default(self, model: str) -> str | None:
-        if time.monotonic() - self.fetched_at > VERSIONS_MAX_AGE_S:
+    async def _fresh(self) -> None:
+        """A list at most VERSIONS_MAX_AGE_S old is used as it is; an older one is read again in the
+        background and still used while at most 3x that old; past that (an edge idle for a while) the
+        answer waits for the new list, so a version unloaded meanwhile is never taken for served."""
+        age = time.monotonic() - self.fetched_at
+        if age > VERSIONS_MAX_AGE_S:
             if self._refreshing is None or self._refreshing.done():
                 self._refreshing = asyncio.ensure_future(self.refresh())
-            if not self.defaults:
+            if not self.defaults or age > 3 * VERSIONS_MAX_AGE_S:
                 await asyncio.shield(self._refreshing)
+
+    async def default(self, model: str) -> str | None:
+        await self._fresh()
         return self.defaults.get(model)
+
+    async def serves(self, model: str, version: str) -> bool:
+        """Whether some replica still serves `version` of `model` (a pinned answer is replayed only then)."""
+        await self._fresh()
+        return version in self.served.get(model, ())
 
 
 class ResponseCache:
@@ -139,7 +154,11 @@ class ResponseCache:
         if entry is None:
             RESPONSE_CACHE.labels("miss").inc()
             return None
-        if not pinned_version and await self.versions.default(entry.model) != entry.version:
+        # An answer is replayed only while its version is what the request would get: the model's
+        # default, or the pinned version while some replica still serves it (else the request's 404).
+        current = (await self.versions.serves(entry.model, pinned_version) if pinned_version
+                   else await self.versions.default(entry.model) == entry.version)
+        if not current:
             self._drop(key)
             RESPONSE_CACHE.labels("stale_version").inc()
             return None

@@ -26,7 +26,7 @@ from services.edge.fields import boolean, no_unknown
 
 CONSTRAINT_FIELDS = ("response_format", "regex", "grammar")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def _response_format(value: Any) -> Constraint | None:
                        "response_format.json_schema", code="invalid_type")
     no_unknown(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema.")
     name = spec.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ApiError(400, "'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
                        "response_format.json_schema.name")
     boolean(spec, "strict")
@@ -95,7 +95,7 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         f = t["function"]
         no_unknown(f, {"name", "description", "parameters", "strict"}, f"{where}.function.")
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ApiError(400, f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'",
                            f"{where}.function.name")
         if name in seen:

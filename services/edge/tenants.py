@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 STANDARD = "standard"
 PRIORITIES = ("interactive", "batch")
 CACHE_CLASSES = ("premium", "standard", "batch")     # services/cache/eviction.py's SLA classes
-NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Whole-string matches only (fullmatch): `$` would let a trailing newline through.
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 RELOAD_EVERY_S = 1.0
 
 
@@ -72,7 +73,7 @@ def parse_tiers(text: str, standard: Tier) -> dict[str, Tier]:
         raise ValueError("the tiers file must hold a JSON object: tier name -> settings")
     tiers = {STANDARD: standard}
     for name, fields in raw.items():
-        if not NAME.match(name) or not isinstance(fields, dict):
+        if not NAME.fullmatch(name) or not isinstance(fields, dict):
             raise ValueError(f"tier {name!r}: give a name of letters, digits, '.', '_', '-' and an object")
         unknown = set(fields) - {"requests", "tokens", "priority", "cache_class"}
         if unknown:
@@ -104,7 +105,7 @@ def parse_keys(text: str) -> dict[bytes, KeyEntry]:
                 raise ValueError(f"keys file line {number}: {name!r} is not tenant=, tier= or signing_secret=")
             options[name] = value
         for name in ("tenant", "tier"):
-            if name in options and not NAME.match(options[name]):
+            if name in options and not NAME.fullmatch(options[name]):
                 raise ValueError(f"keys file line {number}: {name} {options[name]!r}: use 1 to 64 letters, digits, "
                                  "'.', '_' or '-'")
         secret = options.get("signing_secret")

@@ -1,0 +1,94 @@
+"""The edge's ASGI app with a router double that answers with scripted deltas, and one-call requests.
+
+The router double answers every call with the same deltas (token by token, with logprobs when the
+test gives them), counts the calls that reach it, and lists models with the versions a test sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from mesh.clients.router import Delta, GenerateSpec, ModelCard, ServedBy, TokenLogprob, TopLogprob
+from services.edge.app import EdgeApp
+from services.edge.config import EdgeConfig
+
+
+def tokens(pieces: Sequence[str], alternatives: dict[int, Sequence[str]] | None = None,
+           finish: str = "stop", version: str = "1") -> list[Delta]:
+    """One delta a token, each with its logprob entry (ids 100, 101, ...); alternatives[k] are token k's
+    runners-up (ids 900, 901, ...); the last delta carries the finish and who served it (`version`)."""
+    served = ServedBy("engine-0", "m", version, "local", False, 1.0)
+    out = []
+    for k, piece in enumerate(pieces):
+        top = [TopLogprob(100 + k, piece, -0.1)] + [TopLogprob(900 + j, alt, -2.0 - j)
+                                                     for j, alt in enumerate((alternatives or {}).get(k, ()))]
+        entry = TokenLogprob(100 + k, piece, -0.1, tuple(top))
+        last = k == len(pieces) - 1
+        out.append(Delta(piece, finish if last else None, 5 if last else 0, len(pieces) if last else 0,
+                         served_by=served if last else None, ids=(100 + k,), logprobs=(entry,)))
+    return out
+
+
+class ScriptedRouter:
+    address = "127.0.0.1:1"
+
+    def __init__(self, deltas: list[Delta], versions: tuple[str, ...] = ("1",)):
+        self.deltas = deltas
+        self.calls: list[GenerateSpec] = []
+        self.versions = versions
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def state(self) -> dict[str, Any]:
+        return {"ready": True, "tokenizer": "serving", "expected_engines": 1, "load_entropy": 1.0,
+                "engines": [{"replica": "engine-0", "healthy": True}]}
+
+    async def models(self) -> list[ModelCard]:
+        return [ModelCard("m", "1", 1, 2048, self.versions)]
+
+    async def generate(self, spec: GenerateSpec, timeout: float | None = None) -> AsyncIterator[Delta]:
+        self.calls.append(spec)
+        for d in self.deltas:
+            yield d
+            await asyncio.sleep(0)
+
+
+def app(router: ScriptedRouter, **config: Any) -> EdgeApp:
+    return EdgeApp(EdgeConfig(**config), router)  # type: ignore[arg-type]
+
+
+async def request(edge: EdgeApp, method: str, path: str, body: dict[str, Any] | bytes | None = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body bytes) of one request."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
+    path, _, query = path.partition("?")
+    scope = {"type": "http", "method": method, "path": path, "query_string": query.encode(),
+             "client": ("127.0.0.1", 5000),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if delivered:
+            await asyncio.Event().wait()
+        delivered = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await edge(scope, receive, send)
+    start = sent[0]
+    return (start["status"], {k.decode(): v.decode() for k, v in start["headers"]},
+            b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    """A stream's JSON events, without [DONE]."""
+    return [json.loads(line[6:]) for line in raw.decode().splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
