@@ -7,9 +7,12 @@ I/O, so the tests drive a fake clock.  The glue that reads the clock is services
 
 - Requests (`INFERMESH_RATE_LIMIT`, e.g. `5/s`): one token per request; the bucket holds one
   period's worth, so `5/s` allows a burst of 5, then 5 a second.
-- Tokens (`INFERMESH_TOKEN_LIMIT`, tokens per minute): a request reserves its estimated cost
-  (prompt estimate + max_tokens) before it reaches the router and settles against the real usage
-  when it ends; the unused part is refunded, an overrun becomes debt that refill pays back first.
+- Tokens (`INFERMESH_TOKEN_LIMIT`, tokens per minute): a request reserves its whole cost before
+  any engine works on it: every prompt's tokens plus max_tokens for each generation it asks for
+  (prompts x n), so concurrent requests see each other's reservations.  One that asks for more than
+  the bucket holds (one period's worth) could never pass and is refused outright; one that does not
+  fit now waits for refill.  When it ends it settles against the real usage: the unused part is
+  refunded, an overrun becomes debt that refill pays back first.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 _UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
           "h": 3600.0, "hour": 3600.0}
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*([a-z]+))?\s*$")
+_RATE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*([a-z]+))?\s*")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def parse_rate(text: str, default_unit: str = "s") -> Rate | None:
     """`5/s`, `300/m`, `300/min`, `10000/h`; a bare number uses `default_unit`; "" or "0" is no limit."""
     if not text.strip():
         return None
-    match = _RATE.match(text.lower())
+    match = _RATE.fullmatch(text.lower())
     if not match:
         raise ValueError(f"rate {text!r} is not N/s, N/m or N/h")
     amount, unit = float(match.group(1)), match.group(2) or default_unit
@@ -78,7 +81,9 @@ class TokenBucket:
             self.updated = now
 
     def wait_s(self, amount: float, now: float) -> float:
-        """Seconds until `amount` (at most the capacity, so every request can pass eventually) is there."""
+        """Seconds until `amount` (at most the capacity: a full bucket lets any amount through, into
+        debt) is there.  Token reservations go through Limiter.reserve, which refuses more than the
+        capacity instead."""
         self._refill(now)
         missing = min(amount, self.capacity) - self.level
         return max(0.0, missing / self.per_s)
@@ -125,6 +130,14 @@ class Limiter:
         """0.0 when admitted (and charged), else the seconds until `amount` would be."""
         return self.bucket(caller, now).take(amount, now)
 
+    def reserve(self, caller: Hashable, amount: float, now: float) -> float:
+        """Take a request's whole reservation up front: 0.0 when taken; else the seconds until `caller`'s
+        bucket holds it, or math.inf when it never can (more than the capacity: one period's worth).
+        Nothing is taken unless it all fits, so a refused request leaves the budget as it was."""
+        if amount > self.rate.amount:
+            return math.inf
+        return self.take(caller, amount, now)
+
     def give(self, caller: Hashable, amount: float, now: float) -> None:
         self.bucket(caller, now).give(amount, now)
 
@@ -150,7 +163,27 @@ class InFlight:
         self.count = max(0, self.count - 1)
 
 
-def estimate_tokens(text_bytes: int, max_tokens: int, default_completion: int = 256) -> int:
-    """A request's token reservation before the tokenizer has seen it: about 4 bytes per prompt token
-    (English text under BPE vocabularies), plus max_tokens or, when unbounded, a default."""
-    return math.ceil(text_bytes / 4) + (max_tokens or default_completion)
+DEFAULT_COMPLETION_TOKENS = 256    # reserved for a generation whose max_tokens is unbounded (0)
+
+
+def reservation(prompt_tokens: int, max_tokens: int, generations: int = 1,
+                default_completion: int = DEFAULT_COMPLETION_TOKENS) -> int:
+    """What a request reserves before any engine works on it: its prompts' tokens (every prompt's),
+    plus max_tokens (a default when unbounded) for each of its `generations` (prompts x n)."""
+    return prompt_tokens + generations * (max_tokens or default_completion)
+
+
+def estimate_tokens(text_bytes: int, max_tokens: int, default_completion: int = DEFAULT_COMPLETION_TOKENS,
+                    generations: int = 1) -> int:
+    """A request's reservation before the tokenizer has seen it: about 4 bytes per prompt token
+    (English text under BPE vocabularies) for `text_bytes` of prompt text, then as `reservation`."""
+    return reservation(math.ceil(text_bytes / 4), max_tokens, generations, default_completion)
+
+
+def settlement(reserved: int, used: int | None, started: bool) -> int:
+    """The tokens a reservation gives back when its request ends: the unused part when the usage is
+    known (negative for an overrun: the caller's debt); all of it when it ended before any token (refused
+    downstream); nothing when it was cut off mid-stream, since its usage is unknown."""
+    if used is not None:
+        return reserved - used
+    return 0 if started else reserved

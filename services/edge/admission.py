@@ -2,23 +2,34 @@
 keys, request and token rates per tier, requests in flight.
 
 Each check raises ApiError with the status a client sees: 401 (no or a wrong key or token, a bad
-signature), 403 (admin API off), 429 (a rate of the caller's tier, with Retry-After; or too many
-failed keys from one client address) and 503 (too many in flight across all callers).
+signature), 403 (admin API off), 429 (a rate of the caller's tier, with Retry-After; a request larger
+than its tier's whole token budget, `request_too_large` with `x-should-retry: false`, since no wait
+lets it through; or too many failed keys from one client address) and 503 (too many in flight across
+all callers).
 The buckets themselves are pure (mesh/ratelimit.py); this reads the clock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from mesh import signing
 from mesh.apikeys import ApiKeys
 from mesh.clients.router import GenerateSpec
-from mesh.ratelimit import InFlight, Limiter, Rate, estimate_tokens, retry_after_s
+from mesh.ratelimit import (
+    DEFAULT_COMPLETION_TOKENS,
+    InFlight,
+    Limiter,
+    Rate,
+    estimate_tokens,
+    retry_after_s,
+    settlement,
+)
 from services.edge.asgi import Scope
 from services.edge.config import EdgeConfig
-from services.edge.errors import ApiError
+from services.edge.errors import DO_NOT_RETRY, ApiError
 from services.edge.jwt_auth import JwtRefused, JwtVerifier, looks_like_jwt
 from services.edge.metrics import REFUSED
 from services.edge.tenants import STANDARD, Caller, Directory, Tier
@@ -26,7 +37,7 @@ from services.edge.tenants import STANDARD, Caller, Directory, Tier
 
 @dataclasses.dataclass
 class Charge:
-    """One request's token reservation, settled when it ends."""
+    """One request's token reservation (all its prompts and choices), settled when it ends."""
 
     caller: Caller
     reserved: int
@@ -168,19 +179,26 @@ class Admission:
         self._settle_tokens(charge)
 
     def _reserve_tokens(self, caller: Caller, spec: GenerateSpec) -> Charge:
-        text_bytes = (len(spec.prompt.encode()) if spec.prompt is not None else
-                      sum(len(m.content.encode()) for m in spec.messages))
-        charge = Charge(caller, estimate_tokens(text_bytes, spec.sampling.max_tokens))
+        """Reserve the whole request before any of it reaches the router: every prompt's estimate plus
+        max_tokens for each of its prompts x n choices.  Taken here, before the first await, so requests
+        arriving together see each other's reservations."""
+        generations = (len(spec.prompts) or 1) * spec.n
+        text_bytes = _prompt_bytes(spec)
+        charge = Charge(caller, estimate_tokens(text_bytes, spec.sampling.max_tokens, generations=generations))
         limit = self._limiter(caller.tier, "tokens")
-        if limit is not None:
-            wait = limit.take(caller.bucket, charge.reserved, time.monotonic())
-            if wait > 0:
-                REFUSED.labels("tokens").inc()
-                raise ApiError(429, f"Rate limit reached for tokens: limit {limit.rate} ({caller.tier.name} tier), "
-                               f"requested about "
-                               f"{charge.reserved} (prompt estimate + max_tokens). Please try again in "
-                               f"{wait:.3g}s.", kind="tokens", code="rate_limit_exceeded",
-                               retry_after_s=retry_after_s(wait))
+        if limit is None:
+            return charge
+        wait = limit.reserve(caller.bucket, charge.reserved, time.monotonic())
+        if wait == math.inf:
+            REFUSED.labels("tokens").inc()
+            raise ApiError(429, _too_large(limit.rate, caller.tier.name, charge.reserved, spec, text_bytes),
+                           kind="tokens", code="request_too_large", retry_after_s=DO_NOT_RETRY)
+        if wait > 0:
+            REFUSED.labels("tokens").inc()
+            raise ApiError(429, f"Rate limit reached for tokens: limit {limit.rate} ({caller.tier.name} tier), "
+                           f"requested about {charge.reserved} (prompt estimate + prompts x n x max_tokens). "
+                           f"Please try again in {wait:.3g}s.", kind="tokens", code="rate_limit_exceeded",
+                           retry_after_s=retry_after_s(wait))
         return charge
 
     def _settle_tokens(self, charge: Charge) -> None:
@@ -188,12 +206,36 @@ class Admission:
         ended before any token (refused by the router) costs nothing; one cut off mid-stream keeps its
         reservation, since its usage is unknown."""
         limit = self._limiter(charge.caller.tier, "tokens")
-        if limit is None:
-            return
-        if charge.used is not None:
-            limit.give(charge.caller.bucket, charge.reserved - charge.used, time.monotonic())
-        elif not charge.started:
-            limit.give(charge.caller.bucket, charge.reserved, time.monotonic())
+        back = settlement(charge.reserved, charge.used, charge.started)
+        if limit is not None and back:
+            limit.give(charge.caller.bucket, back, time.monotonic())
+
+
+def _prompt_bytes(spec: GenerateSpec) -> int:
+    """The bytes of every text that reaches the model: each prompt (completions); or the messages with
+    their names and tool calls, and the tools list (chat's template writes them into the prompt); and a
+    structured-output constraint's text."""
+    if spec.messages:
+        texts = [t for m in spec.messages for t in (m.content, m.name, m.tool_calls, m.tool_call_id)]
+        texts.append(spec.tools)
+    else:
+        texts = list(spec.prompts or (spec.prompt or "",))
+    c = spec.sampling.constraint
+    if c is not None and c.kind != "tool_calls":        # a tool_calls constraint's text is the tools list
+        texts += [c.text, c.prefix, c.suffix]
+    return sum(len(t.encode()) for t in texts)
+
+
+def _too_large(rate: Rate, tier: str, reserved: int, spec: GenerateSpec, text_bytes: int) -> str:
+    """OpenAI's words for a request over the whole budget, with what it asked for and what to lower."""
+    period = {1.0: "second", 60.0: "min", 3600.0: "hour"}.get(rate.period_s, f"{rate.period_s:g} s")
+    prompts, max_tokens = len(spec.prompts) or 1, spec.sampling.max_tokens
+    each = f"max_tokens {max_tokens}" if max_tokens else f"max_tokens unset ({DEFAULT_COMPLETION_TOKENS} reserved)"
+    completion = prompts * spec.n * (max_tokens or DEFAULT_COMPLETION_TOKENS)
+    return (f"Request too large for tokens per {period}: limit {rate.amount:g} ({tier} tier), requested about "
+            f"{reserved} = prompt estimate {math.ceil(text_bytes / 4)} + {prompts} prompt(s) x n {spec.n} x {each} "
+            f"({completion}). Lower max_tokens, n or the number of prompts (or shorten the prompt) to fit in "
+            f"{rate.amount:g} tokens; the request cannot pass as it is, so do not retry it unchanged.")
 
 
 def _address(scope: Scope) -> str:

@@ -27,6 +27,8 @@ async def send_json(send: Send, status: int, obj: dict[str, Any], retry_after_s:
     headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
     if retry_after_s > 0:
         headers.append((b"retry-after", str(retry_after_s).encode()))
+    elif retry_after_s < 0:         # errors.DO_NOT_RETRY: the request cannot pass as it is
+        headers.append((b"x-should-retry", b"false"))
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

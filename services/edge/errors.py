@@ -13,6 +13,10 @@ import grpc
 
 from mesh.errors import http_status
 
+# ApiError(retry_after_s=DO_NOT_RETRY): the request can never pass as it is (say, more tokens than its
+# tier's whole budget); sent as `x-should-retry: false`, which OpenAI's clients obey instead of retrying
+# a 429.  A sentinel rather than another field: the app sends every ApiError with send_json's arguments.
+DO_NOT_RETRY = -1
 SHOWN_CHARS = 64                # a client's value echoed in an error is cut to this many characters
 MAX_MESSAGE_CHARS = 512         # a message relayed from the router, likewise
 
@@ -33,7 +37,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
         self.param = None if param is None else shown(param)
-        self.retry_after_s = retry_after_s      # > 0: sent as a Retry-After header (429, 503)
+        self.retry_after_s = retry_after_s      # > 0: sent as a Retry-After header (429, 503); or DO_NOT_RETRY
         self.close = close                      # the request was not read to its end: close the connection
 
     def body(self) -> dict[str, Any]:

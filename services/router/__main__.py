@@ -80,6 +80,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--rate-limit", default=os.environ.get("INFERMESH_RATE_LIMIT", ""),
                    help="requests per API key for native gRPC callers, e.g. 5/s (the edge's setting); "
                         "keys: INFERMESH_API_KEYS, admin keys: INFERMESH_ADMIN_KEYS")
+    p.add_argument("--token-limit", default=os.environ.get("INFERMESH_TOKEN_LIMIT", ""),
+                   help="prompt + completion tokens per API key for native gRPC callers, per minute unless a "
+                        "unit is given (the edge's setting; the edge's own calls are not charged again)")
     p.add_argument("--max-queued", type=int, default=0,
                    help="shed a replica (UNAVAILABLE + retry-after) once this many requests wait at it; "
                         "0 (default): only when its queue is at the engine's own bound (its --max-waiting)")
@@ -108,6 +111,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         defaults.append((model, version))
     try:
         rate_limit, auth_failure_limit = parse_rate(a.rate_limit), parse_rate(a.auth_failure_limit, default_unit="m")
+        token_limit = parse_rate(a.token_limit, default_unit="m")
     except ValueError as exc:
         p.error(str(exc))
     evaluations = []
@@ -124,14 +128,14 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
             p.error(str(exc))
     try:
         return _config(a, engines, tuple(fallbacks), tuple(defaults), tuple(evaluations), rate_limit,
-                       auth_failure_limit)
+                       auth_failure_limit, token_limit)
     except ValueError as exc:            # RouterConfig's checks: the flags are wrong, say which (exit 2)
         p.error(str(exc))
 
 
 def _config(a: argparse.Namespace, engines: tuple[Endpoint, ...], fallbacks: tuple[tuple[str, str, float], ...],
             defaults: tuple[tuple[str, str], ...], evaluations: tuple[Evaluation, ...], rate_limit: Rate | None,
-            auth_failure_limit: Rate | None) -> RouterConfig:
+            auth_failure_limit: Rate | None, token_limit: Rate | None = None) -> RouterConfig:
     return RouterConfig(tokenizer=",".join(a.tokenizer) or "127.0.0.1:50052", engines=engines, cache=a.cache,
                         replica_id=a.replica_id,
                         host=a.host, port=a.port, region=a.region, policy=a.policy,
@@ -141,7 +145,8 @@ def _config(a: argparse.Namespace, engines: tuple[Endpoint, ...], fallbacks: tup
                         expect_engines=a.expect_engines,
                         tls_dir=a.tls_dir, api_key_digests=load_keys(),
                         admin_key_digests=load_keys(variable="INFERMESH_ADMIN_KEYS"), rate_limit=rate_limit,
-                        auth_failure_limit=auth_failure_limit, prefix_sharing=a.prefix_sharing,
+                        auth_failure_limit=auth_failure_limit, token_limit=token_limit,
+                        prefix_sharing=a.prefix_sharing,
                         max_queued=a.max_queued, latency_degrade_p95_ms=a.latency_degrade_p95_ms,
                         latency_degrade_window_s=a.latency_degrade_window,
                         latency_degrade_min_samples=a.latency_degrade_min_samples,

@@ -1,11 +1,17 @@
-"""Who calls the router natively, and how much: API keys in gRPC metadata, admin keys, request rates.
+"""Who calls the router natively, and how much: API keys in gRPC metadata, admin keys, request and
+token rates.
 
 The edge authenticated its callers already (HTTP `Authorization`) and names the tenant; a request
-from the edge's certificate is taken as it is.  Any other caller (an operator's client certificate)
-meets the edge's rules here, from the same settings (INFERMESH_API_KEYS, INFERMESH_ADMIN_KEYS,
-INFERMESH_RATE_LIMIT): `authorization: Bearer KEY` metadata when keys are configured, the key's
-tenant for sessions and prefix caches, its request rate, and failed keys limited per peer address.
-The edge's token limit (INFERMESH_TOKEN_LIMIT) is the edge's alone.
+from the edge's certificate is taken as it is, and its tokens are not charged again (the edge charged
+them).  Any other caller (an operator's client certificate) meets the edge's rules here, from the
+same settings (INFERMESH_API_KEYS, INFERMESH_ADMIN_KEYS, INFERMESH_RATE_LIMIT, INFERMESH_TOKEN_LIMIT):
+`authorization: Bearer KEY` metadata when keys are configured, the key's tenant for sessions and
+prefix caches, its request rate, its token budget, and failed keys limited per peer address.
+
+Tokens per key: once the prompt is tokenized (exact, not an estimate), a Generate reserves its prompt
+tokens + max_tokens (or a default when unbounded) before any engine call opens; RESOURCE_EXHAUSTED
+with retry-after when the budget cannot hold it now, without one when it never can (more than one
+period's limit).  It settles to the final usage: the unused part back, an overrun as debt.
 
 A plaintext router (--insecure-mesh, debugging) cannot tell the edge from anyone else: it trusts
 every caller, as it trusts every caller's certificate kind (mesh/peers.py).
@@ -13,35 +19,92 @@ every caller, as it trusts every caller's certificate kind (mesh/peers.py).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Hashable
+from typing import NamedTuple
 
 import grpc
 
 from mesh import peers
 from mesh.apikeys import ApiKeys, tenant_of
 from mesh.errors import ResourceExhausted, Unauthenticated
-from mesh.ratelimit import Limiter, Rate, retry_after_s
+from mesh.ratelimit import DEFAULT_COMPLETION_TOKENS, Limiter, Rate, reservation, retry_after_s, settlement
+
+
+class Caller(NamedTuple):
+    """Who a Generate runs as."""
+
+    tenant: str
+    key: bytes | None = None     # a native caller's API key digest (its limits' bucket); None: the edge, or no keys
+
+
+@dataclasses.dataclass
+class TokenCharge:
+    """One native Generate's tokens: reserved once its prompt is tokenized, settled when it ends."""
+
+    key: bytes
+    max_tokens: int              # the request's; 0: unbounded, the default is reserved
+    reserved: int = 0            # taken from the key's budget; 0 until then (or when refused)
+    started: bool = False        # a reply went out: an engine may have generated tokens
+    used: int | None = None      # prompt + completion tokens, once the final reply told
 
 
 class Callers:
     def __init__(self, keys: tuple[bytes, ...] = (), admin_keys: tuple[bytes, ...] = (),
-                 rate_limit: Rate | None = None, auth_failure_limit: Rate | None = None):
+                 rate_limit: Rate | None = None, auth_failure_limit: Rate | None = None,
+                 token_limit: Rate | None = None):
         self.keys = ApiKeys(keys)
         self.admin_keys = ApiKeys(admin_keys)
         self.rate = Limiter(rate_limit) if rate_limit else None
         self.auth_failures = Limiter(auth_failure_limit) if auth_failure_limit else None
+        self.tokens = Limiter(token_limit) if token_limit else None
 
-    def tenant(self, context: grpc.aio.ServicerContext, named: str) -> str:
-        """The tenant a Generate runs as: the edge's `named` one; a native caller's API key's; with no
-        keys configured, its certificate kind's namespace (mesh.peers.tenant_for).  Raises
-        Unauthenticated (no or a wrong key) or ResourceExhausted (over its rate, with retry-after)."""
-        caller = peers.kind(context)
-        if caller is None or caller == peers.TENANT_KIND or not self.keys.enabled:
-            return peers.tenant_for(caller, named)
+    def caller(self, context: grpc.aio.ServicerContext, named: str) -> Caller:
+        """Who a Generate runs as: the edge's `named` tenant; a native caller's API key's; with no keys
+        configured, its certificate kind's namespace (mesh.peers.tenant_for).  Raises Unauthenticated
+        (no or a wrong key) or ResourceExhausted (over its request rate, with retry-after)."""
+        kind = peers.kind(context)
+        if kind is None or kind == peers.TENANT_KIND or not self.keys.enabled:
+            return Caller(peers.tenant_for(kind, named))
         key = self._key(context, self.keys, "Generate", "API key")
         self._take(self.rate, key, "requests for this API key")
-        return tenant_of(key)
+        return Caller(tenant_of(key), key)
+
+    def charge(self, caller: Caller, max_tokens: int) -> TokenCharge | None:
+        """The token charge a Generate of `caller` opens; None when the router charges none (the edge's
+        calls, which the edge charged; no keys; no token limit)."""
+        if self.tokens is None or caller.key is None:
+            return None
+        return TokenCharge(caller.key, max_tokens)
+
+    def reserve(self, charge: TokenCharge, prompt_tokens: int, now: float) -> None:
+        """Take `prompt_tokens` + max_tokens from the key's budget before any engine works on them.
+        Raises ResourceExhausted: with retry-after when the budget holds too little now; without, when
+        the request is larger than the whole budget and no wait would let it through."""
+        assert self.tokens is not None
+        amount = reservation(prompt_tokens, charge.max_tokens)
+        wait = self.tokens.reserve(charge.key, amount, now)
+        if wait == math.inf:
+            asked = f"max_tokens {charge.max_tokens}" if charge.max_tokens else \
+                f"max_tokens unset ({DEFAULT_COMPLETION_TOKENS} reserved)"
+            raise ResourceExhausted(
+                f"request too large for this API key's token limit {self.tokens.rate}: it needs {amount} tokens "
+                f"({prompt_tokens} prompt + {asked}); lower max_tokens or shorten the prompt, it cannot pass "
+                "as it is")
+        if wait > 0:
+            raise ResourceExhausted(f"too many tokens for this API key: limit {self.tokens.rate}, this request "
+                                    f"needs {amount} ({prompt_tokens} prompt + max_tokens); try again in "
+                                    f"{wait:.3g}s", retry_after_s=retry_after_s(wait))
+        charge.reserved = amount
+
+    def settle(self, charge: TokenCharge, now: float) -> None:
+        """Settle a charge to its usage: the unused part back, an overrun as debt; all back when it ended
+        before a reply; nothing when cut off mid-stream (usage unknown)."""
+        back = settlement(charge.reserved, charge.used, charge.started)
+        if self.tokens is not None and back:
+            self.tokens.give(charge.key, back, now)
 
     def check_user(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
         """A read-only user RPC (ListModels, ListReplicas, GetModelRouting): an API key when keys are set."""

@@ -58,6 +58,7 @@ class RouterConfig:
     api_key_digests: tuple[bytes, ...] = ()     # INFERMESH_API_KEYS; empty: no key asked
     admin_key_digests: tuple[bytes, ...] = ()   # INFERMESH_ADMIN_KEYS: SetModelRouting from a client certificate
     rate_limit: Rate | None = None              # requests per API key (INFERMESH_RATE_LIMIT)
+    token_limit: Rate | None = None             # prompt + completion tokens per API key (INFERMESH_TOKEN_LIMIT)
     auth_failure_limit: Rate | None = None      # failed keys per peer address
 
     def __post_init__(self) -> None:

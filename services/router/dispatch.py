@@ -1,6 +1,6 @@
 """Dispatcher: one Generate request's way through the router, failover included.
 
-    session history merged  ->  version chosen  ->  tokenized  ->  attempts:
+    session history merged  ->  version chosen  ->  tokenized  ->  admitted (a native key's tokens)  ->  attempts:
         plan (failover) -> pick (policy) -> relay one engine call (relay.py) -> outcome
     ->  the turn stored in the session
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -55,9 +55,11 @@ class Dispatcher:
         failover.agreement.live = self.shadows.agreement     # fallback mirrors: measured confidence
 
     async def generate(self, request: Request, request_id: str, incoming: list[Message],
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[Reply]:
-        """The whole request; `incoming`: its chat messages.  Raises MeshError (Saturated when
-        no replica of the model's chain can take it)."""
+                       context: grpc.aio.ServicerContext, admit: Callable[[int], None] | None = None
+                       ) -> AsyncGenerator[Reply, None]:
+        """The whole request; `incoming`: its chat messages; `admit`, when given, is handed the prompt's
+        token count once it is tokenized, before any engine call, and may refuse (raise MeshError).
+        Raises MeshError (Saturated when no replica of the model's chain can take it)."""
         model, pinned_version = resolve_model(request.model, request.model_version, self.config.default_model,
                                               self.table.models())
         # Everything kept per conversation is the caller's own: keyed by tenant and session id.
@@ -75,7 +77,7 @@ class Dispatcher:
         answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
         try:
             async for reply in self._attempts(request, request_id, model, version, conversation, key, context,
-                                              answer, request.priority == common_pb2.PRIORITY_INTERACTIVE):
+                                              answer, request.priority == common_pb2.PRIORITY_INTERACTIVE, admit):
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
@@ -181,12 +183,17 @@ class Dispatcher:
 
     async def _attempts(self, request: Request, request_id: str, model: str, version: str,
                         conversation: list[Message], key: str, context: grpc.aio.ServicerContext,
-                        sent: list[str], interactive: bool = True) -> AsyncIterator[Reply]:
+                        sent: list[str], interactive: bool = True, admit: Callable[[int], None] | None = None
+                        ) -> AsyncIterator[Reply]:
         """Attempts until the stream finishes, within the call's attempts and the retry budget.
-        interactive: an interactive-priority request, not a mirror (level 3 by latency: failover/latency.py)."""
+        interactive: an interactive-priority request, not a mirror (level 3 by latency: failover/latency.py).
+        admit: see `generate` (a fallback model's own tokenization later does not admit again: the
+        settlement goes by the real usage)."""
         root = trace.get_current_span()                # router.generate: it carries the final decision
         prompt_ids, stream, route = await self._prepare(request, model, conversation, key, context.time_remaining(),
                                                         sent)
+        if admit is not None:
+            admit(len(prompt_ids))
         if request.pinned_replica:                     # operators and tests: exactly there, or an error
             replica = self.pinned(model, request.pinned_replica)
             pinned = Plan(model, [replica], False, 1.0)

@@ -13,9 +13,11 @@ The policies (policies/), failover (failover/) and stop strings (stops.py) are p
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -24,10 +26,10 @@ from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
 from mesh.request_limits import name_problem, sampling_problem
 from mesh.telemetry import server_span
-from meshpb.v1 import router_pb2, router_pb2_grpc
+from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router import metrics
 from services.router.admin import Admin, Routing
-from services.router.callers import Callers
+from services.router.callers import Callers, TokenCharge
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.engines import Engines, load_to_pb
@@ -57,7 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.admin = Admin(self.table, versions, self.failover, self.policy, config.default_model,
                            self.dispatcher.shadows)
         self.callers = Callers(config.api_key_digests, config.admin_key_digests, config.rate_limit,
-                               config.auth_failure_limit)
+                               config.auth_failure_limit, config.token_limit)
         metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()),
                              self.admin.snapshot)
 
@@ -80,13 +82,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with server_span("router.generate", context, request_id=request_id):
             try:
                 # The edge names the tenant (from an API key); a native caller is its own key's tenant.
-                request.tenant = self.callers.tenant(context, request.tenant)
+                caller = self.callers.caller(context, request.tenant)
+                request.tenant = caller.tenant
                 refused = _refusal(request)
                 if refused:                   # a native caller skipped the edge's checks: the same limits here
                     raise InvalidArgument(refused)
                 incoming = [from_pb(m) for m in request.chat.messages]
-                async for reply in self.dispatcher.generate(request, request_id, incoming, context):
-                    yield reply
+                charge = self.callers.charge(caller, request.sampling.max_tokens)
+                if charge is None:
+                    replies = self.dispatcher.generate(request, request_id, incoming, context)
+                else:                         # a native key's tokens: reserved once the prompt is tokenized
+                    admit = functools.partial(_reserve, self.callers, charge)
+                    replies = _metered(self.callers, charge, self.dispatcher.generate(
+                        request, request_id, incoming, context, admit=admit))
+                async with contextlib.aclosing(replies):        # settled now, not when collected
+                    async for reply in replies:
+                        yield reply
             except MeshError as exc:
                 if isinstance(exc, Saturated):
                     metrics.SHED.labels(exc.model).inc()
@@ -180,6 +191,25 @@ def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
     if routing.shadow_stats is not None:
         reply.shadow.CopyFrom(router_pb2.ShadowStats(**routing.shadow_stats))   # type: ignore[arg-type]
     return reply
+
+
+def _reserve(callers: Callers, charge: TokenCharge, prompt_tokens: int) -> None:
+    callers.reserve(charge, prompt_tokens, time.monotonic())
+
+
+async def _metered(callers: Callers, charge: TokenCharge,
+                   replies: AsyncGenerator[router_pb2.RouterGenerateResponse, None]
+                   ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
+    """`replies`, with `charge` settled to the final reply's usage when the stream ends, however it ends."""
+    try:
+        async with contextlib.aclosing(replies):
+            async for reply in replies:
+                charge.started = True
+                if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    charge.used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+                yield reply
+    finally:
+        callers.settle(charge, time.monotonic())
 
 
 def _refusal(request: router_pb2.RouterGenerateRequest) -> str | None:
