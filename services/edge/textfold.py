@@ -17,7 +17,9 @@ What it cannot do (README "Content safety"): paraphrase, other languages, spelli
 
 from __future__ import annotations
 
+import re
 import unicodedata
+from collections.abc import Sequence
 from functools import lru_cache
 
 # Look-alikes (after lower-casing) of Latin letters, from Cyrillic and Greek: the ones that render the
@@ -48,8 +50,14 @@ def _char(c: str) -> str:
     return "".join(out)
 
 
-def fold(text: str) -> tuple[str, list[int]]:
+# White space that folding changes: any but a single space (str.isspace's, \x1c-\x1f included).
+_CHANGED_SPACE = re.compile(r"[^\S ]| {2}")
+
+
+def fold(text: str) -> tuple[str, Sequence[int]]:
     """(folded text, for each folded character the index of the character of `text` it came from)."""
+    if text.isascii() and not _CHANGED_SPACE.search(text):
+        return text.lower(), range(len(text))      # the common case, one character for one (the guard's hot path)
     out: list[str] = []
     where: list[int] = []
     space = False
