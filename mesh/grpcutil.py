@@ -61,6 +61,24 @@ def channel(address: str, tls: MeshTLS | None = None) -> grpc.aio.Channel:
 ANSWERED = ("infermesh-answered", "1")
 
 
+# Trailing metadata on a RESOURCE_EXHAUSTED about the caller's own limit (a tenant's compile rate), not the
+# service's capacity: a router relays it to the caller (with its retry-after) instead of failing over, and
+# no breaker counts it against the replica.
+CALLER_LIMIT = ("infermesh-limit", "caller")
+
+
+def caller_limit(err: grpc.aio.AioRpcError) -> bool:
+    return any((k, str(v)) == CALLER_LIMIT for k, v in err.trailing_metadata() or ())
+
+
+def retry_after(err: grpc.aio.AioRpcError) -> int:
+    """The error's `retry-after` trailer in whole seconds, or 0."""
+    for key, value in err.trailing_metadata() or ():
+        if key == "retry-after" and str(value).isdigit():
+            return int(value)
+    return 0
+
+
 def answered(err: grpc.aio.AioRpcError) -> bool:
     """True when the server itself answered `err` (through rpc_errors), not its transport failing."""
     return any((k, str(v)) == ANSWERED for k, v in err.trailing_metadata() or ())

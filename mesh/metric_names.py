@@ -128,7 +128,10 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_draft_accepted_tokens_total", "counter", "engine", "replica",
        "Of the draft tokens verified, those accepted"),
     _m("infermesh_engine_constrained_requests_total", "counter", "engine", "replica grammar",
-       "Requests with a structured-output constraint; grammar: cached (compiled before) or compiled"),
+       "Requests with a structured-output constraint; grammar: cached (compiled before), compiled, or refused: "
+       "invalid (does not compile, or crashed the compiler), rate_limited (the tenant's --grammar-compile-rate), "
+       "busy (--grammar-compiles running and no slot free in time), timeout (stopped at "
+       "--grammar-compile-timeout-s), remembered (refused before as too slow: refused at once)"),
     _m("infermesh_engine_step_seconds", "histogram", "engine", "replica", "Duration of one engine step"),
     _m("infermesh_engine_step_tokens_total", "counter", "engine", "replica", "Tokens computed, prefill and decode"),
     _m("infermesh_engine_generated_tokens_total", "counter", "engine", "replica",

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from mesh.errors import http_status
+from mesh.grpcutil import retry_after as grpc_retry_after
 
 # ApiError(retry_after_s=DO_NOT_RETRY): the request can never pass as it is (say, more tokens than its
 # tier's whole budget); sent as `x-should-retry: false`, which OpenAI's clients obey instead of retrying
@@ -53,10 +54,7 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     """The router's gRPC status as the client's HTTP answer; its `retry-after` trailer is kept, and
     429/503 always carry one (1 s when the router named none)."""
     status, kind = http_status(err.code())
-    retry_after = 0
-    for key, value in err.trailing_metadata() or ():
-        if key == "retry-after" and str(value).isdigit():
-            retry_after = int(value)
+    retry_after = grpc_retry_after(err)
     if status in (429, 503) and not retry_after:
         retry_after = 1
     # the router's message may quote what the client sent (a model name, a replica pin): bounded too

@@ -13,10 +13,12 @@ from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.models import served_model
+from mesh.ratelimit import parse_rate
 from mesh.service import run_service, serve_grpc
 from services.engine import kv_transfer, plan, speculate
 from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, KV_DTYPES, EngineConfig
 from services.engine.engine import Engine
+from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
 from services.engine.remote_cache import RemoteCache, kv_version
@@ -68,10 +70,25 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                    help="SLA class of the blocks this engine publishes (premium, standard, batch)")
     p.add_argument("--cache-timeout", type=float, default=EngineConfig.cache_timeout_s,
                    help="seconds to fetch one request's blocks before recomputing them")
+    p.add_argument("--grammar-cache-mb", type=int, default=EngineConfig.grammar_cache_mb, metavar="MB",
+                   help="memory for compiled structured-output grammars, by their real size (least recently used "
+                        "dropped first); 0 auto: an eighth of --kv-cache-mb, between 64 and 512")
+    p.add_argument("--grammar-compile-rate", default=str(EngineConfig.grammar_compile_rate), metavar="N/s|m|h",
+                   help="new grammars compiled per tenant (cached ones do not count); past it RESOURCE_EXHAUSTED "
+                        "with retry-after; 0: no limit (default %(default)s)")
+    p.add_argument("--grammar-compiles", type=int, default=EngineConfig.grammar_compiles, metavar="N",
+                   help="grammar compiles running at once, all tenants together, each in its own process; "
+                        f"beyond, up to {GrammarLimits.queue} wait for a slot (one --grammar-compile-timeout-s at "
+                        "most), then "
+                        "RESOURCE_EXHAUSTED with retry-after (default %(default)s)")
+    p.add_argument("--grammar-compile-timeout-s", type=float, default=EngineConfig.grammar_compile_timeout_s,
+                   metavar="S", help="a grammar compile still running after S seconds is stopped and its "
+                                     "constraint refused (INVALID_ARGUMENT), from then on at once")
     apply_env(p, "INFERMESH_ENGINE")
     a = p.parse_args(argv)
     name, folder = served_model(a.model)
     try:
+        compile_rate = parse_rate(a.grammar_compile_rate, default_unit="m")
         return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
                             replica_id=a.replica_id, region=a.region, host=a.host, port=a.port,
                             dtype=a.dtype, device=a.device, threads=a.threads, kv_cache_mb=a.kv_cache_mb,
@@ -81,7 +98,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             speculate=a.speculate, speculate_rows=a.speculate_rows,
                             metrics_port=a.metrics_port,
                             discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
-                            cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout)
+                            cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout,
+                            grammar_cache_mb=a.grammar_cache_mb, grammar_compile_rate=compile_rate,
+                            grammar_compiles=a.grammar_compiles, grammar_compile_timeout_s=a.grammar_compile_timeout_s)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -95,7 +114,8 @@ async def serve(config: EngineConfig) -> None:
     remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running)
     speculation = speculate.for_plan(runner.plan, config.speculate, config.speculate_rows)
-    engine = Engine(runner, config.max_waiting, limits, outbox, speculation, version=config.model_version)
+    engine = Engine(runner, config.max_waiting, limits, outbox, speculation, version=config.model_version,
+                    grammar_limits=grammar_limits(config))
     servicer = EngineServicer(engine, config, remote, step_thread)
     service = Service("meshpb.v1.Engine", config.host, config.port)
     add_to(service, servicer)
@@ -109,6 +129,11 @@ async def serve(config: EngineConfig) -> None:
     await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
                      on_stop=servicer.close, model=config.model, model_version=config.model_version,
                      region=config.region, on_announced=lambda withdraw: setattr(servicer, "withdraw", withdraw))
+
+
+def grammar_limits(config: EngineConfig) -> GrammarLimits:
+    return GrammarLimits(cache_bytes=config.grammar_cache_bytes, compile_rate=config.grammar_compile_rate,
+                         compiles=config.grammar_compiles, compile_timeout_s=config.grammar_compile_timeout_s)
 
 
 def load(config: EngineConfig) -> ModelRunner:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh.ratelimit import Rate
+
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")   # auto: float16 with the fused CPU ops, else dtype
@@ -47,6 +49,11 @@ class EngineConfig:
     cache_timeout_s: float = 2.0       # fetching one request's blocks, at most; then it recomputes
     cache_outbox_mb: int = 256         # computed blocks waiting to be published; the oldest go beyond
     cache_staging_mb: int = 1024       # fetched blocks waiting for their requests' admission; beyond: recompute
+    # Structured outputs (services/engine/grammar_limits.py): what compiled grammars may cost.
+    grammar_cache_mb: int = 0          # compiled grammars kept, by their real size; 0: auto (grammar_cache_bytes)
+    grammar_compile_rate: Rate | None = Rate(20, 60)   # new grammars per tenant (cache_salt); None: no limit
+    grammar_compiles: int = 1          # compiles running at once, all tenants (each in its own process)
+    grammar_compile_timeout_s: float = 10.0   # a compile still running then is stopped, its constraint refused
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,3 +82,23 @@ class EngineConfig:
             raise ValueError("--cache-tenant must be 1 to 64 characters")
         if self.cache_timeout_s <= 0 or self.cache_outbox_mb < 1 or self.cache_staging_mb < 1:
             raise ValueError("cache_timeout_s, cache_outbox_mb and cache_staging_mb must be positive")
+        if self.grammar_cache_mb < 0:
+            raise ValueError("--grammar-cache-mb must be 0 (auto) or more")
+        if self.grammar_compiles < 1:
+            raise ValueError("--grammar-compiles must be at least 1")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("--grammar-compile-timeout-s must be positive")
+
+    @property
+    def grammar_cache_bytes(self) -> int:
+        """The compiled grammars' budget.  Auto: an eighth of the KV budget, between 64 and 512 MB.
+
+        The KV budget is what the operator sized this engine's per-request state to, and compiled grammars
+        are more of it, held beside it (host RAM): an eighth keeps the engine within ~12% of that plan.
+        The floor, 64 MB, still holds three of the heaviest schemas measured (60 properties with their own
+        patterns: 19 MB each) or ~250 typical ones (0.25 MB), so a small engine keeps an application's
+        schemas compiled; the ceiling, 512 MB, because a GPU's KV budget (tens of GB of device memory)
+        says nothing about the host RAM grammars take, and 512 MB already holds ~2,000 typical schemas."""
+        if self.grammar_cache_mb:
+            return self.grammar_cache_mb << 20
+        return min(max(self.kv_cache_mb // 8, 64), 512) << 20

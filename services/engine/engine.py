@@ -28,6 +28,7 @@ import torch
 from mesh.errors import ResourceExhausted
 from services.engine import grammar, kv_transfer, sampler
 from services.engine.block_manager import BlockManager
+from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
 from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
@@ -46,7 +47,8 @@ from services.engine.versions import Versions
 
 class Engine:
     def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None,
-                 outbox: Outbox | None = None, speculation: SpeculationConfig | None = None, version: str = "1"):
+                 outbox: Outbox | None = None, speculation: SpeculationConfig | None = None, version: str = "1",
+                 grammar_limits: GrammarLimits | None = None):
         self.runner = runner
         self.versions = Versions(runner, version)      # hot swaps (services/engine/versions.py)
         self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
@@ -62,7 +64,7 @@ class Engine:
         self._pending: list[StepOutput] = []    # that step's outputs so far (aborts), for fail_step
         self._lock = threading.Lock()
         self.stats = EngineStats()
-        self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids)
+        self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids, grammar_limits)
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,

@@ -4,7 +4,11 @@ xgrammar does the work (bench/grammar.py measured it against llguidance on this 
 filling the masks of 16 constrained rows took about a tenth of the time; the README gives the
 figures).  Compiled grammars are cached by constraint, so the JSON schema an application sends with
 every request is compiled once.  Compiling runs off the step thread (the server calls `matcher`
-in a worker thread before adding the request); the step thread only fills and applies masks.
+in a worker thread before adding the request), and in a child process that is killed when it runs
+too long (services/engine/grammar_worker.py); the step thread only fills and applies masks.
+
+What grammars may cost is bounded (services/engine/grammar_limits.py, issue 31 finding 4): the cache
+by bytes, compiles per tenant and at once, one compile's time.
 
 A constrained request's output is the constraint's prefix, then a text the grammar accepts, then
 its suffix, then an end-of-sequence token: once the grammar is complete only the end-of-sequence
@@ -13,22 +17,26 @@ ids are allowed, so the request ends with finish_reason "stop".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
-from collections import OrderedDict
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from mesh import tools
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
 from meshpb.v1 import common_pb2
+from services.engine.grammar_limits import CompileGate, ConstraintRefused, GrammarCache, GrammarLimits
+from services.engine.grammar_worker import CompileTimeout, CompileWorker, WorkerDied
 
-CACHE_SIZE = 256                 # compiled grammars kept, least recently used dropped first
+_IDLE: dict[tuple[str, int, tuple[int, ...]], list[CompileWorker]] = {}     # (folder, vocab, eos) -> idle
+_IDLE_LOCK = threading.Lock()
 
 
 class Matcher:
@@ -52,56 +60,169 @@ class Matcher:
 
 
 class Grammars:
-    """Compiles constraints for one model's vocabulary (its tokenizer, its end-of-sequence ids)."""
+    """Compiles constraints for one model's vocabulary (its tokenizer, its end-of-sequence ids), within
+    `limits`.  Thread-safe: the server calls it from several threads at once."""
 
-    def __init__(self, folder: str | Path, vocab_size: int, eos_token_ids: Collection[int]):
+    def __init__(self, folder: str | Path, vocab_size: int, eos_token_ids: Collection[int],
+                 limits: GrammarLimits | None = None, clock: Callable[[], float] = time.monotonic):
         self.folder = Path(folder)
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._compiler: Any = None
-        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.compiles = 0            # cache misses
-        self.hits = 0
+        self.limits = limits or GrammarLimits()
+        self.cache = GrammarCache(self.limits.cache_bytes)
+        self._gate = CompileGate(self.limits)
+        self._clock = clock
+        self._info: Any = None                          # xgrammar TokenizerInfo, built on first use
+        # Started compiler processes not compiling now, shared by every Grammars of this vocabulary in the
+        # process (an engine has one; the tests build many, and a process takes ~2 s to start).
+        self._idle = _IDLE.setdefault((str(self.folder.resolve()), vocab_size, tuple(self.eos_token_ids)), [])
+        self._pending: dict[bytes, Future[Any]] = {}    # constraint digest -> its compile under way
+        self._lock = threading.Lock()                   # never held across a compile
+        self._slot_free = threading.Condition(self._lock)
+        self._info_lock = threading.Lock()
+        self.compiles = 0            # cache misses compiled (or tried)
+        self.hits = 0                # served from the cache, or by another request's compile under way
 
-    def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(self.folder)
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    @property
+    def compiling(self) -> int:
+        return self._gate.running
 
-    def compile(self, c: Constraint) -> Any:
-        """The constraint's compiled grammar (cached).  InvalidArgument when it does not compile."""
-        return self._compile(c)[0]
+    @property
+    def worker_pids(self) -> list[int]:
+        """The idle compiler processes (a compiling one is not listed)."""
+        with _IDLE_LOCK:
+            return [w.pid for w in self._idle]
 
-    def _compile(self, c: Constraint) -> tuple[Any, bool]:
-        """(compiled grammar, whether it was cached)."""
+    def close(self) -> None:
+        """Stop the idle compiler processes (they also end with this process: their stdin closes)."""
+        with _IDLE_LOCK:
+            while self._idle:
+                self._idle.pop().kill()
+
+    def _tokenizer_info(self) -> Any:
+        with self._info_lock:
+            if self._info is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+                tokenizer = AutoTokenizer.from_pretrained(self.folder)
+                self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.eos_token_ids)
+            return self._info
+
+    def compile(self, c: Constraint, tenant: bytes = b"") -> Any:
+        """The constraint's compiled grammar (cached).  ConstraintRefused (INVALID_ARGUMENT) when it does not
+        compile or compiles too slowly; CompileRefused (RESOURCE_EXHAUSTED) past the compile limits."""
+        return self._compile(c, tenant)[0]
+
+    def _compile(self, c: Constraint, tenant: bytes) -> tuple[Any, bool]:
+        """(compiled grammar, whether this request did not compile it).  `tenant`: whose compile rate a
+        miss spends (the request's cache_salt)."""
+        key = _digest(c)
+        mine = None
         with self._lock:
-            compiled = self._cache.get(c)
+            compiled = self.cache.get(key)
             if compiled is not None:
-                self._cache.move_to_end(c)
                 self.hits += 1
                 return compiled, True
-            compiler = self._get_compiler()
-            try:
-                compiled = compiler.compile_grammar(_grammar(c))
-            except InvalidArgument:
-                raise
-            except Exception as exc:       # xgrammar reports a bad schema / regex / grammar this way
-                raise InvalidArgument(f"the {c.kind} constraint cannot be compiled: {_first_line(exc)}") from None
-            self.compiles += 1
-            self._cache[c] = compiled
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return compiled, False
+            pending = self._pending.get(key)
+            if pending is not None:          # the same constraint's compile is under way: wait for it
+                self.hits += 1
+            else:
+                why = self._gate.refusal(key)
+                if why is not None:
+                    raise ConstraintRefused(f"refused at once: {why}", "remembered")
+                now_or_later = self._gate.enter(tenant, self._clock())        # or CompileRefused
+                # Registered before waiting for a slot, so the same constraint meanwhile waits for this one.
+                mine = pending = self._pending[key] = Future()
+                if not now_or_later:
+                    self._wait_for_slot(key, pending, tenant)
+                self.compiles += 1
+        if pending is mine:
+            return self._run(c, key, pending), False
+        return pending.result(), True
 
-    def matcher(self, c: Constraint, replay: Sequence[int] = ()) -> Matcher:
+    def _wait_for_slot(self, key: bytes, pending: Future[Any], tenant: bytes) -> None:
+        """Under the lock: wait (releasing it) until the gate starts this compile; after one compile's time
+        limit without a slot, the compiles ahead are slow ones: refuse it (CompileRefused, busy)."""
+        deadline = time.monotonic() + self.limits.compile_timeout_s
+        while not self._gate.start():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                refused = self._gate.give_up(tenant, self._clock())
+                del self._pending[key]
+                pending.set_exception(refused)
+                raise refused
+            self._slot_free.wait(left)
+
+    def cached_matcher(self, c: Constraint) -> Matcher | None:
+        """A matcher for `c` if its grammar is cached, else None; never waits (the server calls it on its
+        event loop, so a cache hit needs no thread, however many compiles wait for theirs)."""
+        with self._lock:
+            compiled = self.cache.get(_digest(c))
+            if compiled is None:
+                return None
+            self.hits += 1
+        return Matcher(compiled, cached=True)
+
+    def _run(self, c: Constraint, key: bytes, pending: Future[Any]) -> Any:
+        """Compile `c` in a child process (an idle one, or a new one); publish it to the cache and `pending`."""
+        compiled, size, worker = None, 0, self._borrow()
+        try:
+            import xgrammar as xgr
+            info = self._tokenizer_info()
+            if worker is None:
+                worker = CompileWorker(info.serialize_json())
+            try:
+                text = worker.compile(c, self.limits.compile_timeout_s)
+            except CompileTimeout:
+                worker = None                   # killed: its CPU stopped
+                raise self._refuse(key, f"the {c.kind} constraint {describe(c)} took longer than "
+                                   f"{self.limits.compile_timeout_s:g} s to compile (--grammar-compile-timeout-s) "
+                                   f"and was stopped (this engine now refuses it at once); simplify it (fewer "
+                                   f"properties with a pattern, shorter bounds) or split it", "timeout") from None
+            except WorkerDied as exc:
+                worker = None
+                raise self._refuse(key, f"the {c.kind} constraint {describe(c)} crashed the grammar compiler "
+                                   f"({exc})", "invalid") from None
+            except InvalidArgument as exc:
+                raise ConstraintRefused(exc.message, "invalid") from None
+            compiled = xgr.CompiledGrammar.deserialize_json(text, info)
+            size = int(compiled.memory_size_bytes)
+            pending.set_result(compiled)
+            return compiled
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                if compiled is not None:
+                    self.cache.put(key, compiled, size)     # False (not kept): larger than the whole budget
+                self._pending.pop(key, None)
+                self._gate.leave()
+                self._slot_free.notify()
+            if worker is not None:
+                with _IDLE_LOCK:
+                    self._idle.append(worker)
+
+    def _borrow(self) -> CompileWorker | None:
+        """An idle compiler process, or None (start one).  One that died idle (killed from outside) is
+        dropped here, so its death is not blamed on the next constraint."""
+        with _IDLE_LOCK:
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.alive:
+                    return worker
+                worker.kill()
+        return None
+
+    def _refuse(self, key: bytes, why: str, reason: str) -> ConstraintRefused:
+        with self._lock:
+            self._gate.remember(key, why)
+        return ConstraintRefused(why, reason)
+
+    def matcher(self, c: Constraint, replay: Sequence[int] = (), tenant: bytes = b"") -> Matcher:
         """A matcher at the grammar's start, advanced over `replay` (tokens streamed before a failover)."""
-        compiled, cached = self._compile(c)
+        compiled, cached = self._compile(c, tenant)
         m = Matcher(compiled, cached)
         for i, token in enumerate(replay):
             if not m.accept(token):
@@ -118,35 +239,21 @@ def constraint_from_pb(c: common_pb2.Constraint) -> Constraint:
     return Constraint(kind, "" if kind == "json_object" else getattr(c, kind), c.prefix, c.suffix)
 
 
-def _grammar(c: Constraint) -> Any:
-    import xgrammar as xgr
+def describe(c: Constraint) -> str:
+    """How a person recognises the constraint in an error: a JSON schema's title, else its first characters."""
     if c.kind == "json_schema":
-        body = xgr.Grammar.from_json_schema(c.text, any_whitespace=False, strict_mode=True)
-    elif c.kind == "json_object":
-        body = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    elif c.kind == "regex":
-        body = xgr.Grammar.from_regex(c.text)
-    elif c.kind == "tool_calls":
-        tools.check(c.text, [])
-        body = xgr.Grammar.from_structural_tag(json.dumps(tools.structural_tag(c.text)))
-    else:
-        body = xgr.Grammar.from_ebnf(c.text)
-    parts = [body]
-    if c.prefix:
-        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {_literal(c.prefix)}"))
-    if c.suffix:
-        parts.append(xgr.Grammar.from_ebnf(f"root ::= {_literal(c.suffix)}"))
-    return xgr.Grammar.concat(*parts) if len(parts) > 1 else body
+        try:
+            title = json.loads(c.text).get("title")
+        except (ValueError, AttributeError):
+            title = None
+        if isinstance(title, str) and title:
+            return json.dumps(title[:60])
+    return json.dumps(c.text[:40] + ("..." if len(c.text) > 40 else ""))
 
 
-def _literal(text: str) -> str:
-    """An EBNF string literal for `text` (JSON's escapes are the grammar's)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1][:300] if text else type(exc).__name__
+def _digest(c: Constraint) -> bytes:
+    """The cache's and the refusals' key: 32 bytes, however long the constraint's text (up to 64 KiB)."""
+    return hashlib.sha256(json.dumps([c.kind, c.text, c.prefix, c.suffix]).encode()).digest()
 
 
 def apply_masks(scores: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple[int, Matcher]]) -> None:

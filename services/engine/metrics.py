@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from services.engine.grammar_limits import REFUSALS
+
 if TYPE_CHECKING:
     from services.engine.plan import ExecutionPlan  # only named here: the metrics need no torch
 
@@ -23,9 +25,13 @@ PREEMPTIONS = Counter("infermesh_engine_preemptions_total", "Requests preempted 
 DRAFTED = Counter("infermesh_engine_draft_tokens_total", "Speculative draft tokens verified (prompt lookup)", LABELS)
 ACCEPTED = Counter("infermesh_engine_draft_accepted_tokens_total", "Of the draft tokens verified, those accepted",
                    LABELS)
+# A constrained request's grammar: cached (compiled before), compiled, or why it was refused
+# (services/engine/grammar_limits.py REFUSALS).  Refusals are values of this label, not a metric of their
+# own, so the dashboard's structured-output panel shows them beside the compiles they limit.
+GRAMMAR_OUTCOMES = ("cached", "compiled", *REFUSALS)
 CONSTRAINED = Counter("infermesh_engine_constrained_requests_total",
-                      "Requests with a structured-output constraint, by whether its grammar was cached",
-                      [*LABELS, "grammar"])
+                      "Requests with a structured-output constraint, by grammar: cached, compiled, or refused "
+                      "(invalid, rate_limited, busy, timeout, remembered)", [*LABELS, "grammar"])
 STEP = Histogram("infermesh_engine_step_seconds", "Duration of one engine step", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 STEP_TOKENS = Counter("infermesh_engine_step_tokens_total", "Tokens computed (prefill and decode)", LABELS)
@@ -98,12 +104,13 @@ class ReplicaMetrics:
         self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
         self.queue_wait, self.batch = QUEUE_WAIT.labels(replica), BATCH.labels(replica)
         self.replica = replica
-        self._constrained = {c: CONSTRAINED.labels(replica, c) for c in ("cached", "compiled")}
+        self._constrained = {g: CONSTRAINED.labels(replica, g) for g in GRAMMAR_OUTCOMES}
         self._seen = (0, 0, 0, 0, 0)  # prefix queries, hits, preemptions, drafted, accepted already counted
         self._plan: tuple[str, ...] = ()
 
-    def constrained(self, cached: bool) -> None:
-        self._constrained["cached" if cached else "compiled"].inc()
+    def constrained(self, grammar: str) -> None:
+        """One constrained request: its grammar's GRAMMAR_OUTCOMES value."""
+        self._constrained[grammar].inc()
 
     def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
                      preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0, drafted: int = 0,

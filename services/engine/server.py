@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from mesh import peers
 from mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from mesh.grpcutil import Service, rpc_errors
+from mesh.grpcutil import CALLER_LIMIT, Service, rpc_errors
 from mesh.models.folder import sampling_defaults
 from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -33,6 +33,7 @@ from services.engine import metrics
 from services.engine.config import EngineConfig
 from services.engine.convert import output_to_pb, sampling_from_pb
 from services.engine.engine import Engine, Timing
+from services.engine.grammar_limits import CompileRefused, ConstraintRefused
 from services.engine.lifecycle import Lifecycle
 from services.engine.remote_cache import RemoteCache
 from services.engine.request import FinishReason, Request, StepOutput
@@ -148,9 +149,24 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             outcome = "cancelled"           # until the engine says otherwise: the caller went away
             try:
                 if req.sampling.constraint is not None:   # compiled off the event loop and the step thread
-                    req.matcher = await asyncio.to_thread(self.engine.grammars.matcher, req.sampling.constraint,
-                                                          req.resume_ids)
-                    self.metrics.constrained(req.matcher.cached)
+                    grammars, constraint = self.engine.grammars, req.sampling.constraint
+                    try:
+                        # A cache hit on the loop: no thread, so compiles waiting for theirs never delay it.
+                        # The raw cache_salt (req's has the model version's salt added) is the tenant whose
+                        # compile rate a miss spends.
+                        req.matcher = None if req.resume_ids else grammars.cached_matcher(constraint)
+                        if req.matcher is None:
+                            req.matcher = await asyncio.to_thread(grammars.matcher, constraint, req.resume_ids,
+                                                                  request.cache_salt)
+                    except (CompileRefused, ConstraintRefused) as exc:
+                        outcome = "rejected"
+                        self.metrics.constrained(exc.reason)
+                        if exc.retry_after_s:           # rpc_errors keeps trailing metadata set here
+                            # A tenant's own compile rate is its answer: the router relays it, no failover.
+                            mark = (CALLER_LIMIT,) if exc.reason == "rate_limited" else ()
+                            context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)), *mark))
+                        raise
+                    self.metrics.constrained("cached" if req.matcher.cached else "compiled")
                 if self.remote is not None:
                     await self._fetch_prefix(req, span)
                 try:

@@ -19,11 +19,12 @@ every caller, as it trusts every caller's certificate kind (mesh/peers.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Hashable
-from typing import NamedTuple
+from collections.abc import AsyncGenerator, Callable, Hashable
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import grpc
 
@@ -31,6 +32,12 @@ from mesh import peers
 from mesh.apikeys import ApiKeys, tenant_of
 from mesh.errors import ResourceExhausted, Unauthenticated
 from mesh.ratelimit import DEFAULT_COMPLETION_TOKENS, Limiter, Rate, reservation, retry_after_s, settlement
+from mesh.request_limits import name_problem, sampling_problem
+
+if TYPE_CHECKING:      # only named: protobuf is the servicer's (server.py) to convert
+    from meshpb.v1.router_pb2 import RouterGenerateRequest
+
+T = TypeVar("T")
 
 
 class Caller(NamedTuple):
@@ -99,6 +106,29 @@ class Callers:
                                     f"{wait:.3g}s", retry_after_s=retry_after_s(wait))
         charge.reserved = amount
 
+    def admission(self, charge: TokenCharge | None) -> Callable[[int], None] | None:
+        """The dispatcher's `admit`: reserve `charge` once the prompt's token count is known (None: none)."""
+        if charge is None:
+            return None
+        return lambda prompt_tokens: self.reserve(charge, prompt_tokens, time.monotonic())
+
+    def metered(self, charge: TokenCharge | None, replies: AsyncGenerator[T, None],
+                used: Callable[[T], int | None]) -> AsyncGenerator[T, None]:
+        """`replies`, with `charge` (if any) settled when the stream ends, however it ends; `used(reply)`:
+        the request's prompt + completion tokens on its final reply, else None."""
+        return replies if charge is None else self._metered(charge, replies, used)
+
+    async def _metered(self, charge: TokenCharge, replies: AsyncGenerator[T, None],
+                       used: Callable[[T], int | None]) -> AsyncGenerator[T, None]:
+        try:
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    charge.started = True
+                    charge.used = used(reply) if charge.used is None else charge.used
+                    yield reply
+        finally:
+            self.settle(charge, time.monotonic())
+
     def settle(self, charge: TokenCharge, now: float) -> None:
         """Settle a charge to its usage: the unused part back, an overrun as debt; all back when it ended
         before a reply; nothing when cut off mid-stream (usage unknown)."""
@@ -145,3 +175,16 @@ class Callers:
         if wait > 0:
             raise ResourceExhausted(f"too many {what}: limit {limiter.rate}; try again in {wait:.3g}s",
                                     retry_after_s=retry_after_s(wait))
+
+
+def refusal(request: RouterGenerateRequest) -> str | None:
+    """Why a native Generate request breaks the limits the edge enforces (mesh/request_limits.py), or None."""
+    s = request.sampling
+    return (sampling_problem(s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.top_logprobs,
+                             s.presence_penalty, s.frequency_penalty, s.repetition_penalty or 1.0, s.min_p,
+                             dict(s.logit_bias), s.min_tokens)
+            or name_problem("session_id", request.session_id) or name_problem("model", request.model)
+            or name_problem("pinned_replica", request.pinned_replica)
+            or name_problem("request_id", request.request_id)
+            or (f"cache_class {request.cache_class[:32]!r} is not premium, standard or batch"
+                if request.cache_class not in ("", "premium", "standard", "batch") else None))

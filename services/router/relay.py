@@ -20,6 +20,7 @@ import grpc
 
 from mesh.detokenize import IncrementalDecoder
 from mesh.errors import InvalidArgument
+from mesh.grpcutil import caller_limit
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from services.router.stops import StopMatcher
 
@@ -127,6 +128,8 @@ async def attempt(stub: engine_pb2_grpc.EngineStub, replica_id: str, request: en
             except _Unhealthy:
                 raise EngineFailed(replica_id, "failed its health checks mid-stream", isolate=True) from None
             except grpc.aio.AioRpcError as err:
+                if caller_limit(err):       # the caller's own limit: its answer (429 + Retry-After), no failover
+                    raise relay_error(f"engine {replica_id}", err) from None
                 if err.code() in RETRYABLE:
                     raise EngineFailed(replica_id, f"failed: {err.code().name}: {err.details()}", err.code(),
                                        isolate=err.code() == grpc.StatusCode.UNAVAILABLE) from None

@@ -14,22 +14,21 @@ The policies (policies/), failover (failover/) and stop strings (stops.py) are p
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from mesh.chat import from_pb
 from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
-from mesh.request_limits import name_problem, sampling_problem
+from mesh.request_limits import name_problem
 from mesh.telemetry import server_span
 from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router import metrics
 from services.router.admin import Admin, Routing
-from services.router.callers import Callers, TokenCharge
+from services.router.callers import Callers, refusal
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.engines import Engines, load_to_pb
@@ -84,17 +83,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # The edge names the tenant (from an API key); a native caller is its own key's tenant.
                 caller = self.callers.caller(context, request.tenant)
                 request.tenant = caller.tenant
-                refused = _refusal(request)
+                refused = refusal(request)
                 if refused:                   # a native caller skipped the edge's checks: the same limits here
                     raise InvalidArgument(refused)
                 incoming = [from_pb(m) for m in request.chat.messages]
+                # A native key's tokens: reserved once the prompt is tokenized, settled to the usage.
                 charge = self.callers.charge(caller, request.sampling.max_tokens)
-                if charge is None:
-                    replies = self.dispatcher.generate(request, request_id, incoming, context)
-                else:                         # a native key's tokens: reserved once the prompt is tokenized
-                    admit = functools.partial(_reserve, self.callers, charge)
-                    replies = _metered(self.callers, charge, self.dispatcher.generate(
-                        request, request_id, incoming, context, admit=admit))
+                replies = self.callers.metered(charge, self.dispatcher.generate(
+                    request, request_id, incoming, context, self.callers.admission(charge)), _tokens_used)
                 async with contextlib.aclosing(replies):        # settled now, not when collected
                     async for reply in replies:
                         yield reply
@@ -193,33 +189,8 @@ def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
     return reply
 
 
-def _reserve(callers: Callers, charge: TokenCharge, prompt_tokens: int) -> None:
-    callers.reserve(charge, prompt_tokens, time.monotonic())
-
-
-async def _metered(callers: Callers, charge: TokenCharge,
-                   replies: AsyncGenerator[router_pb2.RouterGenerateResponse, None]
-                   ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
-    """`replies`, with `charge` settled to the final reply's usage when the stream ends, however it ends."""
-    try:
-        async with contextlib.aclosing(replies):
-            async for reply in replies:
-                charge.started = True
-                if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    charge.used = reply.usage.prompt_tokens + reply.usage.completion_tokens
-                yield reply
-    finally:
-        callers.settle(charge, time.monotonic())
-
-
-def _refusal(request: router_pb2.RouterGenerateRequest) -> str | None:
-    """Why a Generate request breaks the limits the edge enforces (mesh/request_limits.py), or None."""
-    s = request.sampling
-    return (sampling_problem(s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.top_logprobs,
-                             s.presence_penalty, s.frequency_penalty, s.repetition_penalty or 1.0, s.min_p,
-                             dict(s.logit_bias), s.min_tokens)
-            or name_problem("session_id", request.session_id) or name_problem("model", request.model)
-            or name_problem("pinned_replica", request.pinned_replica)
-            or name_problem("request_id", request.request_id)
-            or (f"cache_class {request.cache_class[:32]!r} is not premium, standard or batch"
-                if request.cache_class not in ("", "premium", "standard", "batch") else None))
+def _tokens_used(reply: router_pb2.RouterGenerateResponse) -> int | None:
+    """The request's prompt + completion tokens, on its final reply."""
+    if reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return reply.usage.prompt_tokens + reply.usage.completion_tokens

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as Vocabulary
 
 from mesh.chat import Message, from_pb, to_pb
 from mesh.errors import InvalidArgument, MeshError, Unavailable
-from mesh.grpcutil import channel
+from mesh.grpcutil import channel, retry_after
 from mesh.telemetry import client_span, outgoing_metadata
 from meshpb.v1 import cache_pb2, cache_pb2_grpc, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -38,7 +38,7 @@ def within(deadline_s: float | None, cap: float) -> float:
 
 def relay_error(hop: str, err: grpc.aio.AioRpcError) -> MeshError:
     """Keep a downstream status that the caller can act on; name the hop that failed."""
-    exc = MeshError(f"{hop}: {err.details()}")
+    exc = MeshError(f"{hop}: {err.details()}", retry_after(err))
     exc.code = err.code() if err.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL
     return exc
 

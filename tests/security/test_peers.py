@@ -64,7 +64,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.tenants: list[str] = []
 
-    async def generate(self, request: Any, request_id: str, incoming: Any, context: Any
+    async def generate(self, request: Any, request_id: str, incoming: Any, context: Any, admit: Any = None
                        ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         self.tenants.append(request.tenant)
         yield router_pb2.RouterGenerateResponse(text="ok")
