@@ -42,42 +42,10 @@ namespace {
 // ------------------------------------------------------------------------------------ primitives
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // The four horizontal sums of a0..a3, in order.
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// exp(x), Cephes' expf range reduction and polynomial (within 2 ulp); 0 below exp's normal range,
-// +inf above it.
-inline __m256 exp8(__m256 x) {
-  const __m256 max_x = _mm256_set1_ps(88.3762626647949f);
-  const __m256 min_x = _mm256_set1_ps(-87.3365447505531f);   // log(FLT_MIN): 2^n stays a normal number
-  const __m256 underflow = _mm256_cmp_ps(x, min_x, _CMP_LT_OQ);
-  const __m256 overflow = _mm256_cmp_ps(x, max_x, _CMP_GT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, min_x), max_x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
-  y = _mm256_andnot_ps(underflow, y);
-  return _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()), overflow);
 }
 #endif
 

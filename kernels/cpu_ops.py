@@ -44,7 +44,8 @@ from mesh.models import home
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_layer.cpp"))
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_layer.cpp"),
+           Path(__file__).with_name("cpu_sample.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"
 

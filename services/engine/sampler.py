@@ -1,15 +1,26 @@
-"""Turn one row of logits into a token: greedy, or temperature / top-k / top-p with a seed.
+"""Turn rows of logits into tokens: greedy, or temperature / top-k / top-p / min-p with a seed.
 
 The random stream of a seeded request depends only on (seed, position), so a stream
 resumed on another replica after a failover draws the same tokens it would have drawn.
+
+Sampling never sorts the vocabulary (151,936 logits a row for Qwen: a sort cost ~25 ms a row, more
+than the model's step).  A row with top_p, top_k or min_p takes its CANDIDATES most likely tokens
+(one partial selection, all rows at once) and normalizes them against the whole vocabulary's
+logsumexp; when those candidates hold the nucleus (their mass reaches top_p, top_k is within them,
+or min_p's threshold falls inside them) the row is finished among them, which is exact; otherwise it
+takes the sort of `filter_logits`, the reference (tests compare the two).  Either way the token is
+drawn by inverse CDF over the kept tokens in token-id order with the row's one uniform draw, so the
+same seed gives the same token on either path (up to float rounding at a bucket's edge).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 import torch
 
+from kernels import cpu_ops
 from services.engine.request import SamplingParams, TokenLogprob
 
 _SEED_MIX = 1_000_003
@@ -67,19 +78,133 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled
 
 
+CANDIDATES = 256     # the first guess at a row's nucleus (top_p 0.95 at temperature 0.7 keeps tens of tokens)
+
+
+def _draw(params: SamplingParams, position: int) -> float:
+    return float(torch.rand((), generator=step_generator(params.seed, position)))
+
+
+def _inverse_cdf(ids: torch.Tensor, weights: torch.Tensor, u: float) -> int:
+    """The token of `ids` (ascending) whose bucket of the cumulative `weights` holds u x total: never one
+    of weight 0, so a masked token is never chosen."""
+    cdf = weights.cumsum(dim=-1)
+    k = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if k >= cdf.numel():                     # u * total rounded up to the total itself
+        k = int(torch.nonzero(weights > 0).max())
+    return int(ids[k])
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """logits: (V,) float32 for one sequence; position: index of the token being generated."""
     if params.greedy:
         return int(torch.argmax(logits))
-    # Inverse CDF: one uniform draw against the cumulative distribution (torch.multinomial over a
-    # 49k vocabulary costs ~10x more on the CPU).  The first token whose cumulative mass exceeds the
-    # draw: never one of probability 0, so masked tokens are never chosen.
-    cdf = torch.softmax(filter_logits(logits, params), dim=-1).cumsum(dim=-1)
-    u = torch.rand((), generator=step_generator(params.seed, position))
-    token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    if token >= cdf.numel():                 # u * total rounded up to the total itself
-        token = int(torch.nonzero(torch.diff(cdf, prepend=cdf.new_zeros(1)) > 0).max())
-    return token
+    return _sample_rows(logits.unsqueeze(0), [params], [position])[0]
+
+
+def reference_sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """What `sample` computes, the plain way: filter the whole vocabulary (a sort for top_p), then the
+    inverse CDF over it.  The tests hold the fast path to it."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return _inverse_cdf(torch.arange(probs.numel()), probs, _draw(params, position))
+
+
+def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
+    """logits: (R, V) float32, every row sampled (none greedy)."""
+    vocab = logits.shape[-1]
+    out = [0] * len(params)
+    narrowed = [i for i, p in enumerate(params) if (0.0 < p.top_p < 1.0) or (0 < p.top_k < vocab) or p.min_p > 0]
+    whole = sorted(set(range(len(params))) - set(narrowed))
+    if whole:                                # temperature alone: the whole vocabulary, in id order
+        tokens = _whole(logits[whole], [params[i] for i in whole], [_draw(params[i], positions[i]) for i in whole])
+        for i, token in zip(whole, tokens, strict=True):
+            out[i] = token
+    if narrowed:
+        chosen = [params[i] for i in narrowed]
+        tokens = _among(logits[narrowed], chosen, [_draw(params[i], positions[i]) for i in narrowed])
+        for row, i in enumerate(narrowed):
+            out[i] = tokens[row] if tokens[row] >= 0 else reference_sample(logits[i], params[i], positions[i])
+    return out
+
+
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether the CPU library's sampling ops take these logits (else the torch path)."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.load()
+
+
+def _whole(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[float]) -> list[int]:
+    """Temperature-only rows: the inverse CDF of softmax(logits / T) over the whole vocabulary, in id order."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    if _fused(logits):
+        out = torch.empty(len(params), dtype=torch.int64)
+        torch.ops.infermesh.sample_whole(logits.contiguous(), temps, torch.tensor(draws, dtype=torch.float32), out)
+        return out.tolist()
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    ids = torch.arange(logits.shape[-1])
+    return [_inverse_cdf(ids, probs[row], u) for row, u in enumerate(draws)]
+
+
+def candidates(logits: torch.Tensor, temps: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens, most likely first: (values (R, k) = logit / T, -inf past a row's
+    candidates; ids (R, k), -1 there; lse (R,) = logsumexp(logits / T) over the whole vocabulary).  The CPU
+    library's sample_candidates where it runs (it may return fewer than k: every token a row's candidates
+    leave out is e^-20 as likely as its first), else `candidates_reference`."""
+    if not _fused(logits):
+        return candidates_reference(logits, temps, k)
+    rows = logits.shape[0]
+    values, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+    lse, counts = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    torch.ops.infermesh.sample_candidates(logits.contiguous(), temps, values, ids, lse, counts)
+    return values, ids, lse
+
+
+def candidates_reference(logits: torch.Tensor, temps: torch.Tensor, k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`candidates` with torch's topk and logsumexp: always k per row."""
+    raw, ids = torch.topk(logits, k, dim=-1)                    # the same order at any temperature
+    t = temps.unsqueeze(1)
+    return raw / t, ids, torch.logsumexp(logits / t, dim=-1)
+
+
+def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[float]) -> list[int]:
+    """Each row's token drawn among its most likely candidates, all rows at once, or -1 for a row whose
+    nucleus may reach past them.  The same filters as filter_logits, in order: top_k, then top_p over what
+    top_k kept (renormalized), then min_p against the most likely.  logits: (R, V)."""
+    vocab = logits.shape[-1]
+    k = min(vocab, max(CANDIDATES, *(p.top_k for p in params)))
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    values, ids, whole_lse = candidates(logits, temps, k)       # (R, k), most likely first
+    found = torch.isfinite(values)                               # the library may return fewer than k
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < k else k for p in params]).unsqueeze(1)
+    cut_k = torch.tensor([0 < p.top_k < vocab for p in params])
+    in_k = (torch.arange(k).unsqueeze(0) < top_k) & found        # (R, k)
+    # Normalizer: top_k's own set where it cuts, else the whole vocabulary's.
+    lse = torch.where(cut_k, torch.logsumexp(values.masked_fill(~in_k, float("-inf")), dim=-1), whole_lse)
+    probs = torch.exp(values - lse.unsqueeze(1)).masked_fill(~in_k, 0.0)
+    top_p = torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 2.0 for p in params])
+    in_p = (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1)   # the first always stays (its mass before is 0)
+    min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])
+    in_min = values >= values[:, :1] + min_p.unsqueeze(1)        # p >= min_p x p_max, in logits
+    keep = in_k & in_p & in_min
+    # A row is decided among its candidates when they hold the whole vocabulary, top_k cut within them,
+    # top_p's mass was reached within them, or min_p's threshold fell within them (with no top_p): the last
+    # candidate found is already out.  Else the nucleus may reach past them (-1: the caller sorts).
+    last = (found.sum(dim=-1) - 1).clamp(min=0).unsqueeze(1)
+    has_p = top_p <= 1.0
+    decided = (cut_k | (k >= vocab) | (has_p & ~in_p.gather(1, last).squeeze(1))
+               | (~has_p & (min_p > -math.inf) & ~in_min.gather(1, last).squeeze(1)))
+    weights = torch.exp(values - values[:, :1]).masked_fill(~keep, 0.0)
+    order = torch.argsort(ids.masked_fill(~found, vocab), dim=-1)  # token-id order: the reference's CDF order
+    ids, weights = ids.gather(1, order), weights.gather(1, order)
+    cdf = weights.cumsum(dim=-1)
+    u = torch.tensor(draws, dtype=cdf.dtype).unsqueeze(1)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    final = (weights > 0).long().cumsum(dim=-1).argmax(dim=-1)   # the last kept: a draw rounded up to the total
+    pick = torch.where(pick >= k, final, pick)
+    tokens = ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    return torch.where(decided, tokens, -1).tolist()
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
@@ -96,6 +221,15 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: 
     """logits: (B, V) float32; one token per row, each row with its own parameters."""
     if not params:
         return []
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    return [g if p.greedy else sample(logits[i], p, pos)
-            for i, (g, p, pos) in enumerate(zip(greedy, params, positions, strict=True))]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tokens = [0] * len(params)
+    if greedy:                               # an argmax over a 152k vocabulary is a pass of its own
+        for i, token in zip(greedy, torch.argmax(logits[greedy] if sampled else logits, dim=-1).tolist(),
+                            strict=True):
+            tokens[i] = token
+    if sampled:
+        drawn = _sample_rows(logits[sampled], [params[i] for i in sampled], [positions[i] for i in sampled])
+        for i, token in zip(sampled, drawn, strict=True):
+            tokens[i] = token
+    return tokens

@@ -91,3 +91,53 @@ def test_sampling_follows_the_distribution_and_never_picks_a_masked_token() -> N
     edge2[49] = 0.0                          # or the last: a draw rounding up to the total too
     assert {sampler.sample(edge, SamplingParams(temperature=1.0, seed=s), 0) for s in range(50)} == {0}
     assert {sampler.sample(edge2, SamplingParams(temperature=1.0, seed=s), 0) for s in range(50)} == {49}
+
+
+def _peaked(vocab: int, seed: int) -> torch.Tensor:
+    """Logits shaped like a language model's: a few likely tokens over a long tail."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, generator=g) * 2.0 + torch.where(torch.rand(vocab, generator=g) < 0.002, 8.0, 0.0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_k=40),
+    SamplingParams(temperature=0.8, top_k=1000, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=1.3, top_p=0.99, min_p=0.01), SamplingParams(temperature=0.7),
+    SamplingParams(temperature=2.0, top_p=0.95),          # flat: the nucleus reaches past the candidates
+])
+def test_the_fast_path_draws_what_the_reference_draws(params: SamplingParams) -> None:
+    """Candidates instead of a sort of the vocabulary: the same token for the same seed and position, on
+    peaked and flat rows of a 32,000-token vocabulary (the flat one takes the reference's own path)."""
+    import dataclasses
+    same = total = 0
+    for seed in range(40):
+        row = _peaked(32_000, seed)
+        for position in range(5):
+            p = dataclasses.replace(params, seed=seed * 7 + position)
+            total += 1
+            same += sampler.sample(row, p, position) == sampler.reference_sample(row, p, position)
+    assert same >= total - 1, (same, total)        # one rounding at a bucket's edge allowed
+
+
+def test_a_batch_mixes_greedy_whole_vocabulary_and_nucleus_rows() -> None:
+    rows = torch.stack([_peaked(5_000, s) for s in range(4)])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=1),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=2), SamplingParams(temperature=1.0, top_k=5, seed=3)]
+    got = sampler.sample_batch(rows, params, [3, 3, 3, 3])
+    assert got == [sampler.reference_sample(rows[i], params[i], 3) for i in range(4)]
+    assert got[0] == int(rows[0].argmax())
+
+
+def test_nucleus_sampling_follows_the_renormalized_distribution() -> None:
+    """Chi-square over 6,000 seeded draws with top_p 0.8 on ten known probabilities (and a long tail): the
+    kept tokens come up as their renormalized probabilities say (below the 0.999 quantile), the cut never."""
+    probs = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.01, 0.01])
+    logits = torch.cat([torch.log(probs), torch.full((2_000,), -30.0)])
+    kept = 5                      # mass before token 5 is 0.83 >= 0.8: tokens 0-4 stay
+    expected = probs[:kept] / probs[:kept].sum()
+    draws = torch.tensor([sampler.sample(logits, SamplingParams(temperature=1.0, top_p=0.8, seed=s), 0)
+                          for s in range(6_000)])
+    assert int((draws >= kept).sum()) == 0
+    counts = torch.bincount(draws, minlength=kept)[:kept].double()
+    chi2 = float(((counts - 6_000 * expected) ** 2 / (6_000 * expected)).sum())
+    assert chi2 < 18.47, chi2     # the 0.999 quantile of chi-square with 4 degrees of freedom
