@@ -185,15 +185,13 @@ def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Callable[[torch.
     return lambda w, b: SplitLinear(LINEARS[matmul](w, b), LINEARS[large](w, b), rows)
 
 
-def head_kind(matmul: str, blocks: bool = False) -> type[Linear]:
+def head_kind(matmul: str) -> type[Linear]:
     """The output head's Linear: fp32 even in the fp16-weight mode, so logits (and so sampling and
-    logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax.  With the CPU
-    library (`blocks`), every fast CPU kind takes the head in 8-bit blocks where that is lossless (a
-    GGUF's Q8_0 head: Qwen2.5's is 151,936 x 896, 545 MB in fp32 read by every step, 145 MB in blocks),
-    else packed fp32; without it q4's head is packed fp32 too."""
-    if matmul in ("q4", "fp16w", "bf16w", "packed") and blocks:
+    logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax; 8-bit blocks
+    beside q4 (lossless only: else packed fp32)."""
+    if matmul == "q4":
         return Q8Linear
-    return PackedLinear if matmul in ("q4", "fp16w") else LINEARS[matmul]
+    return PackedLinear if matmul == "fp16w" else LINEARS[matmul]
 
 
 def has_fbgemm() -> bool:

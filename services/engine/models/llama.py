@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_ops
 from services.engine.models import ops as op_sets
 from services.engine.models import rope
 from services.engine.models.attention import Attention, AttentionMetadata
@@ -124,14 +123,12 @@ class LlamaModel:
         self.norm = norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         head = self.embed if tied else w("lm_head.weight")                           # (V, H)
-        self.lm_head = head_kind(plan.matmul, plan.device == "cpu" and cpu_ops.load())(head, None)
+        self.lm_head = head_kind(plan.matmul)(head, None)
         # Greedy shortcut (fast modes on the CPU): an int8 copy of the head ranks the vocabulary,
         # then the top candidates are rescored exactly in fp32.  See greedy().  With the head in the
         # model's own 8-bit blocks, only for batches above the plan's split: up to it the blocks'
         # full product reads no more than the copy would.
-        # (Beside fp16w / bf16w layers the head's blocks read more than the int8 copy at one row: the
-        # shortcut stays at every batch size there; measured by bench/step_profile.py.)
-        exact_blocks = isinstance(self.lm_head, BlockLinear) and self.lm_head.lossless and plan.matmul == "q4"
+        exact_blocks = isinstance(self.lm_head, BlockLinear) and self.lm_head.lossless
         cpu_fast = plan.matmul != "exact" and plan.device == "cpu" and (not exact_blocks or bool(plan.matmul_large))
         self.head_weight = head if cpu_fast else None
         self.approx_head = Int8Linear(head, None) if cpu_fast and has_fbgemm() else None
