@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_layer.cpp"),
-           Path(__file__).with_name("cpu_sample.cpp"))
+           Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gguf.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"
 
@@ -79,15 +79,22 @@ def _command(compiler: str, output: Path) -> list[str]:
 
 
 def _isa_flags() -> list[str]:
-    """The vector paths this CPU runs (AVX-512, else AVX2), else none: the portable loops.
-    `INFERMESH_CPU_ISA=avx2|portable` builds a lower one (to test those paths on a bigger CPU)."""
+    """The vector paths this CPU runs (AVX-512, else AVX2; with VNNI where the CPU has it), else none: the
+    portable loops.
+    `INFERMESH_CPU_ISA=avx2|avxvnni|portable` builds a lower one (to test those paths on a bigger CPU)."""
     flags, wanted = _cpu_flags(), os.environ.get("INFERMESH_CPU_ISA", "native")
     avx2 = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
     if wanted == "portable" or not avx2:
         return []
-    if wanted != "avx2" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
-    return avx2
+    if wanted == "avx2":
+        return avx2
+    if wanted == "avxvnni":         # AVX2 with AVX-VNNI, no AVX-512 (to test that path on an AVX-512 CPU)
+        return [*avx2, "-mavxvnni"] if "avx_vnni" in flags else avx2
+    # VNNI's byte dot products (cpu_gguf.cpp's int8 activations): AVX512-VNNI, else AVX-VNNI
+    vnni = ["-mavxvnni"] if "avx_vnni" in flags else []
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", *(["-mavx512vnni"] if "avx512_vnni" in flags else vnni)]
+    return [*avx2, *vnni]
 
 
 def _build_folder(compiler: str) -> Path:

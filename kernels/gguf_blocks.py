@@ -1,0 +1,106 @@
+"""GGUF Q8_0 / Q5_0 weight blocks, kept exactly as the GGUF stores them, for the CPU library's
+`gguf_linear` (kernels/cpu_gguf.cpp): taking them out of a GGUF tensor, the op's Python wrapper, and
+the torch references the tests hold it to.
+
+The op multiplies the blocks with activations quantized to int8 per 32-element block, as llama.cpp
+does: dx = max|x| / 127 (float32), qx = round(x * (1 / dx)) to nearest even.  Each block's integer
+dot product is exact; the sum over blocks of dw * dx * dot runs in float32.  So the op differs from
+the float product x @ W^T by the activations' quantization (at most dx / 2 per element, relative
+2^-8 of the block's largest |x|), and from `gguf_linear_reference` (which quantizes x the same way)
+only by float rounding.
+
+Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here):
+- Q8_0 (kind 8): 34 bytes a block = fp16 d, 32 int8 q; w = d * q.
+- Q5_0 (kind 5): 22 bytes = fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 is
+  qs[j] & 15 plus bit j of qh as its 5th bit, element j + 16 is qs[j] >> 4 plus bit j + 16;
+  w = d * (q - 16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+BLOCK = 32
+Q8_0 = 8
+Q5_0 = 5
+KINDS: dict[int, tuple[GGMLQuantizationType, int]] = {
+    Q8_0: (GGMLQuantizationType.Q8_0, 34),
+    Q5_0: (GGMLQuantizationType.Q5_0, 22),
+}
+
+
+def kind_of(kind: int | GGMLQuantizationType) -> int:
+    """The op's kind (8 or 5) for itself or for a GGMLQuantizationType (Q8_0 or Q5_0)."""
+    if isinstance(kind, GGMLQuantizationType):
+        for k, (qtype, _) in KINDS.items():
+            if qtype == kind:
+                return k
+        raise ValueError(f"{kind.name} blocks are not supported by gguf_linear (Q8_0 and Q5_0 are)")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be 8 (Q8_0) or 5 (Q5_0), got {kind}")
+    return int(kind)
+
+
+def block_bytes(kind: int | GGMLQuantizationType) -> int:
+    return KINDS[kind_of(kind)][1]
+
+
+def blocks_from_array(data: np.ndarray[Any, Any], kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """A GGUF tensor's raw blocks (as `GGUFReader` gives them: uint8, (N, K / 32 * bytes), or any shape
+    whose last dimension holds whole rows) as a contiguous (N, K / 32 * bytes) uint8 torch tensor (a copy:
+    the reader's array is a read-only memory map)."""
+    width = block_bytes(kind)
+    array = np.ascontiguousarray(data, dtype=np.uint8)
+    if array.ndim < 1 or array.shape[-1] % width:
+        raise ValueError(f"rows of {array.shape[-1] if array.ndim else 0} bytes are not whole "
+                         f"{width}-byte blocks")
+    return torch.from_numpy(array.reshape(-1, array.shape[-1]).copy())
+
+
+def blocks_from_reader_tensor(tensor: Any) -> tuple[torch.Tensor, int]:
+    """(blocks, kind) for a `gguf.GGUFReader` tensor of type Q8_0 or Q5_0."""
+    kind = kind_of(GGMLQuantizationType(tensor.tensor_type))
+    return blocks_from_array(tensor.data, kind), kind
+
+
+def dequantize(blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """The float32 weight (N, K) the blocks hold, by gguf-py's dequantize."""
+    qtype, _ = KINDS[kind_of(kind)]
+    return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(blocks.numpy(), qtype), dtype=np.float32))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K) float32 -> (q (T, K) int8, d (T, K / 32) float32), as the kernel quantizes it."""
+    t, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
+    xb = x.float().reshape(t, k // BLOCK, BLOCK)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+    q = torch.round(xb * inv.unsqueeze(-1))                    # half to even, as the kernel rounds
+    return q.to(torch.int8).reshape(t, k), d
+
+
+def gguf_linear_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """x (T, K) -> (T, N): the kernel's product (int8 activations), computed in float64."""
+    q, d = quantize_activations(x)
+    t, k = q.shape
+    xq = (q.double().reshape(t, k // BLOCK, BLOCK) * d.double().unsqueeze(-1)).reshape(t, k)
+    return (xq @ dequantize(blocks, kind).double().T).float()
+
+
+def float_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """x @ W^T in float32 with the blocks' weights (no activation quantization)."""
+    return x.float() @ dequantize(blocks, kind).T
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """x (T, K) float32 -> (T, N) by `torch.ops.infermesh.gguf_linear` (load kernels.cpu_ops first)."""
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    torch.ops.infermesh.gguf_linear(x, blocks, kind_of(kind), out)
+    return out
