@@ -12,10 +12,13 @@ import grpc
 class MeshError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, retry_after_s: int = 0):
+    def __init__(self, message: str, retry_after_s: int = 0, caller_limit: bool = False):
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s      # > 0: sent as `retry-after` trailing metadata (HTTP Retry-After)
+        # The caller's own limit (a tenant's rate), not this service's state: sent as `infermesh-limit: caller`
+        # (mesh.grpcutil.CALLER_LIMIT), which a router relays instead of failing over.
+        self.caller_limit = caller_limit
 
 
 class InvalidArgument(MeshError):

@@ -85,11 +85,15 @@ def answered(err: grpc.aio.AioRpcError) -> bool:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    trailing = tuple(context.trailing_metadata() or ())
     if isinstance(exc, MeshError):
         code, message = exc.code, exc.message
+        if exc.retry_after_s > 0 and not any(k == "retry-after" for k, _ in trailing):
+            trailing += (("retry-after", str(exc.retry_after_s)),)
+        if exc.caller_limit:
+            trailing += (CALLER_LIMIT,)
     else:
         code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-    trailing = tuple(context.trailing_metadata() or ())
     await context.abort(code, message, trailing_metadata=(*trailing, ANSWERED))
 
 

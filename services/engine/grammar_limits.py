@@ -44,7 +44,8 @@ class CompileRefused(ResourceExhausted):
     """Too many compiles (the tenant's rate, or the engine's at once): retry later; cache hits still pass."""
 
     def __init__(self, message: str, retry_after_s: int, reason: str):
-        super().__init__(message, retry_after_s)
+        # A tenant's own compile rate is its answer (the router relays it, no failover); `busy` is the engine's.
+        super().__init__(message, retry_after_s, caller_limit=reason == "rate_limited")
         self.reason = reason
 
 

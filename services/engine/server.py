@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from mesh import peers
 from mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from mesh.grpcutil import CALLER_LIMIT, Service, rpc_errors
+from mesh.grpcutil import Service, rpc_errors
 from mesh.models.folder import sampling_defaults
 from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -159,12 +159,8 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
                             req.matcher = await asyncio.to_thread(grammars.matcher, constraint, req.resume_ids,
                                                                   request.cache_salt)
                     except (CompileRefused, ConstraintRefused) as exc:
-                        outcome = "rejected"
+                        outcome = "rejected"                # rpc_errors sends its retry-after and caller mark
                         self.metrics.constrained(exc.reason)
-                        if exc.retry_after_s:           # rpc_errors keeps trailing metadata set here
-                            # A tenant's own compile rate is its answer: the router relays it, no failover.
-                            mark = (CALLER_LIMIT,) if exc.reason == "rate_limited" else ()
-                            context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)), *mark))
                         raise
                     self.metrics.constrained("cached" if req.matcher.cached else "compiled")
                 if self.remote is not None:

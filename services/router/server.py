@@ -98,9 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if isinstance(exc, Saturated):
                     metrics.SHED.labels(exc.model).inc()
                     RECENT.record("shed", exc.model, "", exc.detail)
-                if exc.retry_after_s > 0:             # Saturated, a tripped dependency breaker
-                    context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
-                raise
+                raise                                 # rpc_errors sends its retry-after
 
     @rpc_errors
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
