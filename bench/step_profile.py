@@ -12,48 +12,24 @@ from __future__ import annotations
 
 import argparse
 import collections
-import platform
 import random
-import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
-from mesh.models import served_model
-from services.engine import plan, sampler
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.request import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
-PROMPTS = (
-    "Write a short note to a neighbour about a parcel left at my door.",
-    "Explain how a bicycle gear system works to a ten-year-old.",
-    "What should I pack for a three-day hiking trip in autumn?",
-    "Summarize the causes of the French Revolution in a paragraph.",
-    "Give me a recipe for a quick vegetable soup.",
-    "How do I politely decline a meeting invitation?",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "What are the pros and cons of working from home?",
-    "Describe the water cycle in simple terms.",
-    "Suggest five names for a small coffee shop by the sea.",
-    "How does compound interest work? Give an example.",
-    "Write a haiku about a city at night.",
-    "What is the difference between a virus and a bacterium?",
-    "Plan a one-day itinerary for a rainy day in a museum town.",
-    "Explain what an API is to someone who does not program.",
-    "List some tips for sleeping better.",
-)
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
+from bench.engine import QUESTIONS, cpu_name  # noqa: E402 - the served bench's prompts and CPU name
+from mesh.models import served_model  # noqa: E402
+from services.engine import plan, sampler  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.engine import Engine  # noqa: E402
+from services.engine.model_runner import ModelRunner  # noqa: E402
+from services.engine.request import SamplingParams  # noqa: E402
 
 
 class Timer:
@@ -81,7 +57,7 @@ def profile(engine: Engine, tokenizer: Any, rows: int, temperature: float, steps
     timer.wrap(sampler, "sample_batch", "sampling")
     timer.wrap(engine, "_postprocess", "postprocess (whole)")
     for i in range(rows):
-        text = f"[{tag}-{i}] {PROMPTS[i % len(PROMPTS)]}"
+        text = f"[{tag}-{i}] {QUESTIONS[i % len(QUESTIONS)]}"
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
         params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, seed=i,

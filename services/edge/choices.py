@@ -178,7 +178,6 @@ class Choice:
             pieces = [text] if text else []
         else:
             # A call cut by the rules is dropped whole: its partial markup is not text to give out.
-            done = self.final is not None and not self.blocked
             pieces = self.parser.feed(text) + (self.parser.finish() if done else [])
         kept: list[str | tools.ToolCall] = []
         for p in pieces:
