@@ -22,7 +22,7 @@ from typing import Any
 from mesh.files import exclusive_lock
 from mesh.models.catalog import CATALOG, ModelError, ModelSpec, canonical
 from mesh.models.folder import is_present, write_marker
-from mesh.models.gguf import convert_gguf
+from mesh.models.gguf import convert_gguf, keep_gguf
 from mesh.models.store import load_registry, models_dir, path
 
 
@@ -75,14 +75,15 @@ def pull(name: str, progress: Callable[[str], None] = print) -> Path:
 
 
 def _convert_into(gguf_file: Path, name: str, target: Path,
-                  finish: Callable[[Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Under the model's lock: convert into a staging folder beside `target`, let `finish(folder, info)`
-    add to or refuse it, then move it into place; nothing is left behind on failure.  Returns the
-    conversion's facts for the marker."""
+                  finish: Callable[[Path, dict[str, Any]], None] | None = None,
+                  convert: Callable[[Path, Path], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Under the model's lock: convert (`convert_gguf` unless `convert` is given) into a staging folder beside
+    `target`, let `finish(folder, info)` add to or refuse it, then move it into place; nothing is left
+    behind on failure.  Returns the conversion's facts for the marker."""
     staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{name}.tmp-"))
     os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the folder is shared by every service
     try:
-        info = convert_gguf(gguf_file, staging)
+        info = (convert or convert_gguf)(gguf_file, staging)
         if finish is not None:
             finish(staging, info)
         for item in staging.iterdir():  # some writers (safetensors) leave files 0600
@@ -133,8 +134,10 @@ def fetch_gguf(spec: ModelSpec, workdir: Path, progress: Callable[[str], None]) 
 
 def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None] = print,
                 check: Callable[[Path], None] | None = None) -> Path:
-    """Convert a local GGUF file (any Llama-family architecture transformers reads: F16, Q8_0, Q4_0, Q4_1,
-    Q4_K, ...) into `home()/models/<name>` and register it under `name`; returns the folder.
+    """Make a folder of a local GGUF file (any Llama-family architecture transformers reads: F16, Q8_0, Q4_0,
+    Q4_1, Q4_K, ...) at `home()/models/<name>` and register it under `name`; returns the folder.  The
+    folder keeps the file's blocks (`keep_gguf`: the file hard-linked or copied in as model.gguf, config
+    and tokenizer beside it); nothing is de-quantized on disk.
 
     The tensors' GGUF types go into the marker (`infermesh model inspect` shows them).  Refuses a name
     already registered or in the catalog, and a file that is not a GGUF; `check(folder)` (the engine's
@@ -160,8 +163,8 @@ def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None
             if check is not None:
                 check(folder)
 
-        progress(f"converting {source.name} to Hugging Face format ...")
-        info = _convert_into(source, key, target, finish)
+        progress(f"reading {source.name}'s config and tokenizer; its blocks are kept as they are ...")
+        info = _convert_into(source, key, target, finish, convert=keep_gguf)
         write_marker(target, (key, f"file:{source}"), sha256_file(source), info)
     try:
         return register(key, target)

@@ -101,6 +101,15 @@ def write_marker(folder: Path, spec: ModelSpec | tuple[str, str], sha256: str, e
     write_atomic(folder / MARKER, json.dumps(marker, indent=2) + "\n")
 
 
+def _gguf_parameters(file: Path) -> tuple[int, set[str]]:
+    """(weights, tensor types) of a GGUF file, from its header (the `gguf` package reads it: imported here
+    only, as `model inspect` is its one caller)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(file)).tensors
+    return sum(int(t.n_elements) for t in tensors), {t.tensor_type.name for t in tensors}
+
+
 def describe_folder(folder: str | Path) -> dict[str, Any]:
     """What a folder holds, read from its files without loading a weight: architecture, parameters (from
     the safetensors headers), context, dtype, quantization, chat template, end-of-sequence ids, RoPE and
@@ -132,7 +141,12 @@ def describe_folder(folder: str | Path) -> dict[str, Any]:
     quantization = config.get("quantization_config", {}).get("quant_method") if isinstance(
         config.get("quantization_config"), dict) else None
     source = str(marker.get("source", ""))
-    if not quantization and marker.get("gguf_tensor_types"):
+    gguf_file = folder / "model.gguf"
+    if gguf_file.is_file():
+        params, dtypes = _gguf_parameters(gguf_file)
+        quantization = (f"GGUF tensors {marker.get('gguf_tensor_types') or ', '.join(sorted(dtypes))} (kept as the "
+                        "file's blocks in model.gguf)")
+    elif not quantization and marker.get("gguf_tensor_types"):
         quantization = (f"GGUF tensors {marker['gguf_tensor_types']} (stored dequantized; the engine re-packs "
                         "4- and 8-bit blocks where that is lossless)")
     elif not quantization and source.lower().endswith(".gguf"):

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        model, loader = _load_gguf_model(gguf)
+        model, loader = load_gguf_model(gguf)
         _strip_quantizer(model)
         model = model.to(torch.float32)
         not_float32 = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
@@ -62,25 +63,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
             raise ModelError(f"conversion left parameters in {', '.join(not_float32)}, not float32")
         model.eval()
 
-        template_source = "gguf"
-        if not tokenizer.chat_template:
-            if "<|im_start|>" not in tokenizer.get_vocab():
-                raise ModelError(f"{gguf.name} carries no chat template")
-            tokenizer.chat_template, template_source = CHATML_TEMPLATE, "chatml-default"
-        if tokenizer.eos_token_id is None:
-            raise ModelError(f"{gguf.name} names no eos token")
-        # The GGUF's tokenizer metadata names eos (for SmolLM2-Instruct: <|im_end|>); make the model's
-        # config and generation config agree with it so generation stops at the end of the turn.
-        for cfg in (model.config, model.generation_config):
-            cfg.eos_token_id = tokenizer.eos_token_id
-            if tokenizer.bos_token_id is not None:
-                cfg.bos_token_id = tokenizer.bos_token_id
-            cfg.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                else tokenizer.eos_token_id)
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        if max_positions and (tokenizer.model_max_length or 0) > max_positions:
-            tokenizer.model_max_length = max_positions
-
+        template_source = _settle_tokenizer(gguf, tokenizer, [model.config, model.generation_config])
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out_dir))
         tokenizer.save_pretrained(str(out_dir))
@@ -97,7 +80,76 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
         }
 
 
-def _load_gguf_model(gguf: Path) -> tuple[Any, str]:
+def keep_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """A folder that keeps the GGUF's own blocks: config, generation config, tokenizer and chat template read
+    from the file (no weight de-quantized), and the file itself as `model.gguf` (a hard link where the
+    filesystem allows, else a copy).  The engine reads the weights from it (services/engine/models/
+    gguf_weights.py); `AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf")` does too."""
+    gguf, out_dir = Path(gguf), Path(out_dir)
+    with _hub_offline():
+        if importlib.util.find_spec("gguf") is None:
+            raise ModelError("reading a GGUF needs the `gguf` package: pip install gguf")
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        config.dtype = "float32"                       # what the blocks compute in (activations, norms)
+        causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if causal:
+            config.architectures = [causal]
+        generation = GenerationConfig.from_model_config(config)
+        template_source = _settle_tokenizer(gguf, tokenizer, [config, generation])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(str(out_dir))
+        generation.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(out_dir))
+        target = out_dir / "model.gguf"
+        try:
+            os.link(gguf, target)
+        except OSError:
+            shutil.copyfile(gguf, target)
+        _tidy_saved(out_dir)
+        _check_saved(out_dir, tokenizer)
+        return {
+            "model_type": config.model_type,
+            "dtype": "gguf",
+            "weights": "model.gguf",
+            "eos_token": tokenizer.eos_token,
+            "chat_template": template_source,
+            "loader": "gguf-blocks",
+            "transformers_version": transformers.__version__,
+        }
+
+
+def _settle_tokenizer(gguf: Path, tokenizer: Any, configs: list[Any]) -> str:
+    """A chat template (ChatML's where the file has none but uses its tokens) and eos, bos and pad ids that
+    the configs agree on; returns where the template came from."""
+    template_source = "gguf"
+    if not tokenizer.chat_template:
+        if "<|im_start|>" not in tokenizer.get_vocab():
+            raise ModelError(f"{gguf.name} carries no chat template")
+        tokenizer.chat_template, template_source = CHATML_TEMPLATE, "chatml-default"
+    if tokenizer.eos_token_id is None:
+        raise ModelError(f"{gguf.name} names no eos token")
+    # The GGUF's tokenizer metadata names eos (for SmolLM2-Instruct: <|im_end|>); make the model's
+    # config and generation config agree with it so generation stops at the end of the turn.
+    for cfg in configs:
+        cfg.eos_token_id = tokenizer.eos_token_id
+        if tokenizer.bos_token_id is not None:
+            cfg.bos_token_id = tokenizer.bos_token_id
+        cfg.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                            else tokenizer.eos_token_id)
+    max_positions = getattr(configs[0], "max_position_embeddings", None)
+    if max_positions and (tokenizer.model_max_length or 0) > max_positions:
+        tokenizer.model_max_length = max_positions
+    return template_source
+
+
+def load_gguf_model(gguf: Path) -> tuple[Any, str]:
     """Load and dequantize the GGUF into a float32 model.
 
     The documented path, `from_pretrained(dir, gguf_file=...)`, insists on `accelerate` being installed;
@@ -194,8 +246,8 @@ def _check_saved(out_dir: Path, tokenizer: Any) -> None:
     config = json.loads((out_dir / "config.json").read_text())
     if "quantization_config" in config:
         raise ModelError("the saved config.json still has a quantization_config")
-    if not list(out_dir.glob("*.safetensors")):
-        raise ModelError(f"no safetensors weights were written to {out_dir}")
+    if not list(out_dir.glob("*.safetensors")) and not (out_dir / "model.gguf").is_file():
+        raise ModelError(f"no weights (safetensors or model.gguf) were written to {out_dir}")
     if not (out_dir / "generation_config.json").is_file():
         raise ModelError(f"no generation_config.json was written to {out_dir}")
     validate_folder(out_dir)

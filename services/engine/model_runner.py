@@ -24,6 +24,7 @@ from services.engine.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.models import ARCHITECTURES
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.config import load_weights
+from services.engine.models.gguf_weights import Weight
 from services.engine.plan import ExecutionPlan
 from services.engine.request import Request
 from services.engine.sampler import token_logprob
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, folder: str | Path, plan: ExecutionPlan, kv_cache_bytes: int = 1 << 30, block_size: int = 16,
-                 max_batch: int = 256, weights: dict[str, torch.Tensor] | None = None):
+                 max_batch: int = 256, weights: dict[str, Weight] | None = None):
         """Follows `plan` (services/engine/plan.py): the device, dtype, matmul kind and kernels the model
         runs, and how pure-decode steps run (graphs "cuda": replayed from CUDA graphs captured now, for
         batches up to max_batch; "eager": the same padded static buffers without capture; "off": like

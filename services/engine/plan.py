@@ -8,8 +8,9 @@ fast path.
 What `auto` means today:
 - CPU: float32; the matmul kinds measured fastest on this machine for the model's shapes
   (services/engine/tune.py, cached): typically `q4` (the model's own 4-bit blocks) for small
-  batches and `fp16w` or `packed` above `split_rows` rows; without a model to measure, `fp16w` with
-  FBGEMM (`packed` with oneDNN only, else `exact`).  Decode attention and the norm/RoPE/SiLU ops
+  batches and `fp16w` or `packed` above `split_rows` rows; for a GGUF folder (`infermesh model register`)
+  `gguf`, the file's own blocks, is a candidate too, timed on the file's own layers; without a model to
+  measure, `fp16w` with FBGEMM (`packed` with oneDNN only, else `exact`).  Decode attention and the norm/RoPE/SiLU ops
   are the fused CPU library (kernels/cpu_ops.cpp) when it builds, else torch's; with the fused
   library (not `exact`) the KV cache holds float16 (half the bytes decode attention streams,
   twice the tokens per GB).  No graphs.
@@ -35,7 +36,7 @@ from kernels import cpu_ops
 from services.engine import tune
 from services.engine.config import GRAPHS, EngineConfig
 
-MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4", "bf16w")
+MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4", "bf16w", "gguf")
 ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
 OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
 KV_DTYPES = ("float32", "float16", "bfloat16")
@@ -64,8 +65,9 @@ class ExecutionPlan:
             raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
         if self.matmul_large and (self.matmul_large not in MATMULS or self.split_rows < 1):
             raise ValueError(f"matmul_large {self.matmul_large!r} needs a kind of {MATMULS} and split_rows >= 1")
-        if {"q4", "bf16w"} & {self.matmul, self.matmul_large} and (self.device, self.dtype) != ("cpu", "float32"):
-            raise ValueError("q4 and bf16w matmuls run in a float32 model on the CPU only")
+        if {"q4", "bf16w", "gguf"} & {self.matmul, self.matmul_large} and (self.device, self.dtype) != ("cpu",
+                                                                                                "float32"):
+            raise ValueError("q4, bf16w and gguf matmuls run in a float32 model on the CPU only")
         if (self.attention == "fused" or self.ops == "cpu") and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError("the fused CPU ops run float32 on the CPU only")
         if self.kv_dtype and self.kv_dtype not in KV_DTYPES:

@@ -42,11 +42,16 @@ class Tuned:
     ms: dict[str, list[float]]      # kind -> ms per model step (all layers' GEMMs) at ROWS
 
 
-def candidates() -> list[str]:
-    """The CPU kinds this build can run (models/linear.py names), the exact one aside."""
+def candidates(folder: Path | None = None) -> list[str]:
+    """The CPU kinds this build can run (models/linear.py names), the exact one aside; `gguf` for a folder
+    whose weights are a GGUF file."""
     kinds = []
     if cpu_ops.load():
         kinds.append("q4")
+        from services.engine.models.gguf_weights import has_gguf  # not at the top: models imports plan
+
+        if folder is not None and has_gguf(folder):
+            kinds.append("gguf")
     if "fbgemm" in torch.backends.quantized.supported_engines:
         kinds.append("fp16w")
     if torch.backends.mkldnn.is_available():
@@ -90,8 +95,10 @@ def _flags() -> set[str]:
     return {f for f in cpu_ops._cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))}
 
 
-def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: int = 3) -> dict[str, list[float]]:
-    """ms per model step of each kind at ROWS, from LAYERS layers of random weights scaled up."""
+def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: int = 3,
+            folder: Path | None = None) -> dict[str, list[float]]:
+    """ms per model step of each kind at ROWS, from LAYERS layers of random weights scaled up (`gguf`: the
+    first LAYERS layers of `folder`'s own GGUF blocks)."""
 
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in gemms] for _ in range(min(layers, LAYERS))]
@@ -100,7 +107,8 @@ def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: i
         if kind == "q4" and any(k % 32 for _, k in gemms):
             continue                                  # no 32-weight blocks along these inputs
         try:
-            calls = [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
+            calls = _gguf_calls(folder, len(weights)) if kind == "gguf" and folder is not None else \
+                [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
             table[kind] = [_time(calls, rows, reps) * layers / len(weights) for rows in ROWS]
         except (RuntimeError, ValueError) as exc:      # a kind this build or shape cannot run: not a candidate
             log.warning("matmul kind %s left out of tuning: %s", kind, exc)
@@ -118,6 +126,33 @@ def _multiply(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch
 
     packed = quant.pack_q4(weight)
     return lambda x: torch.ops.infermesh.q4_linear(x, packed.data, packed.out_features)
+
+
+GGUF_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+               ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def _gguf_calls(folder: Path, count: int) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """The `gguf` kind's products over the first `count` layers of the folder's GGUF, as the model groups them."""
+    from services.engine.models.config import load_weights
+    from services.engine.models.linear import Concat, GgufLinear
+
+    weights = load_weights(folder)
+    calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
+    for i in range(count):
+        for group in GGUF_GROUPS:
+            parts = [weights[f"model.layers.{i}.{name}.weight"] for name in group]
+            calls.append((Concat(GgufLinear, parts, [None] * len(parts)), parts[0].shape[1]))
+    return calls
+
+
+def gguf_types(folder: Path) -> list[str]:
+    """The GGUF types of the layers tuning times (part of its cache key: another file, another answer)."""
+    from services.engine.models.config import load_weights
+    from services.engine.models.gguf_weights import Blocks
+
+    return sorted({w.name for name, w in load_weights(folder).items() if isinstance(w, Blocks)
+                   and name.startswith("model.layers.")})
 
 
 def _time(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], rows: int, reps: int) -> float:
@@ -145,7 +180,7 @@ def choose(table: dict[str, list[float]]) -> Tuned:
 
 def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
     """The measured choice for the model at `folder` on this CPU (cached), or None without candidates."""
-    kinds = candidates()
+    kinds = candidates(folder)
     if not kinds:
         return None
     try:
@@ -153,7 +188,7 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
     except (OSError, KeyError, ValueError) as exc:
         log.warning("cannot read the model's shapes to tune for (%s): the unmeasured default plan", exc)
         return None
-    cache = _cache_file(layers, gemms, kinds)
+    cache = _cache_file(layers, gemms, _keyed(kinds, folder))
     # Engines starting together (`infermesh up --engines N`) measure one at a time: the first writes
     # the answer and the others read it, instead of all timing each other's contention.
     with exclusive_lock(cache.with_suffix(".lock")):
@@ -163,7 +198,7 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
                 return cached_answer
             log.warning("ignoring an unreadable tuning cache %s", cache)
         started = time.monotonic()
-        table = measure(layers, gemms, kinds)
+        table = measure(layers, gemms, kinds, folder=folder)
         if not table:
             return None
         tuned = choose(table)
@@ -175,12 +210,17 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
 def cached(folder: Path) -> Tuned | None:
     """The answer tune() would return from its cache for the model at `folder` on this CPU, or None when it
     has not been measured here yet (nothing is timed)."""
-    kinds = candidates()
+    kinds = candidates(folder)
     try:
         layers, gemms = shapes(folder)
     except (OSError, KeyError, ValueError):
         return None
-    return _read(_cache_file(layers, gemms, kinds)) if kinds else None
+    return _read(_cache_file(layers, gemms, _keyed(kinds, folder))) if kinds else None
+
+
+def _keyed(kinds: list[str], folder: Path) -> list[str]:
+    """The kinds as the cache key names them: `gguf` with the file's layer types."""
+    return [f"gguf[{','.join(gguf_types(folder))}]" if kind == "gguf" else kind for kind in kinds]
 
 
 def _read(cache: Path) -> Tuned | None:

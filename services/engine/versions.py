@@ -177,7 +177,7 @@ def _model_type(folder: Path) -> str:
 
 def weight_bytes(folder: Path) -> int:
     """What a version's weights take, as their files do (an upper bound for the dtypes this engine runs)."""
-    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern))
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in folder.glob(pattern))
 
 
 def available_bytes() -> int:

@@ -1,8 +1,10 @@
 """GGUF import beyond the default model: a tiny Llama written as llama.cpp lays a GGUF out (F16, Q8_0,
-Q4_0, Q4_1 and Q4_K tensors; tests/service/gguf_files.py), converted and registered by `infermesh model
-register NAME FILE.gguf`: its weights come back within the format's rounding (names and q/k row order
-right), the engine's float32 greedy output equals transformers' on the converted folder, and the q4
-plan multiplies by the file's own 4- and 8-bit blocks where they are exactly representable."""
+Q4_0, Q4_1 and Q4_K tensors; tests/service/gguf_files.py), registered by `infermesh model register NAME
+FILE.gguf`, which keeps the file's blocks (model.gguf in the folder, nothing de-quantized on disk): the
+weights the engine reads come back within the format's rounding (names and q/k row order right) and
+equal to transformers' own GGUF reader's, the engine's float32 greedy output equals transformers' on the
+same file, the q4 plan re-packs the blocks exactly representable in its formats, and the gguf plan
+multiplies by the file's own blocks where the kernel has their type."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ from typing import Any
 import pytest
 import torch
 
+from mesh.models.gguf import load_gguf_model
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
-from services.engine.models.linear import Fp16WeightLinear, Q4Linear, Q8LayerLinear
+from services.engine.models.config import load_weights
+from services.engine.models.gguf_weights import dense
+from services.engine.models.linear import Fp16WeightLinear, GgufLinear, Q4Linear, Q8LayerLinear
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
 from tests.service.gguf_files import write_llama_gguf
@@ -42,8 +47,6 @@ def tiny() -> Any:
 def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_0 goes through the CLI (`register`, then `inspect`); the others through the same function in
     process (the CLI's cost is importing torch twice)."""
-    from transformers import AutoModelForCausalLM
-
     from mesh import models
     from mesh.cli import engine_check
 
@@ -67,11 +70,16 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch
         assert models.path("tiny") == folder
     assert folder.parent == tmp_path / "home" / "models"
 
-    converted = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert (folder / "model.gguf").is_file() and not list(folder.glob("*.safetensors"))
+    converted, _ = load_gguf_model(folder / "model.gguf")        # transformers' own reader of the same file
+    converted.eval()
+    ours = load_weights(folder)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                  "model.layers.1.mlp.down_proj.weight"):
         error = (converted.state_dict()[name] - tiny.state_dict()[name]).abs().max().item()
         assert error <= TOLERANCE[qtype], f"{name}: {error}"
+    for name, weight in ours.items():
+        assert torch.equal(dense(weight), converted.state_dict()[name]), name
 
     prompts = [torch.randint(4, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 23)]
     runner = ModelRunner(folder, decide(device="cpu", dtype="float32"), kv_cache_bytes=16 << 20)
@@ -100,9 +108,30 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch
     else:                                                       # F16 (exact in fp16w), Q4_K (fp16-rounded)
         assert isinstance(down.fallback, Q8LayerLinear) and isinstance(down.fallback.fallback, Fp16WeightLinear)
 
+    # The gguf plan multiplies by the file's blocks where the kernel has their type, the rest de-quantized.
+    blocks = ModelRunner(folder, decide(device="cpu", dtype="float32", matmul="gguf"), kv_cache_bytes=16 << 20)
+    down = blocks.model.layers[0].down
+    assert isinstance(down, GgufLinear)
+    assert (down.kind is not None) == _kernel_has(qtype), (qtype, down.kind)
+    hidden = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    want = hidden @ dense(ours["model.layers.0.mlp.down_proj.weight"]).T
+    assert (down(hidden) - want).abs().max() <= 0.02 * want.abs().max()
+
     if cli:
         shown = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "inspect", "tiny"], env=env,
                                capture_output=True, text=True, timeout=300)
         assert shown.returncode == 0 and f"{qtype} x" in shown.stdout, shown.stdout + shown.stderr
     else:
         assert f"{qtype} x" in models.describe_folder(folder)["quantization"]
+
+
+def _kernel_has(qtype: str) -> bool:
+    """Whether gguf_linear multiplies blocks of this GGUF type (F16 is no block type)."""
+    from gguf import GGMLQuantizationType
+
+    from kernels import gguf_blocks
+
+    try:
+        return gguf_blocks.kind_of(GGMLQuantizationType[qtype]) is not None
+    except ValueError:
+        return False

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from services.engine.models import rope
+from services.engine.models import gguf_weights, rope
+from services.engine.models.gguf_weights import Weight
 
 
 @dataclass(frozen=True)
@@ -109,30 +110,41 @@ def _windows(c: dict[str, Any]) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
-def split_fused(weights: dict[str, torch.Tensor], config: LlamaConfig) -> None:
+def split_fused(weights: dict[str, Weight], config: LlamaConfig) -> None:
     """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split them (in place, as
     views) under the names the Llama layout uses."""
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        fused = weights.pop(p + "self_attn.qkv_proj.weight", None)
+        fused = _dense(weights.pop(p + "self_attn.qkv_proj.weight", None))
         if fused is not None:
             q, k, v = fused.split([q_rows, kv_rows, kv_rows])
             weights.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                             p + "self_attn.v_proj.weight": v})
-        fused = weights.pop(p + "mlp.gate_up_proj.weight", None)
+        fused = _dense(weights.pop(p + "mlp.gate_up_proj.weight", None))
         if fused is not None:
             gate, up = fused.chunk(2)
             weights.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
 
 
-def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+def _dense(weight: Weight | None) -> torch.Tensor | None:
+    return None if weight is None else gguf_weights.dense(weight)
+
+
+def load_weights(folder: Path) -> dict[str, Weight]:
+    """The folder's weights by Hugging Face name: its safetensors, or its GGUF file (quantized tensors kept
+    as blocks: models/gguf_weights.py)."""
     from safetensors.torch import load_file
+
+    if gguf_weights.has_gguf(folder):
+        c = json.loads((folder / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        return gguf_weights.load(folder, c["num_hidden_layers"], heads, c.get("num_key_value_heads", heads))
 
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
         "model.safetensors"]
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for name in files:
         weights.update(load_file(str(folder / name)))
     return weights

@@ -13,7 +13,10 @@
 - `bf16w`: bf16 weights packed once for oneDNN, activations rounded to bf16 for the product, float32
   out (norms, attention and the residual stay float32): about 2x fp16w at 16-256 rows where the
   CPU multiplies bf16 natively (AVX512-BF16, AMX); a candidate for `auto` only there.
-- `q4+<kind>` (ExecutionPlan.matmul_large): `q4` up to a number of rows, `<kind>` above it.
+- `gguf`: a GGUF folder's weights as the file stores them (models/gguf_weights.py), multiplied by the CPU
+  library's gguf_linear (kernels/cpu_gguf.cpp) with activations quantized to int8 per 32 inputs, as
+  llama.cpp multiplies them; a tensor of a type the kernel lacks is de-quantized to `fp16w`.
+- `<small>+<kind>` (ExecutionPlan.matmul_large): `<small>` up to a number of rows, `<kind>` above it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import quant
+from services.engine.models.gguf_weights import Blocks, Weight, dense
 
 
 class Linear:
@@ -162,6 +166,37 @@ class Q8Linear(BlockLinear):
     FALLBACK = PackedLinear
 
 
+class GgufLinear(Linear):
+    """A GGUF weight's own blocks times int8-quantized activations (torch.ops.infermesh.gguf_linear) where
+    the kernel has the blocks' type; else the weight de-quantized, as fp16w."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None):
+        self.kind = gguf_kind(weight)
+        self.fallback = Fp16WeightLinear(dense(weight), bias) if self.kind is None else None
+        super().__init__(weight.data if isinstance(weight, Blocks) and self.kind is not None else
+                         torch.empty(0, dtype=torch.uint8), bias)
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None:
+            return self.fallback(x)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        torch.ops.infermesh.gguf_linear(x.float().contiguous(), self.weight, self.kind, out)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def gguf_kind(weight: Weight) -> int | None:
+    """The gguf_linear kind of a weight's blocks, or None (a float weight, or a type the kernel lacks)."""
+    if not isinstance(weight, Blocks):
+        return None
+    from kernels import gguf_blocks
+
+    try:
+        return gguf_blocks.kind_of(weight.qtype)
+    except ValueError:
+        return None
+
+
 class SplitLinear(Linear):
     """One kind up to `rows` rows, another above (ExecutionPlan.split_rows): both hold the weights."""
 
@@ -175,14 +210,24 @@ class SplitLinear(Linear):
 
 LINEARS: dict[str, type[Linear]] = {"exact": Linear, "fused": FusedLinear, "packed": PackedLinear,
                                     "fp16w": Fp16WeightLinear, "int8": Int8Linear, "q4": Q4Linear,
-                                    "bf16w": Bf16WeightLinear}
+                                    "bf16w": Bf16WeightLinear, "gguf": GgufLinear}
+Kind = Callable[[Weight, torch.Tensor | None], Linear]
 
 
-def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Callable[[torch.Tensor, torch.Tensor | None], Linear]:
+def _kind(matmul: str) -> Kind:
+    """The Linear for `matmul`, taking a GGUF weight's blocks as they are (gguf) or de-quantized (the rest)."""
+    cls = LINEARS[matmul]
+    if cls is GgufLinear:
+        return cls
+    return lambda w, b: cls(dense(w), b)
+
+
+def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
     """The layers' Linear for a plan: `matmul`, or up to `rows` rows `matmul` and above them `large`."""
     if not large or large == matmul:
-        return LINEARS[matmul]
-    return lambda w, b: SplitLinear(LINEARS[matmul](w, b), LINEARS[large](w, b), rows)
+        return LINEARS[matmul] if matmul != "gguf" else GgufLinear
+    small_kind, large_kind = _kind(matmul), _kind(large)
+    return lambda w, b: SplitLinear(small_kind(w, b), large_kind(w, b), rows)
 
 
 def head_kind(matmul: str) -> type[Linear]:
@@ -198,20 +243,34 @@ def has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def _stack_key(weight: Weight) -> tuple[str, int]:
+    return (weight.name, weight.shape[1]) if isinstance(weight, Blocks) else ("dense", weight.shape[1])
+
+
 class Concat:
     """Several projections of the same input, outputs side by side.
 
     Exact mode keeps transformers' separate GEMMs (so each output is bit-identical) and
     concatenates; the other kinds fuse the weights into one GEMM, which saves a call per part."""
 
-    def __init__(self, kind: Callable[[torch.Tensor, torch.Tensor | None], Linear], weights: list[torch.Tensor],
-                 biases: list[torch.Tensor | None]):
-        if kind is not Linear:
-            bias = None if all(b is None for b in biases) else torch.cat(
-                [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)])
-            self.parts: list[Linear] = [kind(torch.cat(weights), bias)]
-        else:
-            self.parts = [Linear(w, b) for w, b in zip(weights, biases, strict=True)]
+    def __init__(self, kind: Kind, weights: list[Weight], biases: list[torch.Tensor | None]):
+        if kind is Linear:
+            self.parts: list[Linear] = [Linear(dense(w), b) for w, b in zip(weights, biases, strict=True)]
+            return
+        # Neighbours stack into one product; GGUF blocks only with blocks of their own type (a file may
+        # store q and k in Q5_0 and v in Q8_0: then q/k is one product and v another).
+        self.parts = []
+        start = 0
+        for end in range(1, len(weights) + 1):
+            if end < len(weights) and _stack_key(weights[end]) == _stack_key(weights[start]):
+                continue
+            group, group_biases = weights[start:end], biases[start:end]
+            bias = None if all(b is None for b in group_biases) else torch.cat(
+                [b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(group, group_biases, strict=True)])
+            stacked = Blocks.cat(group) if isinstance(group[0], Blocks) else torch.cat(  # type: ignore[arg-type]
+                [dense(w) for w in group])
+            self.parts.append(kind(stacked, bias))
+            start = end
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:

@@ -22,6 +22,7 @@ from services.engine.models import ops as op_sets
 from services.engine.models import rope
 from services.engine.models.attention import Attention, AttentionMetadata
 from services.engine.models.config import LlamaConfig, split_fused
+from services.engine.models.gguf_weights import Blocks, Weight, dense
 from services.engine.models.linear import (
     BlockLinear,
     Concat,
@@ -81,7 +82,7 @@ def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 class LlamaModel:
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], plan: ExecutionPlan):
+    def __init__(self, config: LlamaConfig, weights: dict[str, Weight], plan: ExecutionPlan):
         self.config = config
         self.plan = plan
         dtype, device = plan.torch_dtype, torch.device(plan.device)
@@ -89,7 +90,14 @@ class LlamaModel:
         linear = linear_kind(plan.matmul, plan.matmul_large, plan.split_rows)
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return dense(weights[name]).to(device=device, dtype=dtype).contiguous()
+
+        # A GGUF folder's quantized weights stay blocks where the plan multiplies by them (gguf_weights.py).
+        keep_blocks = "gguf" in (plan.matmul, plan.matmul_large)
+
+        def lw(name: str) -> Weight:
+            weight = weights[name]
+            return weight if keep_blocks and isinstance(weight, Blocks) else w(name)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -98,10 +106,10 @@ class LlamaModel:
             """An RMSNorm weight as the forward multiplies by it: Gemma's (1 + w), taken in float32."""
             if not config.norm_offset:
                 return w(name)
-            return (weights[name].float() + config.norm_offset).to(device=device, dtype=dtype).contiguous()
+            return (dense(weights[name]).float() + config.norm_offset).to(device=device, dtype=dtype).contiguous()
 
         split_fused(weights, config)          # Phi-3's fused qkv_proj / gate_up_proj, as separate tensors
-        self.embed = w("model.embed_tokens.weight")                               # (V, H)
+        self.embed: Weight = lw("model.embed_tokens.weight")                      # (V, H)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -110,26 +118,32 @@ class LlamaModel:
                 input_norm=norm(p + "input_layernorm.weight"),
                 q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
-                qkv=Concat(linear, [w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")],
+                qkv=Concat(linear, [lw(a + "q_proj.weight"), lw(a + "k_proj.weight"), lw(a + "v_proj.weight")],
                            [opt(a + "q_proj.bias"), opt(a + "k_proj.bias"), opt(a + "v_proj.bias")]),
-                o=linear(w(a + "o_proj.weight"), None),
+                o=linear(lw(a + "o_proj.weight"), None),
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms
                                     else "post_attention_layernorm.weight")),
-                gate_up=Concat(linear, [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], [None, None]),
-                down=linear(w(p + "mlp.down_proj.weight"), None),
+                gate_up=Concat(linear, [lw(p + "mlp.gate_proj.weight"), lw(p + "mlp.up_proj.weight")], [None, None]),
+                down=linear(lw(p + "mlp.down_proj.weight"), None),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
             ))
         self.norm = norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        head = self.embed if tied else w("lm_head.weight")                           # (V, H)
-        self.lm_head = head_kind(plan.matmul)(head, None)
+        head: Weight = self.embed if tied else lw("lm_head.weight")                  # (V, H)
+        if plan.matmul != "gguf":
+            head = dense(head).to(device=device, dtype=dtype)
+        # A GGUF's head is quantized in the file already: with the gguf kind it splits as the layers do.
+        self.lm_head = linear(head, None) if plan.matmul == "gguf" else head_kind(plan.matmul)(dense(head), None)
+        if isinstance(head, Blocks):        # the head in its blocks: logits (and argmax) from them, no copies
+            head = torch.empty(0)
         # Greedy shortcut (fast modes on the CPU): an int8 copy of the head ranks the vocabulary,
         # then the top candidates are rescored exactly in fp32.  See greedy().  With the head in the
         # model's own 8-bit blocks, only for batches above the plan's split: up to it the blocks'
         # full product reads no more than the copy would.
         exact_blocks = isinstance(self.lm_head, BlockLinear) and self.lm_head.lossless
-        cpu_fast = plan.matmul != "exact" and plan.device == "cpu" and (not exact_blocks or bool(plan.matmul_large))
+        cpu_fast = plan.matmul not in ("exact", "gguf") and plan.device == "cpu" and (
+            not exact_blocks or bool(plan.matmul_large))
         self.head_weight = head if cpu_fast else None
         self.approx_head = Int8Linear(head, None) if cpu_fast and has_fbgemm() else None
         self.greedy_min_rows = plan.split_rows + 1 if exact_blocks else 1
@@ -211,7 +225,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         qk_heads = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
-        x = self.embed[input_ids]                                                  # (T, H) residual stream
+        x = self.embed.rows(input_ids) if isinstance(self.embed, Blocks) else self.embed[input_ids]   # (T, H)
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         update: torch.Tensor | None = None                                         # (T, H) not yet added to x

@@ -1,0 +1,150 @@
+"""A model folder whose weights are a GGUF file (`model.gguf`, as `infermesh model register` keeps it): the
+tensors by their Hugging Face names, the quantized ones as the file stores them.
+
+`load(folder, config)` reads the file through gguf-py's reader, memory-mapped copy-on-write (pages are
+read when first touched and shared with every other process mapping the file), and returns a dict of
+Hugging Face name -> float32 tensor (norms, biases, F32/F16 weights) or `Blocks` (a quantized weight, not
+de-quantized: the `gguf` matmul kind multiplies by its blocks; every other kind asks for `dense()`).
+
+The names and row orders are llama.cpp's converter's, undone as transformers' GGUF loader undoes them
+(so `--dtype float32` computes what transformers computes from `gguf_file=`): gguf-py's tensor-name map
+per architecture, q/k rows of the `llama` architecture back from llama.cpp's rotary order (a row
+permutation, so blocks permute as rows), and Gemma's norms stored as 1 + w given back as w.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FILE = "model.gguf"
+
+# The Hugging Face names the forward reads (per layer under model.layers.N.), without .weight / .bias.
+_TOP = ("model.embed_tokens", "model.norm", "lm_head")
+_LAYER = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+          "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.qkv_proj",
+          "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+          "mlp.gate_up_proj")
+# general.architecture values whose converter permutes q/k rows, and those that store norms as 1 + w.
+_PERMUTED = ("llama",)
+_NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight as the GGUF file stores it: `data` (N, row bytes) uint8, N rows of quantized blocks along
+    the K inputs.  `qtype`: its gguf.GGMLQuantizationType."""
+
+    data: torch.Tensor
+    qtype: Any
+    shape: tuple[int, int]          # (N, K): out_features, in_features
+
+    @property
+    def name(self) -> str:
+        return str(self.qtype.name)
+
+    def dense(self) -> torch.Tensor:
+        """The float32 (N, K) weight, by gguf-py's dequantization (transformers' too)."""
+        return _dequantize(self.data.numpy(), self.qtype, self.shape[1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows `ids` (an embedding lookup), de-quantized alone."""
+        return _dequantize(self.data[ids.flatten()].numpy(), self.qtype, self.shape[1]).reshape(
+            *ids.shape, self.shape[1])
+
+    def permute_rows(self, order: torch.Tensor) -> Blocks:
+        return Blocks(self.data[order].contiguous(), self.qtype, self.shape)
+
+    @staticmethod
+    def cat(parts: list[Blocks]) -> Blocks:
+        """Rows of several weights of one type and width, stacked (q/k/v or gate/up as one product)."""
+        if len({(p.qtype, p.shape[1]) for p in parts}) != 1:
+            raise ValueError("only blocks of one type and width stack")
+        return Blocks(torch.cat([p.data for p in parts]), parts[0].qtype, (sum(p.shape[0] for p in parts),
+                                                                            parts[0].shape[1]))
+
+
+Weight = torch.Tensor | Blocks
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    """A weight as a float tensor (Blocks de-quantized)."""
+    return weight.dense() if isinstance(weight, Blocks) else weight
+
+
+def has_gguf(folder: Path) -> bool:
+    return (Path(folder) / FILE).is_file()
+
+
+def _dequantize(data: np.ndarray[Any, Any], qtype: Any, k: int) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    out = np.ascontiguousarray(dequantize(data, qtype), dtype=np.float32)
+    return torch.from_numpy(out.reshape(-1, k))
+
+
+def _tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A torch view of a copy-on-write mapped array (writable, so torch shares it without a copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def load(folder: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> dict[str, Weight]:
+    """The weights of `folder`/model.gguf by Hugging Face name (see the module's docstring)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(Path(folder) / FILE), "c")
+    field = reader.fields["general.architecture"]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name), None)
+    if arch is None:
+        raise ValueError(f"{FILE}: gguf-py does not know the architecture {arch_name!r}")
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    hf_names: dict[str, str] = {}
+    for base in (*_TOP, *(f"model.layers.{i}.{part}" for i in range(num_layers) for part in _LAYER)):
+        found = name_map.get_name(base)
+        if found is not None:
+            hf_names.setdefault(found + ".weight", base + ".weight")
+            hf_names.setdefault(found + ".bias", base + ".bias")
+    weights: dict[str, Weight] = {}
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    for t in reader.tensors:
+        name = hf_names.get(t.name)
+        if name is None:
+            continue                          # e.g. rope_freqs: derived from the config, as transformers does
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))            # GGUF lists dims innermost first
+        weight: Weight
+        if t.tensor_type in float_types:
+            weight = _float_tensor(t, gguf).reshape(shape)
+            if arch_name in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+                weight = weight - 1
+        else:
+            data = np.asarray(t.data).reshape(shape[0] if len(shape) == 2 else 1, -1)
+            weight = Blocks(_tensor(data), t.tensor_type, (shape[0], shape[-1]))
+        if arch_name in _PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = num_heads if ".q_proj." in name else num_kv_heads
+            weight = _unpermute(weight, heads)
+        weights[name] = weight
+    return weights
+
+
+def _float_tensor(t: Any, gguf: Any) -> torch.Tensor:
+    if t.tensor_type == gguf.GGMLQuantizationType.F32:
+        return _tensor(np.asarray(t.data))
+    if t.tensor_type == gguf.GGMLQuantizationType.F16:
+        return _tensor(np.asarray(t.data)).float()
+    return _dequantize(np.asarray(t.data), t.tensor_type, int(t.shape[0])).flatten()       # BF16
+
+
+def _unpermute(weight: Weight, heads: int) -> Weight:
+    """Rows back from llama.cpp's rotary order (each head's halves interleaved) to transformers'."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    order = torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+    return weight.permute_rows(order) if isinstance(weight, Blocks) else weight[order].contiguous()

@@ -1,0 +1,145 @@
+"""A folder whose weights are a GGUF file (services/engine/models/gguf_weights.py) and the gguf matmul kind:
+names mapped per architecture, quantized tensors kept as blocks, llama's q/k rows and Gemma's norms given
+back as transformers gives them, embedding rows de-quantized alone, and products over blocks of mixed
+types (q and k in one type, v in another, as real files store them) equal to the float product within
+the int8 activations' rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from kernels import cpu_ops  # noqa: E402
+from services.engine.models.gguf_weights import Blocks, dense, load  # noqa: E402
+from services.engine.models.linear import Concat, Fp16WeightLinear, GgufLinear, linear_kind  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+H, HEADS, KV = 64, 4, 2
+D = H // HEADS
+
+
+def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, (w, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(name, w.astype(np.float32 if qtype == Q.F32 else np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _weights(seed: int = 0) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(seed)
+    return {"token_embd.weight": g.normal(0, 0.1, (96, H)), "output_norm.weight": 1 + g.normal(0, 0.1, H),
+            "blk.0.attn_norm.weight": 1 + g.normal(0, 0.1, H), "blk.0.attn_q.weight": g.normal(0, 0.1, (H, H)),
+            "blk.0.attn_k.weight": g.normal(0, 0.1, (KV * D, H)), "blk.0.attn_v.weight": g.normal(0, 0.1, (KV * D, H)),
+            "blk.0.attn_q.bias": g.normal(0, 0.1, H), "blk.0.ffn_down.weight": g.normal(0, 0.1, (H, 2 * H)),
+            "blk.0.attn_output.weight": g.normal(0, 0.1, (H, H)), "blk.0.ffn_gate.weight": g.normal(0, 0.1, (2 * H, H)),
+            "blk.0.ffn_up.weight": g.normal(0, 0.1, (2 * H, H))}
+
+
+def _folder(tmp_path: Path, arch: str, types: dict[str, Q]) -> tuple[Path, dict[str, np.ndarray]]:
+    raw = {k: v.astype(np.float32) for k, v in _weights().items()}
+    _write(tmp_path / "model.gguf", arch, {k: (v, types.get(k, Q.F32)) for k, v in raw.items()})
+    return tmp_path, raw
+
+
+def _rotary_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for q and k (each head's rotary halves interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_qwen2_names_types_and_blocks(tmp_path: Path) -> None:
+    types = {"token_embd.weight": Q.Q5_0, "blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_k.weight": Q.Q5_0,
+             "blk.0.attn_v.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q8_0}
+    folder, raw = _folder(tmp_path, "qwen2", types)
+    weights = load(folder, 1, HEADS, KV)
+    assert set(weights) == {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+                            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                            "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                            "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, Blocks) and q.name == "Q5_0" and q.shape == (H, H) and q.data.dtype == torch.uint8
+    assert (dense(q) - torch.from_numpy(raw["blk.0.attn_q.weight"])).abs().max() < 0.03     # Q5_0: 1/32 of the range
+    assert isinstance(weights["model.layers.0.self_attn.v_proj.weight"], Blocks)
+    assert torch.equal(weights["model.norm.weight"], torch.from_numpy(raw["output_norm.weight"]))
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.bias"], torch.from_numpy(raw["blk.0.attn_q.bias"]))
+    embed = weights["model.embed_tokens.weight"]
+    assert isinstance(embed, Blocks)
+    ids = torch.tensor([[5, 0], [95, 5]])
+    assert torch.equal(embed.rows(ids), dense(embed)[ids])
+
+
+def test_llama_rows_and_gemma_norms_come_back_as_transformers_reads_them(tmp_path: Path) -> None:
+    raw = {k: v.astype(np.float32) for k, v in _weights().items()}
+    permuted = dict(raw, **{"blk.0.attn_q.weight": _rotary_order(raw["blk.0.attn_q.weight"], HEADS),
+                            "blk.0.attn_k.weight": _rotary_order(raw["blk.0.attn_k.weight"], KV)})
+    _write(tmp_path / "model.gguf", "llama", {k: (v, Q.Q8_0 if k == "blk.0.attn_q.weight" else Q.F32)
+                                              for k, v in permuted.items()})
+    weights = load(tmp_path, 1, HEADS, KV)
+    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], torch.from_numpy(raw["blk.0.attn_k.weight"]))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(q, Blocks)                         # rows permuted as blocks, not de-quantized
+    assert (dense(q) - torch.from_numpy(raw["blk.0.attn_q.weight"])).abs().max() < 2e-3
+
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    _write(gemma / "model.gguf", "gemma3", {k: (v, Q.F32) for k, v in raw.items()})
+    norms = load(gemma, 1, HEADS, KV)
+    assert torch.allclose(norms["model.norm.weight"], torch.from_numpy(raw["output_norm.weight"]) - 1)
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (kernels/cpu_ops.py) did not build here")
+def test_products_over_blocks_of_mixed_types(tmp_path: Path) -> None:
+    types = {"blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_k.weight": Q.Q5_0, "blk.0.attn_v.weight": Q.Q8_0,
+             "blk.0.ffn_down.weight": Q.Q4_0}
+    folder, _ = _folder(tmp_path, "qwen2", types)
+    weights = load(folder, 1, HEADS, KV)
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    parts = [weights[n] for n in names]
+    bias = weights["model.layers.0.self_attn.q_proj.bias"]
+    assert isinstance(bias, torch.Tensor)
+    qkv = Concat(linear_kind("gguf"), parts, [bias, None, None])
+    assert len(qkv.parts) == 2                  # q and k (Q5_0) stacked into one product, v (Q8_0) its own
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(0))
+    want = x @ torch.cat([dense(p) for p in parts]).T
+    want[:, :H] += bias
+    got = qkv(x)
+    assert got.shape == want.shape and (got - want).abs().max() <= 0.02 * want.abs().max()
+    down = GgufLinear(weights["model.layers.0.mlp.down_proj.weight"], None)
+    # A type the kernel lacks (Q4_0 here) runs de-quantized, as fp16w.
+    assert down.kind is None and isinstance(down.fallback, Fp16WeightLinear)
+    # Split kinds: the blocks up to 4 rows, the de-quantized weight above.
+    split = linear_kind("gguf", "fp16w", 4)(parts[0], None)
+    for rows in (2, 9):
+        y = torch.randn(rows, H)
+        ref = y @ dense(parts[0]).T
+        assert (split(y) - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (kernels/cpu_ops.py) did not build here")
+def test_tuning_times_the_files_own_blocks(tmp_path: Path) -> None:
+    import json
+
+    from services.engine import tune
+
+    folder, _ = _folder(tmp_path, "qwen2", {"blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_k.weight": Q.Q5_0,
+                                            "blk.0.attn_v.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q8_0})
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+        "intermediate_size": 2 * H, "num_hidden_layers": 1}))
+    assert "gguf" in tune.candidates(folder) and "gguf" not in tune.candidates(None)
+    layers, gemms = tune.shapes(folder)
+    table = tune.measure(layers, gemms, ["gguf"], reps=1, folder=folder)
+    assert len(table["gguf"]) == len(tune.ROWS) and all(ms > 0 for ms in table["gguf"])
+    assert tune.gguf_types(folder) == ["Q5_0", "Q8_0"]
