@@ -153,6 +153,30 @@ def test_unsupported_rope_is_refused_naming_the_field(tmp_path: Path) -> None:
         OurConfig.from_folder(tmp_path)
 
 
+def test_a_gemma2_config_that_leaves_fields_out_is_read_with_transformers_defaults(tmp_path: Path) -> None:
+    """Gemma 2 checkpoints' config.json predate `layer_types` and may omit what Gemma2Config defaults (the
+    caps, query_pre_attn_scalar, head_dim, the window): read as transformers reads them."""
+    import transformers
+
+    fields = {**{k: v for k, v in COMMON.items() if k != "tie_word_embeddings"}, "model_type": "gemma2",
+              "num_hidden_layers": 3}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    config = OurConfig.from_folder(tmp_path)
+    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert theirs.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.windows == (theirs.sliding_window, 0, theirs.sliding_window)
+    assert (config.attn_softcap, config.final_softcap) == (theirs.attn_logit_softcapping,
+                                                           theirs.final_logit_softcapping)
+    assert config.head_dim == theirs.head_dim and config.attn_scale == theirs.query_pre_attn_scalar ** -0.5
+    assert config.tie_word_embeddings and config.activation == "gelu_tanh" and not config.qk_norm
+    # A cap set to null is off, as in transformers; a non-Gemma type with a cap is refused.
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "attn_logit_softcapping": None}))
+    assert OurConfig.from_folder(tmp_path).attn_softcap == 0.0
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "model_type": "llama", "final_logit_softcapping": 30}))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        OurConfig.from_folder(tmp_path)
+
+
 def test_a_32k_token_prompt_prefills_in_chunks_and_matches_transformers(tmp_path: Path) -> None:
     """A long-context config (32k + 64 positions): a 32,000-token prompt goes through chunked prefill (each
     chunk attending every earlier block of the paged cache) and its first tokens equal transformers'."""
