@@ -11,7 +11,8 @@ namespace infermesh_cpu {
 using torch::stable::Tensor;
 
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
-                              const Tensor& context_lens, double scale, int64_t window = 0);
+                              const Tensor& context_lens, double scale, int64_t window = 0,
+                              double softcap = 0.0);
 Tensor add_rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, double eps);
 void rope_and_write_kv(const Tensor& qkv, const Tensor& positions, const Tensor& cos, const Tensor& sin,
                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots, int64_t num_heads);

@@ -142,6 +142,8 @@ inline void weighted_sum(const float* p, const float* const* rows, int64_t n, in
 // row loaded.  With AVX-512 and a head_dim of 32, 64 or 128 a tile of 16 keys is scored for a head
 // by 16 FMA chains reduced together into one vector of 16 scores; elsewhere the portable two-pass
 // loops below (scores, softmax, weighted sum) run on float rows, converted from float16 first.
+// A softcap > 0 (Gemma 2) caps each scaled score as softcap * tanh(score / softcap) before its softmax;
+// 0 skips it (one well-predicted branch per tile).
 
 // Keys are taken in tiles: a tile's K (then V) rows stay in L1 while each head of the group uses them.
 constexpr int64_t kTile = 16;
@@ -173,7 +175,7 @@ inline void float_to_kv(const float* src, int64_t n, uint16_t* dst) {
 // The portable item: the g heads' scores for all `len` keys, a softmax per head, then the weighted
 // sum of the value rows.  q: (g, d) scaled queries; krows/vrows: float rows; o: (g, d).
 void attend_two_pass(const float* q, int64_t g, int64_t d, const float* const* krows, const float* const* vrows,
-                     int64_t len, float* scores, float* o) {
+                     int64_t len, float softcap, float* scores, float* o) {
   for (int64_t t0 = 0; t0 < len; t0 += kTile) {
     const int64_t t1 = std::min(len, t0 + kTile);
     for (int64_t i = 0; i < g; ++i) {
@@ -186,6 +188,8 @@ void attend_two_pass(const float* q, int64_t g, int64_t d, const float* const* k
   }
   for (int64_t i = 0; i < g; ++i) {
     float* si = scores + i * len;
+    if (softcap > 0.0f)
+      for (int64_t j = 0; j < len; ++j) si[j] = softcap * std::tanh(si[j] / softcap);
     const float m = *std::max_element(si, si + len);
     const float inv = 1.0f / exp_shift_sum(si, len, m);
     for (int64_t j = 0; j < len; ++j) si[j] *= inv;
@@ -220,6 +224,14 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
   y = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), y);
   return _mm512_mask_blend_ps(overflow, y, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// softcap * tanh(s / softcap), 16 lanes, as 1 - 2 / (exp(2 s / softcap) + 1): exact to a few ulp of 1, so
+// within softcap * 1e-7 of the capped score (exp16's 0 and +inf saturate it to -1 and 1).
+inline __m512 softcap16(__m512 s, float softcap) {
+  const __m512 one = _mm512_set1_ps(1.0f), cap = _mm512_set1_ps(softcap);
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_div_ps(s, cap), _mm512_set1_ps(2.0f)));
+  return _mm512_mul_ps(cap, _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one))));
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -257,7 +269,8 @@ inline void prefetch_rows(const T* const* krows, const T* const* vrows, int64_t 
 // Per tile: each head's 16 scores (16 FMA chains reduced together), the online-softmax update, then
 // every head's output gains the tile's value rows, each row loaded once for all G heads.
 template <int DV, int G, typename T>
-void attend_online(const float* q, const T* const* krows, const T* const* vrows, int64_t len, float* o) {
+void attend_online(const float* q, const T* const* krows, const T* const* vrows, int64_t len, float softcap,
+                   float* o) {
   constexpr int64_t D = 16 * DV;
   constexpr int64_t kAhead = 4 * kTile;         // keys prefetched ahead of the tile being computed
   alignas(64) float p[G][kTile];
@@ -286,7 +299,9 @@ void attend_online(const float* q, const T* const* krows, const T* const* vrows,
         for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
         acc[j] = a;
       }
-      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::max()), valid, reduce16(acc));
+      __m512 raw = reduce16(acc);
+      if (softcap > 0.0f) raw = softcap16(raw, softcap);
+      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::max()), valid, raw);
       const float mnew = std::max(m[i], _mm512_reduce_max_ps(s));
       const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
       const float correction = std::exp(m[i] - mnew);
@@ -314,9 +329,9 @@ void attend_online(const float* q, const T* const* krows, const T* const* vrows,
 // attend_online for this head_dim and group size, or false: the portable path takes the item.
 template <typename T>
 bool attend_vector(const float* q, int64_t g, int64_t d, const T* const* krows, const T* const* vrows, int64_t len,
-                   float* o) {
+                   float softcap, float* o) {
 #define INFERMESH_ATTEND(DV, G) \
-  if (d == 16 * (DV) && g == (G)) return attend_online<DV, G>(q, krows, vrows, len, o), true;
+  if (d == 16 * (DV) && g == (G)) return attend_online<DV, G>(q, krows, vrows, len, softcap, o), true;
 #define INFERMESH_ATTEND_G(DV) \
   INFERMESH_ATTEND(DV, 1) INFERMESH_ATTEND(DV, 2) INFERMESH_ATTEND(DV, 3) INFERMESH_ATTEND(DV, 4) \
   INFERMESH_ATTEND(DV, 5) INFERMESH_ATTEND(DV, 6) INFERMESH_ATTEND(DV, 7) INFERMESH_ATTEND(DV, 8)
@@ -331,7 +346,7 @@ bool attend_vector(const float* q, int64_t g, int64_t d, const T* const* krows, 
 template <typename T>
 void attend_items(int64_t begin, int64_t end, const float* qp, int64_t qs0, int64_t qs1, const T* kp, const T* vp,
                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t max_len, int64_t kh, int64_t g,
-                  int64_t d, int64_t bs, int64_t h, float scale, int64_t window, float* op_) {
+                  int64_t d, int64_t bs, int64_t h, float scale, int64_t window, float softcap, float* op_) {
   const int64_t row = kh * d;                    // elements between one token's rows in the cache
   std::vector<const T*> krows(max_len), vrows(max_len);
   std::vector<float> qbuf(g * d);
@@ -361,7 +376,7 @@ void attend_items(int64_t begin, int64_t end, const float* qp, int64_t qs0, int6
     const T* const* vr = vrows.data() + lo;
     const int64_t n = len - lo;
 #ifdef __AVX512F__
-    if (attend_vector(qbuf.data(), g, d, kr, vr, n, o)) continue;
+    if (attend_vector(qbuf.data(), g, d, kr, vr, n, softcap, o)) continue;
 #endif
     scores.resize(g * n);
     kf.resize(n);
@@ -381,14 +396,15 @@ void attend_items(int64_t begin, int64_t end, const float* qp, int64_t qs0, int6
         vf[j] = vconv.data() + j * d;
       }
     }
-    attend_two_pass(qbuf.data(), g, d, kf.data(), vf.data(), n, scores.data(), o);
+    attend_two_pass(qbuf.data(), g, d, kf.data(), vf.data(), n, softcap, scores.data(), o);
   }
 }
 
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
-                              const Tensor& context_lens, double scale, int64_t window) {
+                              const Tensor& context_lens, double scale, int64_t window, double softcap) {
   const char* op = "paged_decode_attention";
   CHECK(window >= 0, op, ": window must be >= 0 (0: every key), got ", window);
+  CHECK(softcap >= 0, op, ": softcap must be >= 0 (0: no cap), got ", softcap);
   check_float(q, op, "q", 3);
   CHECK(q.stride(2) == 1, op, ": q's last dim must be contiguous, got strides ", str(q.strides()));
   const bool half = check_kv_cache(k_cache, op, "k_cache");
@@ -423,7 +439,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   const float* qp = q.const_data_ptr<float>();
   float* op_ = out.mutable_data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
 
   // Work items are (sequence, kv head) pairs: the g query heads of a kv head share every K and V row
   // it loads.  Each thread takes one contiguous range of items with about the same number of keys.
@@ -442,10 +458,12 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
   torch::stable::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     if (half)
       attend_items(bounds[begin], bounds[end], qp, qs0, qs1, static_cast<const uint16_t*>(k_cache.const_data_ptr()),
-                   static_cast<const uint16_t*>(v_cache.const_data_ptr()), tables, width, lens, max_len, kh, g, d, bs, h, fscale, window, op_);
+                   static_cast<const uint16_t*>(v_cache.const_data_ptr()), tables, width, lens, max_len, kh, g, d, bs, h,
+                   fscale, window, fcap, op_);
     else
       attend_items(bounds[begin], bounds[end], qp, qs0, qs1, k_cache.const_data_ptr<float>(),
-                   v_cache.const_data_ptr<float>(), tables, width, lens, max_len, kh, g, d, bs, h, fscale, window, op_);
+                   v_cache.const_data_ptr<float>(), tables, width, lens, max_len, kh, g, d, bs, h, fscale, window, fcap,
+                   op_);
   });
   return out;
 }
@@ -602,8 +620,8 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 
 namespace infermesh_cpu {
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
-                              const Tensor& context_lens, double scale, int64_t window) {
-  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window);
+                              const Tensor& context_lens, double scale, int64_t window, double softcap) {
+  return ::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
 }
 Tensor add_rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight, double eps) {
   return ::add_rms_norm(x, residual, weight, eps);
@@ -617,7 +635,7 @@ Tensor silu_and_mul(const Tensor& gate_up) { return ::silu_and_mul(gate_up); }
 
 STABLE_TORCH_LIBRARY(infermesh, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_and_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots, int num_heads) -> ()");

@@ -2,8 +2,10 @@
 
 The engine's fast (non-"exact") forward calls them through `torch.ops.infermesh.*`:
 
-- `paged_decode_attention(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale)`
-  -> (B, H, D): `paged_attention.decode()` without gathering K/V into copies first.
+- `paged_decode_attention(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale,
+  window=0, softcap=0.0)` -> (B, H, D): `paged_attention.decode()` without gathering K/V into copies first;
+  window > 0 attends each row's last `window` keys, softcap > 0 caps each scaled score as
+  softcap * tanh(score / softcap) before the softmax (Gemma 2); 0 turns either off.
 - `add_rms_norm(x (T, H), residual (T, H) | None, weight (H,), eps)` -> (T, H): `x += residual` in
   place, then returns the RMS-normalized x.
 - `rope_and_write_kv(qkv (T, H+2KH, D), positions (T,), cos (P, D), sin (P, D), k_cache, v_cache,

@@ -4,8 +4,10 @@ Each program walks the sequence's block table one KV block at a time with an onl
 softmax, so the context is never gathered into a contiguous copy (the torch path in
 paged_attention.py does gather).  It serves the query heads that share the KV head
 (grouped-query attention) from one read of each K/V block.  Math is float32 whatever the
-cache's dtype (bf16 on CUDA).  On CPU it runs under TRITON_INTERPRET=1, which is how the
-tests check it against paged_attention._reference(); on CUDA it compiles.
+cache's dtype (bf16 on CUDA).  A softcap (Gemma 2) caps each scaled score as
+softcap * tanh(score / softcap) before the softmax; without one, SOFTCAP=False compiles it out.
+On CPU it runs under TRITON_INTERPRET=1, which is how the tests check it against
+paged_attention._reference(); on CUDA it compiles.
 
 Launch shape and loop bounds come from the tensors' shapes and from values the kernel reads
 on the device (each row's context length), never from the host: a step that calls it needs
@@ -21,10 +23,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr, scale, split_blocks, splits,
-                   stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr, scale, softcap,
+                   split_blocks, splits, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_tb, stride_ob,
+                   stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr):
+                   HEAD_PAD: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -52,6 +55,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr,
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale        # (G, T)
+        if SOFTCAP:                                      # softcap * tanh(scores / softcap); tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * (scores / softcap)) - 1.0)
         scores = tl.where(in_context[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -138,8 +143,8 @@ def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_t
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
-    """Same contract as paged_attention.decode: q (B, H, D) -> (B, H, D).
+           context_lens: torch.Tensor, scale: float, splits: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """Same contract as paged_attention.decode (softcap included): q (B, H, D) -> (B, H, D).
 
     block_tables (B, >= max blocks) and context_lens (B,) are integer tensors on q's device;
     a row reads only the cdiv(length, block_size) first entries of its table.  splits > 1 (by
@@ -165,11 +170,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         part = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
         stats = torch.empty((b, h, splits, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(b, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part, stats, scale, split_blocks, splits,
+        q, k_cache, v_cache, block_tables, context_lens, out, part, stats, scale, softcap, split_blocks, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_SIZE=block_size, HEAD_DIM=d,
-        HEAD_PAD=triton.next_power_of_2(d), SPLIT=splits > 1)
+        HEAD_PAD=triton.next_power_of_2(d), SPLIT=splits > 1, SOFTCAP=softcap > 0)
     if splits > 1:
         # Compiled per power of two of `splits` only: an eager step's varying width costs no recompiles.
         _combine_kernel[(b, h)](part, stats, context_lens, out, split_blocks, splits, out.stride(0),

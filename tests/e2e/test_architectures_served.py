@@ -23,7 +23,7 @@ import torch
 from tests.e2e.conftest import OFFSET, running_mesh
 from tests.service.test_architectures import CASES, build
 
-ARCHITECTURES = ["llama3", "llama-yarn", "mistral-window", "qwen2", "qwen3", "gemma3", "phi3"]
+ARCHITECTURES = ["llama3", "llama-yarn", "mistral-window", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 CHATS = [[{"role": "user", "content": "Hi"}],
          [{"role": "system", "content": "You answer in French."},
           {"role": "user", "content": "Describe the water cycle in detail, step by step, for a child of ten."}],

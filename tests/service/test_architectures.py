@@ -4,7 +4,7 @@ prompts run together, and within rounding in the fused CPU mode.
 
 Covered here: Llama with linear, llama3 and yarn RoPE scaling (a short original context, so scaling
 changes the frequencies that matter); Qwen2 (q/k/v biases); Qwen3 (per-head q/k RMSNorm, explicit
-head_dim); Gemma 3 (see its case); Phi-3 (fused projections); Mistral with
+head_dim); Gemma 2 and Gemma 3 (see their cases); Phi-3 (fused projections); Mistral with
 a sliding window shorter than the prompts (prefill, chunked prefill and decode each honour it)."""
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                       "rope_theta": 1000000.0}}}),
+    # Gemma 2: Gemma 3's layout (local layers first) without q/k norms, one RoPE, and soft-capping tight enough
+    # to bite: attention scores capped at 5 and final logits at 3, where these weights put them far past.
+    "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "initializer_range": 0.4}),
     "phi3": ("phi3", {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}),   # fused qkv_proj, gate_up_proj
 }
 _g = torch.Generator().manual_seed(3)
@@ -56,10 +60,12 @@ def build(kind: str, extra: dict[str, Any], folder: Path) -> Any:
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
-                  "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config}[kind]
+                  "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig,
+                  "phi3": transformers.Phi3Config}[kind]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                  "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "gemma3_text": transformers.Gemma3ForCausalLM, "phi3": transformers.Phi3ForCausalLM}[kind]
+                 "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM,
+                 "phi3": transformers.Phi3ForCausalLM}[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**COMMON, **extra})).eval()
     with torch.no_grad():    # norms away from their init (1, or Gemma's 0): every block's output matters
@@ -101,8 +107,12 @@ def test_the_config_is_read_as_transformers_reads_it(case: tuple[str, Path, Any]
     name, folder, _ = case
     config = OurConfig.from_folder(folder)
     assert config.qk_norm == (name in ("qwen3", "gemma3"))
-    assert config.windows == {"mistral-window": (12, 12), "gemma3": (12, 0)}.get(name, ())
-    if name == "gemma3":
+    assert config.windows == {"mistral-window": (12, 12), "gemma2": (12, 0), "gemma3": (12, 0)}.get(name, ())
+    assert (config.attn_softcap, config.final_softcap) == ((5.0, 3.0) if name == "gemma2" else (0.0, 0.0))
+    if name == "gemma2":
+        assert config.norm_offset == 1.0 and config.sandwich_norms and config.activation == "gelu_tanh"
+        assert config.attn_scale == 24 ** -0.5 and config.embed_scale == 64 ** 0.5 and not config.layer_rope
+    elif name == "gemma3":
         assert config.norm_offset == 1.0 and config.sandwich_norms and config.activation == "gelu_tanh"
         assert [dict(r)["rope_theta"] for r in config.layer_rope] == [10000.0, 1000000.0]
         assert config.attn_scale == 24 ** -0.5 and config.embed_scale == 64 ** 0.5
@@ -140,6 +150,30 @@ def test_unsupported_rope_is_refused_naming_the_field(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", **COMMON, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}))
     with pytest.raises(ValueError, match="lacks low_freq_factor, high_freq_factor"):
+        OurConfig.from_folder(tmp_path)
+
+
+def test_a_gemma2_config_that_leaves_fields_out_is_read_with_transformers_defaults(tmp_path: Path) -> None:
+    """Gemma 2 checkpoints' config.json predate `layer_types` and may omit what Gemma2Config defaults (the
+    caps, query_pre_attn_scalar, head_dim, the window): read as transformers reads them."""
+    import transformers
+
+    fields = {**{k: v for k, v in COMMON.items() if k != "tie_word_embeddings"}, "model_type": "gemma2",
+              "num_hidden_layers": 3}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    config = OurConfig.from_folder(tmp_path)
+    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert theirs.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.windows == (theirs.sliding_window, 0, theirs.sliding_window)
+    assert (config.attn_softcap, config.final_softcap) == (theirs.attn_logit_softcapping,
+                                                           theirs.final_logit_softcapping)
+    assert config.head_dim == theirs.head_dim and config.attn_scale == theirs.query_pre_attn_scalar ** -0.5
+    assert config.tie_word_embeddings and config.activation == "gelu_tanh" and not config.qk_norm
+    # A cap set to null is off, as in transformers; a non-Gemma type with a cap is refused.
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "attn_logit_softcapping": None}))
+    assert OurConfig.from_folder(tmp_path).attn_softcap == 0.0
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "model_type": "llama", "final_logit_softcapping": 30}))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
         OurConfig.from_folder(tmp_path)
 
 
@@ -201,10 +235,10 @@ def test_model_register_checks_the_config_and_inspect_describes_the_model(tmp_pa
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     config = json.loads((bad / "config.json").read_text())
-    config["final_logit_softcapping"] = 30.0
+    config["use_bidirectional_attention"] = True
     (bad / "config.json").write_text(json.dumps(config))
     refused = cli("register", "bad", str(bad))
-    assert refused.returncode == 1 and "final_logit_softcapping" in refused.stderr
+    assert refused.returncode == 1 and "use_bidirectional_attention" in refused.stderr
     assert "bad" not in cli("list").stdout
 
 
@@ -270,3 +304,21 @@ def test_dynamic_ntk_rope_rotates_as_transformers_generate_does(tmp_path: Path) 
         assert [lp.token_id for lp in got[str(i)]] == want[i]
         # The logprobs too: a theta off by a few percent moves them far more than float32 rounding does.
         assert max(abs(lp.logprob - w) for lp, w in zip(got[str(i)], want_lp[i], strict=True)) < 1e-4
+
+
+def test_gemma2_greedy_shortcut_caps_what_it_rescores(tmp_path: Path) -> None:
+    """The fast CPU modes' greedy shortcut (an int8 head ranks, the top candidates are rescored exactly) under
+    Gemma 2's final soft-cap: tanh keeps the ranking, but where it rounds several logits to the cap itself the
+    lowest id wins, as in the full capped argmax, not the largest raw logit."""
+    kind, extra = CASES["gemma2"]
+    build(kind, extra, tmp_path)
+    model = ModelRunner(tmp_path, decide(device="cpu", dtype="float32", matmul="packed"), kv_cache_bytes=8 << 20,
+                        block_size=4).model
+    if model.approx_head is None:
+        pytest.skip("no int8 head here (fbgemm)")
+    hidden = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 4     # logits far past the cap
+    capped = model.logits(hidden)                                                     # (8, V)
+    assert ((capped == 3.0).sum(-1) > 1).all()                                        # ties at the cap in every row
+    raw = model.lm_head(hidden).float()
+    assert not torch.equal(raw.argmax(-1), capped.argmax(-1))                         # so the cap decides
+    assert torch.equal(model.greedy(hidden), capped.argmax(-1))

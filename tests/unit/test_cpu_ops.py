@@ -97,6 +97,30 @@ def test_paged_decode_attention_with_a_sliding_window(dtype: torch.dtype, d: int
         ops.paged_decode_attention(q, k, v, padded, n, 0.2, -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 12])                     # the one-pass vector path and the portable one
+def test_paged_decode_attention_soft_caps_the_scores(dtype: torch.dtype, d: int) -> None:
+    """softcap C (Gemma 2): each scaled score becomes C * tanh(score / C) before the softmax, as the float64
+    definition has it; scores far past C here, so the cap decides.  With a window too; 0 is no cap."""
+    lens = [40, 7, 16, 33]
+    k, v, tables, padded = paged_case(lens, 4, 2, d, seed=13)
+    k, v = (3 * k).to(dtype), v.to(dtype)
+    q = 3 * torch.randn(len(lens), 6, d, generator=gen(6))
+    n = torch.tensor(lens)
+    out = ops.paged_decode_attention(q, k, v, padded, n, 0.3, softcap=5.0)
+    for i, (table, length) in enumerate(zip(tables, lens, strict=True)):
+        ref = pa._reference(q[i:i + 1], k.float(), v.float(), table, length - 1, 0.3, softcap=5.0)
+        torch.testing.assert_close(out[i:i + 1], ref, **TOL)
+    torch.testing.assert_close(out, pa.decode(q, k, v, padded, n, 0.3, softcap=5.0), **TOL)
+    assert not torch.allclose(out, ops.paged_decode_attention(q, k, v, padded, n, 0.3), atol=0.1)
+    assert torch.equal(ops.paged_decode_attention(q, k, v, padded, n, 0.3, softcap=0.0),
+                       ops.paged_decode_attention(q, k, v, padded, n, 0.3))
+    torch.testing.assert_close(ops.paged_decode_attention(q, k, v, padded, n, 0.3, 8, 5.0),
+                               pa.decode(q, k, v, padded, n, 0.3, window=8, softcap=5.0), **TOL)
+    with pytest.raises(RuntimeError, match="softcap"):
+        ops.paged_decode_attention(q, k, v, padded, n, 0.3, softcap=-1.0)
+
+
 def test_paged_decode_attention_takes_q_as_a_view_of_qkv() -> None:
     """The forward passes q as qkv[:, :heads]: rows strided, each head's D values contiguous."""
     lens = [5, 20]
@@ -193,7 +217,7 @@ def test_rope_and_write_kv_into_a_float16_cache(t: int, heads: int, kh: int, d: 
 
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_the_other_instruction_set_paths_attend_alike(isa: str) -> None:
-    """The AVX2 and portable builds read and write float16 caches as the native one does."""
+    """The AVX2 and portable builds read and write float16 caches (and soft-cap) as the native one does."""
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     script = (
@@ -203,6 +227,9 @@ def test_the_other_instruction_set_paths_attend_alike(isa: str) -> None:
         "q = torch.randn(2, 9, 64, generator=g); t = torch.randperm(20, generator=g)[:10].view(2, 5);"
         "n = torch.tensor([70, 33]); out = ops.paged_decode_attention(q, k, v, t, n, 0.125);"
         "torch.testing.assert_close(out, pa.decode(q, k.float(), v.float(), t, n, 0.125), rtol=1e-5, atol=1e-5);"
+        "out = ops.paged_decode_attention(q, k, v, t, n, 0.5, softcap=2.0);"
+        "torch.testing.assert_close(out, pa.decode(q, k.float(), v.float(), t, n, 0.5, softcap=2.0), rtol=1e-5,"
+        " atol=1e-5);"
         "x = torch.randn(3, 15, 64, generator=g) * 1000; kc = torch.zeros(4, 4, 3, 64, dtype=torch.float16);"
         "vc = torch.zeros_like(kc); c = torch.ones(8, 64); s = torch.zeros(8, 64);"
         "ops.rope_and_write_kv(x, torch.tensor([0, 1, 2]), c, s, kc, vc, torch.tensor([0, 5, 9]), 9);"

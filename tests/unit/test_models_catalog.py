@@ -24,4 +24,4 @@ def test_default_is_an_alias_and_other_names_pass_through():
 
 
 def test_the_supported_architectures():
-    assert catalog.SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+    assert catalog.SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")

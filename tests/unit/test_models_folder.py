@@ -22,7 +22,7 @@ def test_validate_names_what_is_missing(tmp_path: Path):
     with pytest.raises(ModelError, match="not valid JSON"):
         folder.validate_folder(empty)
     with pytest.raises(ModelError,
-                       match=r"model_type 'gpt2'; supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+                       match=r"model_type 'gpt2'; supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         folder.validate_folder(hf_folder(tmp_path / "gpt2", model_type="gpt2"))
     with pytest.raises(ModelError, match="no tokenizer files"):
         folder.validate_folder(hf_folder(tmp_path / "notok", tokenizer=()))

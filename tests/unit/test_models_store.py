@@ -59,7 +59,7 @@ def test_register_validates_the_folder_and_the_name(tmp_path: Path):
     with pytest.raises(ModelError, match="not a directory"):
         store.register("mine", tmp_path / "missing")
     with pytest.raises(ModelError,
-                       match=r"model_type 'gpt2'; supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+                       match=r"model_type 'gpt2'; supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         store.register("mine", hf_folder(tmp_path / "gpt2", model_type="gpt2"))
     with pytest.raises(ModelError, match="no tokenizer files"):
         store.register("mine", hf_folder(tmp_path / "notok", tokenizer=()))

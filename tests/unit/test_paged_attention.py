@@ -47,6 +47,36 @@ def test_decode_matches_reference(impl: str) -> None:
         torch.testing.assert_close(out[i:i + 1], ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_soft_capped_decode_matches_reference(impl: str) -> None:
+    """Gemma 2's softcap C: scores -> C * tanh(scores / C) before the softmax; scores far past C here."""
+    k, v = cache(8, 0)
+    q = 4 * torch.randn(len(TABLES), H, D, generator=torch.Generator().manual_seed(1))
+    width = max(map(len, TABLES))
+    tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in TABLES])
+    out = decode_impl(impl)(q, k, v, tables, torch.tensor(LENS), D ** -0.5, softcap=2.0)
+    uncapped = decode_impl(impl)(q, k, v, tables, torch.tensor(LENS), D ** -0.5)
+    assert not torch.allclose(out, uncapped, atol=0.1)
+    for i, (table, n) in enumerate(zip(TABLES, LENS, strict=True)):
+        ref = pa._reference(q[i:i + 1], k, v, table, n - 1, D ** -0.5, softcap=2.0)
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("start,t", [(0, 5), (6, 4), (8, 1)])
+def test_soft_capped_prefill_matches_reference(start: int, t: int) -> None:
+    """The prefill paths with a softcap: a chunk over the cache, and a whole prompt (causal) from its keys."""
+    k, v = cache(8, 2)
+    q = 4 * torch.randn(t, H, D, generator=torch.Generator().manual_seed(3))
+    table = [4, 0, 6]
+    want = pa._reference(q, k, v, table, start, D ** -0.5, softcap=2.0)
+    out = pa.prefill(q, k, v, torch.tensor(table), start, D ** -0.5, softcap=2.0)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    if start == 0:
+        slots = [table[p // BS] * BS + p % BS for p in range(t)]
+        keys, values = k.view(-1, KH, D)[slots], v.view(-1, KH, D)[slots]
+        torch.testing.assert_close(pa.causal(q, keys, values, D ** -0.5, softcap=2.0), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("start,t", [(0, 5), (6, 4), (8, 1)])
 def test_prefill_chunk_matches_reference(start: int, t: int) -> None:
     k, v = cache(8, 2)

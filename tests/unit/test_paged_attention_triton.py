@@ -1,8 +1,9 @@
 """The Triton paged decode kernel against the float64 per-sequence definition, `_reference()`.
 
 Ragged batches on scattered blocks, grouped-query attention of several group sizes, a head size
-that is not a power of two, bf16 caches, q as the strided view the model passes, the padded rows
-of the decode graphs, and the layouts check() refuses.  Run by Triton's interpreter on this CPU.
+that is not a power of two, bf16 caches, q as the strided view the model passes, soft-capped scores
+(Gemma 2), the padded rows of the decode graphs, and the layouts check() refuses.  Run by Triton's
+interpreter on this CPU.
 """
 
 from __future__ import annotations
@@ -77,6 +78,21 @@ def test_split_k_matches_reference(splits: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), whole.float(), rtol=tol, atol=tol)
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
         ref = pa._reference(q[i:i + 1].double(), k.double(), v.double(), table, n - 1, scale)
+        torch.testing.assert_close(out[i:i + 1].double(), ref, rtol=tol, atol=tol, msg=f"row {i} (length {n})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_soft_capped_decode_matches_reference(splits: int, dtype: torch.dtype) -> None:
+    """Gemma 2's softcap C (scores -> C * tanh(scores / C) before the softmax), whole and split-K, on scores
+    far past C."""
+    q, k, v, tables, lens = make_case(3, 9, 24, 4, dtype, seed=11)
+    q = (4 * q.float()).to(dtype)
+    scale = 24 ** -0.5
+    out = pat.decode(q, k, v, padded(tables, extra=1), torch.tensor(lens), scale, splits=splits, softcap=3.0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        ref = pa._reference(q[i:i + 1].double(), k.double(), v.double(), table, n - 1, scale, softcap=3.0)
         torch.testing.assert_close(out[i:i + 1].double(), ref, rtol=tol, atol=tol, msg=f"row {i} (length {n})")
 
 

@@ -2,7 +2,8 @@
 
 AttentionMetadata says how the flat batch's rows attend; the model runner builds it once per step
 (the decode graphs over their static buffers).  Decode rows attend together in one paged call of
-the plan's decode kind; each prefill chunk attends its own prefix with torch's SDPA.
+the plan's decode kind; each prefill chunk attends its own prefix with torch's SDPA (an explicit softmax
+when the model soft-caps its scores, Gemma 2: paged_attention.attend()).
 
 Decode kinds (ExecutionPlan.attention), a dict registry:
 - torch: gather the blocks, then SDPA with a length mask (kernels/paged_attention.py);
@@ -51,7 +52,8 @@ def _triton_decode() -> Callable[..., torch.Tensor]:
     return paged_attention_triton.decode
 
 
-# decode(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale[, window]) -> (B, H, D)
+# decode(q (B, H, D), k_cache, v_cache, block_tables (B, W), context_lens (B,), scale[, window][, softcap=])
+# -> (B, H, D)
 DECODE: dict[str, Callable[[], Callable[..., Any]]] = {"torch": _torch_decode, "fused": _fused_decode,
                                                        "triton": _triton_decode}
 
@@ -59,10 +61,13 @@ DECODE: dict[str, Callable[[], Callable[..., Any]]] = {"torch": _torch_decode, "
 class Attention:
     """One layer's attention for a ragged batch, with the plan's decode kind."""
 
-    def __init__(self, kind: str, scale: float):
+    def __init__(self, kind: str, scale: float, softcap: float = 0.0):
         self.kind = kind
         self.scale = scale
+        self.softcap = softcap                    # scores -> softcap * tanh(scores / softcap); 0: off
         self._decode = DECODE[kind]()
+        # Passed only when set: an uncapped model calls every kind exactly as before.
+        self._cap: dict[str, float] = {"softcap": softcap} if softcap else {}
         # The torch kind masks the padding of the gathered keys; the kernels mask by length.
         self.needs_decode_mask = kind == "torch"
 
@@ -76,12 +81,13 @@ class Attention:
                 raise ValueError("sliding-window attention is not in the Triton decode kernel yet")
             if self.needs_decode_mask:     # the step's mask is the full one: this layer builds its own
                 return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, None,
-                                    window)
-            return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, window)
+                                    window, **self._cap)
+            return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, window,
+                                **self._cap)
         if self.needs_decode_mask:
             return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale,
-                                meta.decode_mask)
-        return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale)
+                                meta.decode_mask, **self._cap)
+        return self._decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, self.scale, **self._cap)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
@@ -96,7 +102,8 @@ class Attention:
         for first, rows, start, table in meta.prefills:
             sl = slice(first, first + rows)
             if start == 0:
-                out[sl] = paged_attention.causal(q[sl], k[sl], v[sl], self.scale, window)
+                out[sl] = paged_attention.causal(q[sl], k[sl], v[sl], self.scale, window, self.softcap)
             else:
-                out[sl] = paged_attention.prefill(q[sl], k_cache, v_cache, table, start, self.scale, window)
+                out[sl] = paged_attention.prefill(q[sl], k_cache, v_cache, table, start, self.scale, window,
+                                                  self.softcap)
         return out

@@ -1,6 +1,6 @@
 """A Llama-family checkpoint as the forward reads it: config.json as one frozen LlamaConfig (every
-architecture's differences from Llama as fields: RoPE variant, q/k norms, windows, Gemma 3's norms and
-scales), and the weights by their Hugging Face names (Phi-3's fused projections split)."""
+architecture's differences from Llama as fields: RoPE variant, q/k norms, windows, Gemma's norms, scales
+and soft-caps), and the weights by their Hugging Face names (Phi-3's fused projections split)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ import torch
 
 from services.engine.models import gguf_weights, rope
 from services.engine.models.gguf_weights import Weight
+
+# Gemma2Config's defaults (transformers), for the fields a Gemma 2 config.json may leave out.
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
 @dataclass(frozen=True)
@@ -39,12 +45,18 @@ class LlamaConfig:
     sandwich_norms: bool = False          # norms on the attention and MLP outputs too (Gemma)
     activation: str = "silu"              # the MLP's gate: silu | gelu_tanh
     attn_scale: float = 0.0               # attention's softmax scale; 0: head_dim ** -0.5
+    # Gemma 2's soft-capping (0: off): attention scores (scaled, before the mask) and the final logits
+    # become cap * tanh(x / cap).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     @classmethod
     def from_folder(cls, folder: Path) -> LlamaConfig:
         """config.json of a folder whose model_type the registry (models/__init__.py) maps here."""
         c = json.loads((folder / "config.json").read_text())
         model_type = c.get("model_type")
+        if model_type == "gemma2":      # what transformers' Gemma2Config assumes where config.json is silent
+            c = {**GEMMA2_DEFAULTS, **c}
         params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         layer_rope: tuple[tuple[tuple[str, Any], ...], ...] = ()
         if params and all(isinstance(v, dict) for v in params.values()):
@@ -58,16 +70,17 @@ class LlamaConfig:
             layer_rope = tuple(tuple(sorted(params[kind].items())) for kind in kinds)
             params = dict(params.get("full_attention") or next(iter(params.values())))
         rope.check(params)
+        gemma = model_type in ("gemma2", "gemma3_text")
         for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if c.get(field) is not None:
-                raise ValueError(f"{field} ({c[field]}) is not supported yet (Gemma 2's soft-capping)")
+            if c.get(field) is not None and not gemma:
+                raise ValueError(f"{field} ({c[field]}): soft-capping is Gemma's; transformers' {model_type} "
+                                 "does not apply it")
         if c.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention is not supported: the engine decodes causally")
         activation = c.get("hidden_activation") or c.get("hidden_act") or "silu"
         activations = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
         if activation not in activations:
             raise ValueError(f"hidden_act {activation!r} is not supported (silu, gelu_pytorch_tanh)")
-        gemma = model_type == "gemma3_text"
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
@@ -87,13 +100,15 @@ class LlamaConfig:
             sandwich_norms=gemma,
             activation=activations[activation],
             attn_scale=c["query_pre_attn_scalar"] ** -0.5 if gemma and c.get("query_pre_attn_scalar") else 0.0,
+            attn_softcap=float(c.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(c.get("final_logit_softcapping") or 0.0),
         )
 
 
 def _windows(c: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), as transformers applies them: Mistral slides every
     layer when `sliding_window` is set; Qwen2/3 name each layer's kind in `layer_types` (with
-    use_sliding_window)."""
+    use_sliding_window); Gemma 2 without `layer_types` slides every other layer, from the first."""
     window = c.get("sliding_window") or 0
     layers = c["num_hidden_layers"]
     if not window:
@@ -101,6 +116,8 @@ def _windows(c: dict[str, Any]) -> tuple[int, ...]:
     if c.get("model_type") in ("mistral", "phi3") and "layer_types" not in c:
         return (int(window),) * layers
     kinds = c.get("layer_types")
+    if kinds is None and c.get("model_type") == "gemma2":
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if kinds is None:
         if not c.get("use_sliding_window", False):
             return ()

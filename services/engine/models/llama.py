@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3; SmolLM2 here) over a paged KV cache.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3; SmolLM2 here) over a paged KV cache.
 
 One call runs a ragged batch: the tokens of every scheduled chunk, flattened, go through
 the projections together (where batching pays); attention then runs per group: all
@@ -178,12 +178,12 @@ class LlamaModel:
         if any(self.windows) and plan.attention == "triton":
             raise ValueError("sliding_window: the Triton decode kernel has no sliding window yet; run this model "
                              "with --device cpu")
-        self.attention = Attention(plan.attention, config.attn_scale or d ** -0.5)
+        self.attention = Attention(plan.attention, config.attn_scale or d ** -0.5, config.attn_softcap)
         self.ops: Any = op_sets.load(plan.ops)      # add_rms_norm, rope_and_write_kv, silu_and_mul
         # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library
         # (decode_layer_q4: the same ops in the same order) when every layer's GEMMs are lossless q4.
         plain = not (config.qk_norm or any(self.windows) or config.layer_rope or config.sandwich_norms
-                     or self.dynamic
+                     or self.dynamic or config.attn_softcap
                      or config.embed_scale != 1.0 or config.activation != "silu")   # what decode_layer_q4 computes
         self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") \
             and plain else None
@@ -268,8 +268,13 @@ class LlamaModel:
         return ops.add_rms_norm(rows, update[logits_rows] if update is not None else None, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (S, H) -> (S, V) float32."""
-        return self.lm_head(hidden).float()
+        """hidden: (S, H) -> (S, V) float32 (soft-capped, Gemma 2)."""
+        return self.final_cap(self.lm_head(hidden).float())
+
+    def final_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping, in transformers' order: cap * tanh(logits / cap); no cap: logits."""
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     GREEDY_CANDIDATES = 64
 
@@ -278,10 +283,12 @@ class LlamaModel:
 
         The int8 head is within a small error of the fp32 logits, so the true argmax is among
         its top 64 unless 64 tokens tie within that error; the candidates are rescored in fp32
-        and, sorted by id, ties resolve to the lowest id exactly as a full argmax does."""
+        and, sorted by id, ties resolve to the lowest id exactly as a full argmax does.  The soft-cap (tanh,
+        monotonic) leaves the ranking alone, but the rescored values are capped as logits() caps them: where
+        tanh rounds two logits to one value, the lower id wins there too."""
         if self.approx_head is None or self.head_weight is None or hidden.shape[0] < self.greedy_min_rows:
             return None
         approx = self.approx_head(hidden.float())                                   # (S, V)
         candidates = approx.topk(self.GREEDY_CANDIDATES, dim=-1).indices.sort(dim=-1).values  # (S, K)
-        exact = torch.einsum("sh,skh->sk", hidden, self.head_weight[candidates])   # (S, K)
+        exact = self.final_cap(torch.einsum("sh,skh->sk", hidden, self.head_weight[candidates]).float())  # (S, K)
         return candidates.gather(1, exact.argmax(dim=-1, keepdim=True)).squeeze(1)
