@@ -91,6 +91,7 @@ class Result:
     failed: int = 0                  # requests that got an error (a 503, a broken stream) instead of tokens
     errors: list[str] = field(default_factory=list)   # the first few, for the log
     rss_mb: float = 0.0              # the server's processes, resident memory after the level ran
+    engine_rss_mb: float = 0.0       # of those, the engines' (llama-server: the one process)
     load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min load average when it finished
 
 
@@ -182,8 +183,9 @@ async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: i
                   failed=len(errors), errors=errors[:3])
 
 
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of `pid` and all its descendants (from /proc), in MB."""
+def tree_rss_mb(pid: int, only: str = "") -> float:
+    """Resident memory of `pid` and all its descendants (from /proc), in MB; with `only`, of those whose
+    command line holds it."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -196,6 +198,8 @@ def tree_rss_mb(pid: int) -> float:
         p = todo.pop()
         todo.extend(children.get(p, []))
         try:
+            if only and only.encode() not in Path(f"/proc/{p}/cmdline").read_bytes():
+                continue
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
@@ -230,8 +234,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def serve_and_sweep(command: list[str], base: str, model: str, chats: list[list[dict[str, str]]],
-                    levels: list[int], out: int, name: str, log: Path, env: dict[str, str] | None = None
-                    ) -> list[Result]:
+                    levels: list[int], out: int, name: str, log: Path, env: dict[str, str] | None = None,
+                    engine: str = "") -> list[Result]:
+    """`engine`: what the engines' command lines hold (their RSS apart); "" for a single-process server."""
     """Start the server once, then each concurrency level in turn (the first N chats)."""
     try:
         httpx.get(f"{base}/health", timeout=2)
@@ -249,6 +254,7 @@ def serve_and_sweep(command: list[str], base: str, model: str, chats: list[list[
             for i, n in enumerate(levels):
                 result = asyncio.run(drive(base, model, chats[:n], out, name, warm_up=i == 0))
                 result.rss_mb = tree_rss_mb(proc.pid)
+                result.engine_rss_mb = tree_rss_mb(proc.pid, engine) if engine else result.rss_mb
                 print(f"  {name}: {n} streams: {result.tokens_per_s:.1f} tok/s, TTFT p50 "
                       f"{percentile(result.ttft_ms, 50):.0f} ms, {result.failed} failed", flush=True)
                 for error in result.errors:
@@ -268,8 +274,24 @@ def run_mesh(args: argparse.Namespace, chats: list[list[dict[str, str]]], levels
     if args.dtype != "auto":
         command += ["--dtype", args.dtype]
     served = "smollm2-135m" if args.model == "default" else args.model
+    command += ["--kv-cache-mb", str(kv_cache_mb(served, CONTEXT))]
     return serve_and_sweep(command, f"http://127.0.0.1:{8000 + args.port_offset}", served, chats, levels,
-                           args.output_tokens, "infermesh", logdir / "infermesh.log")
+                           args.output_tokens, "infermesh", logdir / "infermesh.log", engine="services.engine")
+
+
+CONTEXT = 65536     # tokens of KV cache each server holds: llama-server's -c, the engine's --kv-cache-mb
+
+
+def kv_cache_mb(model: str, tokens: int) -> int:
+    """The engine's --kv-cache-mb for `tokens` of float16 K and V (the plan's CPU KV dtype), as llama-server's
+    f16 cache of -c tokens: the same context budget for both."""
+    from mesh.models import served_model
+
+    config = json.loads((Path(served_model(model)[1]) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 2
+    return max(1, per_token * tokens >> 20)
 
 
 def find_gguf(args: argparse.Namespace, workdir: Path) -> Path:
@@ -300,7 +322,7 @@ def run_llama_server(args: argparse.Namespace, binary: str, chats: list[list[dic
     (requests beyond 64 queue), a 64k-token f16 KV cache."""
     port = 8090 + args.port_offset
     threads = str(os.cpu_count() or 2)
-    command = [binary, "-m", str(find_gguf(args, logdir)), "-t", threads, "-np", "64", "-c", "65536",
+    command = [binary, "-m", str(find_gguf(args, logdir)), "-t", threads, "-np", "64", "-c", str(CONTEXT),
                "--cont-batching", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
     return serve_and_sweep(command, f"http://127.0.0.1:{port}", "smollm2", chats, levels, args.output_tokens,
                            "llama.cpp server", logdir / "llama-server.log")
@@ -339,22 +361,23 @@ def run_hf_batch(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]], 
 
 def report(results: list[Result]) -> list[str]:
     lines = [f"{'system':<26} {'streams':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-             f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>6} {'RSS MB':>7}   (ms)"]
+             f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>6} {'RSS MB':>7} {'engine':>7}   (ms)"]
     for r in results:
         lines.append(f"{r.system:<26} {r.streams:>7} {r.tokens_per_s:>9.1f} {percentile(r.ttft_ms, 50):>9.0f} "
                      f"{percentile(r.ttft_ms, 99):>9.0f} {percentile(r.tpot_ms, 50):>9.1f} "
-                     f"{percentile(r.tpot_ms, 99):>9.1f} {r.failed:>6} {r.rss_mb:>7.0f}")
+                     f"{percentile(r.tpot_ms, 99):>9.1f} {r.failed:>6} {r.rss_mb:>7.0f} {r.engine_rss_mb:>7.0f}")
     mesh = {r.streams: r for r in results if r.system == "infermesh"}
     peer = {r.streams: r for r in results if r.system == "llama.cpp server"}
     if mesh and peer:
         lines += ["", "| streams | llama-server tok/s | infermesh tok/s | ratio | TTFT p50 ms (llama / infermesh) "
-                      "| failed (llama / infermesh) |", "|---:|---:|---:|---:|---:|---:|"]
+                      "| failed (llama / infermesh) | RSS MB (llama / engine / mesh) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for n in sorted(set(mesh) & set(peer)):
             m, p = mesh[n], peer[n]
             ratio = m.tokens_per_s / p.tokens_per_s if p.tokens_per_s else math.nan
             lines.append(f"| {n} | {p.tokens_per_s:.1f} | {m.tokens_per_s:.1f} | {ratio:.2f}x | "
                          f"{percentile(p.ttft_ms, 50):.0f} / {percentile(m.ttft_ms, 50):.0f} | "
-                         f"{p.failed} / {m.failed} |")
+                         f"{p.failed} / {m.failed} | {p.rss_mb:.0f} / {m.engine_rss_mb:.0f} / {m.rss_mb:.0f} |")
     by_name = {r.system: r for r in results if r.system not in ("infermesh", "llama.cpp server")}
     if mesh and by_name:
         first = mesh[min(mesh)]
