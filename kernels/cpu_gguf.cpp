@@ -73,40 +73,6 @@ constexpr int64_t kAmxMinRows = 8;     // from this many rows on, AMX tiles wher
 #define GGUF_ZMM 1
 #endif
 
-void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out) {
-  const int64_t nb = k / kBlock;
-  out.t = t, out.k = k, out.nb = nb;
-  out.q.resize(static_cast<size_t>(t * k));
-  out.d.resize(static_cast<size_t>(t * nb));
-  out.s16.resize(static_cast<size_t>(t * nb * 2));
-  for (int64_t i = 0; i < t * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    int8_t* qb = out.q.data() + i * kBlock;
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-#if defined(__AVX2__)
-    const __m256 idv = _mm256_set1_ps(id);
-    __m256i v[4];
-    for (int h = 0; h < 4; ++h)     // cvtps_epi32 rounds to nearest even (MXCSR's default)
-      v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), idv));
-    // packs interleave 128-bit lanes: (0,1) -> 0 2 1 3 order in 32-bit groups; permute back.
-    const __m256i w16a = _mm256_packs_epi32(v[0], v[1]), w16b = _mm256_packs_epi32(v[2], v[3]);
-    __m256i w8 = _mm256_packs_epi16(w16a, w16b);
-    w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), w8);
-#else
-    for (int j = 0; j < kBlock; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-#endif
-    int32_t sum[2] = {0, 0};
-    for (int j = 0; j < kBlock; ++j) sum[j / 16] += qb[j];
-    out.d[static_cast<size_t>(i)] = d;
-    out.s16[static_cast<size_t>(2 * i)] = sum[0];
-    out.s16[static_cast<size_t>(2 * i + 1)] = sum[1];
-  }
-}
-
 // The per-row vectors the column loop reads (built once per call for the kind's offset):
 struct Lanes {
   std::vector<int32_t> init;   // -offset * the sum of the 4 qx whose products each dpbusd lane sums, so that

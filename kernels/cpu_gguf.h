@@ -1,5 +1,6 @@
-// Shared by cpu_gguf.cpp (the op, small row counts) and cpu_gguf_amx.cpp (AMX tiles): the GGUF block
-// kinds, their decoding, and the quantized activations.  Include after cpu_common.h, at global scope.
+// Shared by cpu_gguf.cpp (the op, small row counts), cpu_gguf_x.cpp (the activations) and cpu_gguf_amx.cpp
+// (AMX tiles): the GGUF block kinds, their decoding, and the quantized activations.  Include after
+// cpu_common.h, at global scope.
 //
 // Every kind decodes, per 32 weights (a "block" here; K-quants hold 8 of them in a 256-weight
 // super-block), to 32 unsigned bytes u, a float scale a per "unit" and, for Q4_K / Q5_K, a float c:
@@ -26,6 +27,8 @@ struct QuantizedX {
   std::vector<int32_t> s16;             // (T, 2 nb) the sum of qx over each 16 elements
 };
 
+// Fills `out` from x (T, K) (cpu_gguf_x.cpp).
+void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out);
 // Whether this build has the AMX path and the OS lets this process use AMX tiles (asked once).
 bool amx_usable();
 // out (T, N) = x W^T by AMX-INT8 tiles; w is N rows of K / 32 blocks of `kind`.

@@ -90,27 +90,28 @@ struct ColumnTile {
   std::vector<int8_t> a;     // (nb, 16, 32): block b of column c, signed
   std::vector<float> scale;  // (units, 16)
   std::vector<float> c;      // (nb, 16)
-  alignas(64) int32_t cb[2][kTile * kTile];
+  alignas(64) int32_t cb[4][kTile * kTile];     // two steps' two C tiles: one step stored while the last adds
   alignas(64) float acc[kTile * kTile];
 };
 
 template <int64_t KIND>
 void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t cols, ColumnTile& s) {
   using K = Kind<KIND>;
-  constexpr int64_t upb = K::halves ? 2 : 1, per_chunk = K::weights == kBlock ? kChunk : 1;
+  constexpr int64_t upb = K::halves ? 2 : 1;
   if (cols < kTile) {        // the last tile's missing columns: zero weights and scales
     std::fill(s.a.begin(), s.a.end(), 0);
     std::fill(s.scale.begin(), s.scale.end(), 0.0f);
     std::fill(s.c.begin(), s.c.end(), 0.0f);
   }
-  for (int64_t col = 0; col < cols; ++col) {
-    const uint8_t* wc = w + col * row_bytes;
-    for (int64_t b0 = 0; b0 < nb; b0 += kChunk, wc += K::bytes * per_chunk) {
-      const int blocks = static_cast<int>(std::min<int64_t>(kChunk, nb - b0));
-      decode<KIND, true>(wc, blocks, reinterpret_cast<uint8_t*>(s.a.data() + (b0 * kTile + col) * kBlock),
+  // Chunk by chunk, all columns: a chunk's 4 KB of A stays in L1 while its 16 columns fill it (column
+  // by column, the 512-byte stride would cycle 8 cache sets and miss on every store).
+  for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kChunk, nb - b0));
+    for (int64_t col = 0; col < cols; ++col)
+      decode<KIND, true>(w + col * row_bytes + b0 * kBlock / K::weights * K::bytes,
+                         blocks, reinterpret_cast<uint8_t*>(s.a.data() + (b0 * kTile + col) * kBlock),
                          kTile * kBlock, s.scale.data() + b0 * upb * kTile + col, kTile,
                          K::mins ? s.c.data() + b0 * kTile + col : nullptr, kTile);
-    }
   }
 }
 
@@ -148,15 +149,24 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
     return s.a.data() + (K::halves ? (u / 2) * kTile * kBlock + (u % 2) * 16 : u * kTile * kBlock);
   };
   const __m512i gather = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  for (int64_t n0 = begin * kTile; n0 < std::min(n, end * kTile); n0 += kTile) {
+  const int64_t stop = std::min(n, end * kTile), steps = tx.tiles * ((units + 1) / 2);
+  for (int64_t n0 = begin * kTile; n0 < stop; n0 += kTile) {
     const int64_t cols = std::min(kTile, n - n0);
     decode_tile<KIND>(w + n0 * row_bytes, row_bytes, nb, cols, s);
+    // The next tile's rows (contiguous) are fetched into L2 while this one multiplies: the decode above
+    // would otherwise wait on memory with no arithmetic beside it.
+    const char* ahead = reinterpret_cast<const char*>(w + (n0 + cols) * row_bytes);
+    const char* ahead_end = reinterpret_cast<const char*>(w + std::min(stop, n0 + cols + kTile) * row_bytes);
+    const int64_t per_step = (ahead_end - ahead + 64 * steps - 1) / (64 * steps);
     for (int64_t rt = 0; rt < tx.tiles; ++rt) {
       const int8_t* bx = tx.b.data() + rt * nb * 512;
       __m512 acc[kTile];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      int64_t u = 0;
+      // Step i multiplies units 2 i and 2 i + 1 into cb[2 (i % 2)...] while step i - 1's C tiles are added.
+      int64_t u = 0, last = -1;
       for (; u + 2 <= units; u += 2) {
+        int32_t* cb = s.cb[2 * ((u / 2) % 2)];
+        for (int64_t i = 0; i < per_step && ahead < ahead_end; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
         _tile_loadd(0, a_at(u), kBlock);
         _tile_loadd(1, bx + u * uk * 16, 64);
         _tile_zero(2);
@@ -165,10 +175,19 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
         _tile_zero(5);
         _tile_dpbssd(2, 0, 1);
         _tile_dpbssd(5, 3, 4);
-        _tile_stored(2, s.cb[0], 64);
-        _tile_stored(5, s.cb[1], 64);
-        add_unit<K::mins>(s.cb[0], tx, s, rt, u, acc);
-        add_unit<K::mins>(s.cb[1], tx, s, rt, u + 1, acc);
+        _tile_stored(2, cb, 64);
+        _tile_stored(5, cb + kTile * kTile, 64);
+        if (last >= 0) {
+          const int32_t* prev = s.cb[2 * ((last / 2) % 2)];
+          add_unit<K::mins>(prev, tx, s, rt, last, acc);
+          add_unit<K::mins>(prev + kTile * kTile, tx, s, rt, last + 1, acc);
+        }
+        last = u;
+      }
+      if (last >= 0) {
+        const int32_t* prev = s.cb[2 * ((last / 2) % 2)];
+        add_unit<K::mins>(prev, tx, s, rt, last, acc);
+        add_unit<K::mins>(prev + kTile * kTile, tx, s, rt, last + 1, acc);
       }
       if (u < units) {
         _tile_loadd(0, a_at(u), kBlock);
