@@ -1,27 +1,35 @@
-// GGUF Q8_0 / Q5_0 weight blocks, exactly as a GGUF file stores them, times int8-quantized activations
-// (as llama.cpp multiplies them); built with cpu_ops.cpp into one library by kernels/cpu_ops.py.
+// GGUF weight blocks, exactly as a GGUF file stores them, times int8-quantized activations (as
+// llama.cpp multiplies them); built with the other CPU sources into one library by kernels/cpu_ops.py.
 //
-// gguf_linear(x (T, K) float32, blocks (N, K/32 * bytes) uint8, kind, out (T, N)! float32):
-//   out = x W^T where W's rows are N rows of K/32 blocks of kind 8 (Q8_0) or 5 (Q5_0).
+// gguf_linear(x (T, K) float32, blocks (N, K / 32 * bytes) uint8, kind, out (T, N)! float32):
+//   out = x W^T where W's rows are N rows of blocks of `kind`, a GGML type id:
+//   Q5_0 = 6 (22 bytes / 32 weights), Q8_0 = 8 (34 / 32), Q4_K = 12 (144 / 256), Q5_K = 13 (176 / 256),
+//   Q6_K = 14 (210 / 256).  K-quants need K a multiple of 256.
 //
 // Block layouts (gguf-py's gguf.quants dequantizes them; kernels/gguf_blocks.py is the torch reference):
-//   Q8_0: 34 bytes = fp16 d, 32 int8 q; weight j is d * q[j].
-//   Q5_0: 22 bytes = fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 has the 4 low bits
-//         qs[j] & 15, element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i
-//         is d * (q[i] - 16).
+//   Q8_0: fp16 d, 32 int8 q; weight j is d * q[j].
+//   Q5_0: fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 has the 4 low bits qs[j] & 15,
+//         element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i is d * (q[i] - 16).
+//   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] (cpu_gguf.h's scale_min_k4),
+//         128 bytes qs: sub-block 2g + s (32 weights) is qs[32 g + l] >> 4 s & 15; w = d sc q - dmin m.
+//   Q5_K: as Q4_K with 32 bytes qh after the scales: bit j of qh[l] is the 5th bit of sub-block j's l.
+//   Q6_K: 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d; element 128 h + 32 g + l
+//         is (ql[64 h + 32 (g & 1) + l] >> 4 (g >> 1)) & 15 | ((qh[32 h + l] >> 2 g) & 3) << 4;
+//         w = d * sc * (q - 32).
 //
 // x is quantized once per call, per row and per 32-element block, as llama.cpp's Q8_0 activations are:
 // dx = max|x| / 127, qx = round(x * (1 / dx)) (to nearest even), kept with a float32 dx (not fp16).  Each
-// block's integer dot product sum(q_w * qx) is exact in int32; the row's sum adds dw * dx * dot in float.
+// block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum adds scale * dx * dot
+// (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
 //
-// The unsigned-by-signed byte products (VNNI's dpbusd, AVX2's maddubs) take the weight as the unsigned
-// operand with an offset: Q5_0's q in 0..31 (offset 16), Q8_0's q + 128 (q ^ 0x80, offset 128) under VNNI;
-// the offset times the block's sum of qx, precomputed per activation block, is taken off in the integer
-// sum.  AVX2's maddubs would saturate Q8_0's offset pairs, so that path moves the weight's sign onto
-// qx instead (|q| unsigned, sign(qx, q)), as llama.cpp does.
-//
-// Paths: VNNI (AVX512-VNNI + VL's 256-bit dpbusd, else AVX-VNNI), AVX2, portable scalar; kernels/cpu_ops.py
-// picks the flags.
+// Paths.  Up to kAmxMinRows rows (or without AMX): per output column, 8 (AVX-512) or 4 rows at a time
+// share each decoded block.  The weight is the unsigned operand of VNNI's dpbusd / AVX2's maddubs, with
+// an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the activations is taken
+// off in each lane's integer sum (so every lane holds an exact partial dot product); AVX2 would saturate Q8_0's offset pairs, so there the weight's
+// sign moves onto qx instead (|q| unsigned, sign(qx, q)), as llama.cpp does.  Paths: AVX512-VNNI (two
+// blocks per 512-bit vector), VNNI on 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.
+// Above that, AMX-INT8 tiles where the CPU and OS allow them (cpu_gguf_amx.cpp).  kernels/cpu_ops.py
+// picks the compiler flags (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -42,17 +50,18 @@
 #endif
 
 namespace {
-
 #include "cpu_common.h"
+}  // namespace
+#include "cpu_gguf.h"
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ8Bytes = 34;
-constexpr int64_t kQ5Bytes = 22;
+namespace {
+
 #if defined(__AVX512F__)
 constexpr int kRows = 8;          // rows of x multiplied by one decoded weight block at a time
 #else
 constexpr int kRows = 4;
 #endif
+constexpr int64_t kAmxMinRows = 8;     // from this many rows on, AMX tiles where usable
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
@@ -64,258 +73,230 @@ constexpr int kRows = 4;
 #define GGUF_ZMM 1
 #endif
 
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return half_bits_to_float(h);
-}
-
-// The activations, quantized: per row K int8 q, and per block the float scale and -offset * sum(q).
-struct QuantizedX {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> corr;
-#if defined(GGUF_ZMM)
-  // Per row and pair of blocks (the last one half empty when K / 32 is odd), 16 lanes each: the dot
-  // products' starting values (corr in lanes 0 and 8, else 0) and the scales dx (lanes 0-7 block b's,
-  // 8-15 block b + 1's).
-  std::vector<int32_t> init;
-  std::vector<float> scale;
-#endif
+// The per-row vectors the column loop reads (built once per call for the kind's offset):
+struct Lanes {
+  std::vector<int32_t> init;   // -offset * the sum of the 4 qx whose products each dpbusd lane sums, so that
+                               // every lane holds its own exact partial dot product (taking the offset off
+                               // in one lane would leave float32 to cancel it across lanes): (T, K / 4)
+  std::vector<float> scale;    // ZMM: (T, pairs, 16), dx of block 2 p in lanes 0-7, of block 2 p + 1 in 8-15
+  std::vector<float> ds;       // (T, nb) dx * sum(qx), for Q4_K / Q5_K's mins
 };
 
-void quantize_rows(const float* x, int64_t t, int64_t k, int32_t offset, QuantizedX& out) {
-  const int64_t nb = k / kBlock;
-  out.q.resize(static_cast<size_t>(t * k));
-  out.d.resize(static_cast<size_t>(t * nb));
-  out.corr.resize(static_cast<size_t>(t * nb));
-  for (int64_t i = 0; i < t * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    int8_t* qb = out.q.data() + i * kBlock;
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-#if defined(__AVX2__)
-    const __m256 idv = _mm256_set1_ps(id);
-    __m256i v[4];
-    for (int h = 0; h < 4; ++h)     // cvtps_epi32 rounds to nearest even (MXCSR's default)
-      v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), idv));
-    // packs interleave 128-bit lanes: (0,1) -> 0 2 1 3 order in 32-bit groups; permute back.
-    const __m256i w16a = _mm256_packs_epi32(v[0], v[1]), w16b = _mm256_packs_epi32(v[2], v[3]);
-    __m256i w8 = _mm256_packs_epi16(w16a, w16b);
-    w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), w8);
-    for (int j = 0; j < kBlock; ++j) sum += qb[j];
-#else
-    for (int j = 0; j < kBlock; ++j) {
-      qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-      sum += qb[j];
-    }
-#endif
-    out.d[static_cast<size_t>(i)] = d;
-    out.corr[static_cast<size_t>(i)] = -offset * sum;
-  }
+Lanes lanes_for(const QuantizedX& qx, int64_t offset, bool mins) {
+  Lanes out;
+  const int64_t t = qx.t, nb = qx.nb;
 #if defined(GGUF_ZMM)
   const int64_t pairs = (nb + 1) / 2;
-  out.init.assign(static_cast<size_t>(t * pairs * 16), 0);
   out.scale.assign(static_cast<size_t>(t * pairs * 16), 0.0f);
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const size_t at = static_cast<size_t>((r * pairs + b / 2) * 16 + (b % 2) * 8);
-      out.init[at] = out.corr[static_cast<size_t>(r * nb + b)];
-      std::fill_n(out.scale.begin() + static_cast<std::ptrdiff_t>(at), 8, out.d[static_cast<size_t>(r * nb + b)]);
-    }
+  for (int64_t i = 0; i < t * nb; ++i) {
+    const int64_t r = i / nb, b = i % nb;
+    std::fill_n(out.scale.begin() + ((r * pairs + b / 2) * 16 + (b % 2) * 8), 8, qx.d[static_cast<size_t>(i)]);
+  }
 #endif
+  if (offset) {
+    // Rows padded to whole pairs (an odd last block's partner lanes read zeros).
+    const int64_t width = (nb + 1) / 2 * 16;
+    out.init.assign(static_cast<size_t>(t * width), 0);
+    for (int64_t r = 0; r < t; ++r)
+      for (int64_t l = 0; l < qx.k / 4; ++l) {
+        const int8_t* q = qx.q.data() + r * qx.k + 4 * l;
+        out.init[static_cast<size_t>(r * width + l)] = static_cast<int32_t>(-offset * (q[0] + q[1] + q[2] + q[3]));
+      }
+  }
+  if (mins) {
+    out.ds.resize(static_cast<size_t>(t * nb));
+    for (int64_t i = 0; i < t * nb; ++i)
+      out.ds[static_cast<size_t>(i)] = qx.d[static_cast<size_t>(i)] *
+          static_cast<float>(qx.s16[static_cast<size_t>(2 * i)] + qx.s16[static_cast<size_t>(2 * i + 1)]);
+  }
+  return out;
 }
 
-#if defined(__AVX2__)
-inline float hsum8(__m256 s) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
+// One column's decoded chunk of up to 8 blocks.
+struct Decoded {
+  alignas(64) uint8_t u[kChunk][kBlock];
+  alignas(64) float a[2 * kChunk];      // per unit: a block, or a Q6_K half-block
+  alignas(32) float c[kChunk];
+};
 
-// Q5_0's 32 unsigned 5-bit q (0..31) in byte order 0..31.
-inline __m256i q5_unsigned(const uint8_t* blk) {
-  uint32_t qh;
-  std::memcpy(&qh, blk + 2, 4);
-  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  const __m256i bits = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
-#else
-  // byte i = 0xFF where bit i of qh is set (llama.cpp's bytes_from_bits_32)
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  const __m256i bits = _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
-#endif
-  return _mm256_or_si256(nib, bits);
-}
-#endif
-
-// out[r * ldo] = x[r] . W[n] for R rows of quantized x starting at row r0, W[n] being nb blocks at w.
-template <int R, bool Q8>
-inline void dot_rows(const QuantizedX& qx, int64_t r0, int64_t nb, const uint8_t* w, float* out, int64_t ldo) {
-  const int64_t bytes = Q8 ? kQ8Bytes : kQ5Bytes;
-  const int8_t* q = qx.q.data() + r0 * nb * kBlock;
-  const float* dx = qx.d.data() + r0 * nb;
-  const int32_t* corr = qx.corr.data() + r0 * nb;
+// out[r * ldo] = x[r0 + r] . W[n] for R rows, W[n] being the row of blocks at w.
+template <int64_t KIND, int R>
+void dot_rows(const QuantizedX& qx, const Lanes& ln, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
+  using K = Kind<KIND>;
+  constexpr int units = K::halves ? 2 : 1;
+  const int64_t nb = qx.nb, k = qx.k;
+  const int8_t* q = qx.q.data() + r0 * k;
+  Decoded dec{};     // zeros: an odd last block's partner lanes read finite scales
+  float mins[R] = {};
 #if defined(GGUF_ZMM)
-  (void)dx;
-  (void)corr;
   const int64_t pairs = (nb + 1) / 2;
-  const int32_t* init = qx.init.data() + r0 * pairs * 16;
-  const float* scale = qx.scale.data() + r0 * pairs * 16;
+  // unit i's scale over the lanes its sums land in: a block's 8 lanes, or a half-block's 4
+  const __m512i spread = K::halves ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                   : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p, w += 2 * bytes) {
-    const bool two = 2 * p + 1 < nb;       // else the last block alone, the upper half zero
-    const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(w)),
-                                           _mm512_set1_ps(two ? half_at(w + bytes) : 0.0f));
-    __m512i u;
-    if constexpr (Q8) {
-      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-      const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2)), flip);
-      const __m256i hi = two ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + bytes + 2)),
-                                                flip)
-                             : _mm256_setzero_si256();
-      u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    } else {
-      u = _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned(w)),
-                             two ? q5_unsigned(w + bytes) : _mm256_setzero_si256(), 1);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xs = q + (r * nb + 2 * p) * kBlock;
-      const __m512i s = two ? _mm512_loadu_si512(xs)
-                            : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + (r * pairs + p) * 16), u, s);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_loadu_ps(scale + (r * pairs + p) * 16)),
-                               acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 #elif defined(__AVX2__)
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-#if !defined(GGUF_DPBUSD)
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    const float dw = half_at(w);
-#if defined(GGUF_DPBUSD)
-    const __m256i u = Q8 ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2)),
-                                            _mm256_set1_epi8(static_cast<char>(0x80)))
-                         : q5_unsigned(w);
-    for (int r = 0; r < R; ++r) {
-      const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (r * nb + b) * kBlock));
-      const __m256i init = _mm256_zextsi128_si256(_mm_cvtsi32_si128(corr[r * nb + b]));
-      const __m256i dot = GGUF_DPBUSD(init, u, s);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[r * nb + b]), acc[r]);
-    }
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
 #else
-    if constexpr (Q8) {
-      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-      const __m256i aw = _mm256_sign_epi8(wq, wq);       // |q| as unsigned: -128 -> 128
-      for (int r = 0; r < R; ++r) {
-        const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (r * nb + b) * kBlock));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(s, wq)), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[r * nb + b]), acc[r]);
-      }
-    } else {
-      const __m256i u = q5_unsigned(w);
-      for (int r = 0; r < R; ++r) {
-        const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (r * nb + b) * kBlock));
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);     // pairs: 2 * 31 * 127, no saturation
-        dot = _mm256_add_epi32(dot, _mm256_zextsi128_si256(_mm_cvtsi32_si128(corr[r * nb + b])));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[r * nb + b]), acc[r]);
-      }
-    }
-#endif
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum8(acc[r]);
-#else
-  (void)corr;
   float acc[R] = {};
-  int32_t wq[kBlock];
-  for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    const float dw = half_at(w);
-    if constexpr (Q8) {
-      for (int j = 0; j < kBlock; ++j) wq[j] = static_cast<int8_t>(w[2 + j]);
-    } else {
-      uint32_t qh;
-      std::memcpy(&qh, w + 2, 4);
-      for (int j = 0; j < 16; ++j) {
-        wq[j] = static_cast<int32_t>((w[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16;
-        wq[j + 16] = static_cast<int32_t>((w[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+#endif
+  for (int64_t b0 = 0; b0 < nb; b0 += kChunk, w += Kind<KIND>::bytes * (K::weights == kBlock ? kChunk : 1)) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kChunk, nb - b0));
+    decode<KIND, false>(w, blocks, dec.u[0], kBlock, dec.a, 1, dec.c, 1);
+#if defined(GGUF_ZMM)
+    for (int j = 0; j < blocks; j += 2) {
+      const bool two = j + 1 < blocks;       // else the last block alone, the upper half zero
+      const int64_t p = (b0 + j) / 2;
+      const __m512i u = two ? _mm512_loadu_si512(dec.u[j]) : _mm512_zextsi256_si512(load32(dec.u[j]));
+      const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dec.a + units * j)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xs = q + r * k + (b0 + j) * kBlock;
+        const __m512i s = two ? _mm512_loadu_si512(xs)
+                              : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs)));
+        const __m512i init = K::offset ? _mm512_loadu_si512(ln.init.data() + (r0 + r) * pairs * 16 + p * 16)
+                                       : _mm512_setzero_si512();
+        const __m512i dot = _mm512_dpbusd_epi32(init, u, s);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                 _mm512_mul_ps(dw, _mm512_loadu_ps(ln.scale.data() + ((r0 + r) * pairs + p) * 16)), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* s = q + (r * nb + b) * kBlock;
-      int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += wq[j] * s[j];
-      acc[r] += dw * dx[r * nb + b] * static_cast<float>(dot);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
+#elif defined(__AVX2__)
+    for (int j = 0; j < blocks; ++j) {
+      const int64_t b = b0 + j;
+      const __m256i u = load32(dec.u[j]);
+      __m256 dw = _mm256_set1_ps(dec.a[units * j]);
+      if constexpr (K::halves)
+        dw = _mm256_blend_ps(dw, _mm256_set1_ps(dec.a[2 * j + 1]), 0xF0);
+#if !defined(GGUF_DPBUSD)
+      [[maybe_unused]] const __m256i wq = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
+      for (int r = 0; r < R; ++r) {
+        const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * k + b * kBlock));
+        const __m256i init = K::offset ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             ln.init.data() + (r0 + r) * ((nb + 1) / 2 * 16) + b * 8))
+                                       : _mm256_setzero_si256();
+#if defined(GGUF_DPBUSD)
+        const __m256i dot = GGUF_DPBUSD(init, u, s);
+#else
+        __m256i dot;
+        if constexpr (KIND == kQ8_0)      // |q| as unsigned (-128 -> 128), q's sign onto qx
+          dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(s, wq)), ones);
+        else                              // pairs: at most 2 * 63 * 127, no saturation
+          dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones), init);
+#endif
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[(r0 + r) * nb + b])),
+                                 acc[r]);
+      }
+    }
+#else
+    for (int j = 0; j < blocks; ++j) {
+      const int64_t b = b0 + j;
+      for (int r = 0; r < R; ++r) {
+        const int8_t* s = q + r * k + b * kBlock;
+        float sum = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int l = 16 * h; l < 16 * h + 16; ++l) dot += (static_cast<int32_t>(dec.u[j][l]) - K::offset) * s[l];
+          sum += dec.a[units * j + (K::halves ? h : 0)] * static_cast<float>(dot);
+        }
+        acc[r] += qx.d[(r0 + r) * nb + b] * sum;
+      }
+    }
+#endif
+    if constexpr (K::mins)      // K-quant chunks are whole super-blocks
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kChunk; ++j) mins[r] += dec.c[j] * ln.ds[(r0 + r) * nb + b0 + j];
+  }
+  for (int r = 0; r < R; ++r) {
+#if defined(GGUF_ZMM)
+    out[r * ldo] = _mm512_reduce_add_ps(acc[r]) + mins[r];
+#elif defined(__AVX2__)
+    out[r * ldo] = hsum(acc[r]) + mins[r];
+#else
+    out[r * ldo] = acc[r] + mins[r];
+#endif
+  }
 }
 
 // A row count below kRows for the remainder's dispatch (counts at or above kRows never reach it).
 constexpr int tail(int rows) { return rows < kRows ? rows : 1; }
 
-template <bool Q8>
-void column(const QuantizedX& qx, int64_t t, int64_t nb, const uint8_t* w, float* out, int64_t n) {
-  int64_t r = 0;
-  for (; r + kRows <= t; r += kRows) dot_rows<kRows, Q8>(qx, r, nb, w, out + r * n, n);
-  switch (t - r) {
-    case 7: dot_rows<tail(7), Q8>(qx, r, nb, w, out + r * n, n); break;
-    case 6: dot_rows<tail(6), Q8>(qx, r, nb, w, out + r * n, n); break;
-    case 5: dot_rows<tail(5), Q8>(qx, r, nb, w, out + r * n, n); break;
-    case 4: dot_rows<tail(4), Q8>(qx, r, nb, w, out + r * n, n); break;
-    case 3: dot_rows<3, Q8>(qx, r, nb, w, out + r * n, n); break;
-    case 2: dot_rows<2, Q8>(qx, r, nb, w, out + r * n, n); break;
-    case 1: dot_rows<1, Q8>(qx, r, nb, w, out + r * n, n); break;
-    default: break;
+template <int64_t KIND>
+void columns(const QuantizedX& qx, const Lanes& ln, const uint8_t* w, int64_t row_bytes, float* out, int64_t n,
+             int64_t begin, int64_t end) {
+  const int64_t t = qx.t;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* wj = w + j * row_bytes;
+    float* o = out + j;
+    int64_t r = 0;
+    for (; r + kRows <= t; r += kRows) dot_rows<KIND, kRows>(qx, ln, r, wj, o + r * n, n);
+    switch (t - r) {
+      case 7: dot_rows<KIND, tail(7)>(qx, ln, r, wj, o + r * n, n); break;
+      case 6: dot_rows<KIND, tail(6)>(qx, ln, r, wj, o + r * n, n); break;
+      case 5: dot_rows<KIND, tail(5)>(qx, ln, r, wj, o + r * n, n); break;
+      case 4: dot_rows<KIND, tail(4)>(qx, ln, r, wj, o + r * n, n); break;
+      case 3: dot_rows<KIND, 3>(qx, ln, r, wj, o + r * n, n); break;
+      case 2: dot_rows<KIND, 2>(qx, ln, r, wj, o + r * n, n); break;
+      case 1: dot_rows<KIND, 1>(qx, ln, r, wj, o + r * n, n); break;
+      default: break;
+    }
   }
 }
 
+template <int64_t KIND>
+void vector_linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+  const Lanes ln = lanes_for(qx, Kind<KIND>::offset, Kind<KIND>::mins);
+  const int64_t row_bytes = qx.k / Kind<KIND>::weights * Kind<KIND>::bytes;
+  // Output features split evenly across threads; each thread streams its rows of W once.
+  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  const int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
+  torch::stable::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    columns<KIND>(qx, ln, w, row_bytes, out, n, begin, end);
+  });
+}
+
+struct KindInfo {
+  int64_t id;
+  const char* name;
+  int64_t bytes, weights;
+  void (*linear)(const QuantizedX&, const uint8_t*, int64_t, float*);
+};
+
+constexpr KindInfo kKinds[] = {
+    {kQ5_0, "Q5_0", 22, 32, &vector_linear<kQ5_0>},   {kQ8_0, "Q8_0", 34, 32, &vector_linear<kQ8_0>},
+    {kQ4_K, "Q4_K", 144, 256, &vector_linear<kQ4_K>}, {kQ5_K, "Q5_K", 176, 256, &vector_linear<kQ5_K>},
+    {kQ6_K, "Q6_K", 210, 256, &vector_linear<kQ6_K>},
+};
+
 void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
   const char* op = "gguf_linear";
-  CHECK(kind == 8 || kind == 5, op, ": kind must be 8 (Q8_0) or 5 (Q5_0), got ", kind);
+  const KindInfo* info = nullptr;
+  for (const KindInfo& candidate : kKinds)
+    if (candidate.id == kind) info = &candidate;
+  CHECK(info != nullptr, op, ": kind must be 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", kind);
   check_float(x, op, "x", 2);
   check_contiguous(x, op, "x");
   check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
   check_contiguous(blocks, op, "blocks");
   check_float(out, op, "out", 2);
   check_contiguous(out, op, "out");
-  const bool q8 = kind == 8;
-  const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), bytes = q8 ? kQ8Bytes : kQ5Bytes;
-  CHECK(k % kBlock == 0, op, ": in_features ", k, " is not a multiple of ", kBlock);
-  const int64_t nb = k / kBlock;
-  CHECK(blocks.size(1) == nb * bytes, op, ": blocks ", str(blocks.sizes()), " do not hold rows of ", nb, " ",
-        q8 ? "Q8_0" : "Q5_0", " blocks of ", bytes, " bytes (in_features ", k, ")");
+  const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0);
+  CHECK(k % info->weights == 0, op, ": in_features ", k, " is not a multiple of ", info->weights,
+        info->weights == kBlock ? "" : " (a K-quant super-block)");
+  const int64_t nb = k / info->weights;
+  CHECK(blocks.size(1) == nb * info->bytes, op, ": blocks ", str(blocks.sizes()), " do not hold rows of ", nb, " ",
+        info->name, " blocks of ", info->bytes, " bytes (in_features ", k, ")");
   CHECK(out.size(0) == t && out.size(1) == n, op, ": out must have shape (", t, ", ", n, "), got ",
         str(out.sizes()));
   if (t == 0 || n == 0) return;
   QuantizedX qx;
-  quantize_rows(x.const_data_ptr<float>(), t, k, q8 ? 128 : 16, qx);
-  const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
-  float* yp = out.mutable_data_ptr<float>();
-  // Output features split evenly across threads; each thread streams its rows of W once.
-  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
-  const int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
-  torch::stable::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      if (q8)
-        column<true>(qx, t, nb, wp + j * nb * bytes, yp + j, n);
-      else
-        column<false>(qx, t, nb, wp + j * nb * bytes, yp + j, n);
-    }
-  });
+  quantize_rows(x.const_data_ptr<float>(), t, k, qx);
+  if (t >= kAmxMinRows && amx_usable())
+    amx_linear(kind, qx, blocks.const_data_ptr<uint8_t>(), n, out.mutable_data_ptr<float>());
+  else
+    info->linear(qx, blocks.const_data_ptr<uint8_t>(), n, out.mutable_data_ptr<float>());
 }
 
 }  // namespace

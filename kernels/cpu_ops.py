@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_layer.cpp"),
-           Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gguf.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"))
+           Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gguf.cpp"),
+           Path(__file__).with_name("cpu_gguf_x.cpp"), Path(__file__).with_name("cpu_gguf_amx.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"),
+           Path(__file__).with_name("cpu_gguf.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"
 
 _lock = threading.Lock()
@@ -81,9 +83,10 @@ def _command(compiler: str, output: Path) -> list[str]:
 
 
 def _isa_flags() -> list[str]:
-    """The vector paths this CPU runs (AVX-512, else AVX2; with VNNI where the CPU has it), else none: the
-    portable loops.
-    `INFERMESH_CPU_ISA=avx2|avxvnni|portable` builds a lower one (to test those paths on a bigger CPU)."""
+    """The vector paths this CPU runs (AVX-512, else AVX2; with VNNI where the CPU has it; AMX-INT8 tiles
+    for cpu_gguf_amx.cpp), else none: the portable loops.
+    `INFERMESH_CPU_ISA=avx512|avx2|avxvnni|portable` builds a lower one (to test those paths on a bigger
+    CPU; avx512 is everything but AMX)."""
     flags, wanted = _cpu_flags(), os.environ.get("INFERMESH_CPU_ISA", "native")
     avx2 = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
     if wanted == "portable" or not avx2:
@@ -95,7 +98,9 @@ def _isa_flags() -> list[str]:
     # VNNI's byte dot products (cpu_gguf.cpp's int8 activations): AVX512-VNNI, else AVX-VNNI
     vnni = ["-mavxvnni"] if "avx_vnni" in flags else []
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", *(["-mavx512vnni"] if "avx512_vnni" in flags else vnni)]
+        amx = ["-mamx-tile", "-mamx-int8"] if wanted != "avx512" and {"amx_tile", "amx_int8"} <= flags else []
+        return [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl",
+                *(["-mavx512vnni"] if "avx512_vnni" in flags else vnni), *amx]
     return [*avx2, *vnni]
 
 

@@ -1,58 +1,90 @@
-"""GGUF Q8_0 / Q5_0 weight blocks, kept exactly as the GGUF stores them, for the CPU library's
-`gguf_linear` (kernels/cpu_gguf.cpp): taking them out of a GGUF tensor, the op's Python wrapper, and
-the torch references the tests hold it to.
+"""GGUF weight blocks, kept exactly as the GGUF stores them, for the CPU library's `gguf_linear`
+(kernels/cpu_gguf.cpp, cpu_gguf_amx.cpp): taking them out of a GGUF tensor, the op's Python wrapper,
+and the torch references the tests hold it to.
+
+Kinds are GGML type ids (gguf-py's GGMLQuantizationType): Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+Q6_K = 14; `KINDS` holds each one's bytes per block and weights per block (32, or a K-quant's
+256-weight super-block: in_features must be a multiple of it).
 
 The op multiplies the blocks with activations quantized to int8 per 32-element block, as llama.cpp
 does: dx = max|x| / 127 (float32), qx = round(x * (1 / dx)) to nearest even.  Each block's integer
-dot product is exact; the sum over blocks of dw * dx * dot runs in float32.  So the op differs from
-the float product x @ W^T by the activations' quantization (at most dx / 2 per element, relative
-2^-8 of the block's largest |x|), and from `gguf_linear_reference` (which quantizes x the same way)
-only by float rounding.
+dot product is exact; the sum over blocks of scale * dx * dot (and K-quant mins' terms) runs in
+float32.  So the op differs from the float product x @ W^T by the activations' quantization (at most
+dx / 2 per element, relative 2^-8 of the block's largest |x|), and from `gguf_linear_reference`
+(which quantizes x the same way) only by float rounding.
 
-Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here):
-- Q8_0 (kind 8): 34 bytes a block = fp16 d, 32 int8 q; w = d * q.
-- Q5_0 (kind 5): 22 bytes = fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 is
+Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here; kernels/cpu_gguf.cpp's
+header comment spells each one out):
+- Q8_0: 34 bytes a block = fp16 d, 32 int8 q; w = d * q.
+- Q5_0: 22 bytes = fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 is
   qs[j] & 15 plus bit j of qh as its 5th bit, element j + 16 is qs[j] >> 4 plus bit j + 16;
   w = d * (q - 16).
+- Q4_K: 144 bytes = fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of 4-bit q;
+  w = d * sc * q - dmin * m per 32-weight sub-block.
+- Q5_K: 176 bytes, as Q4_K with 32 bytes of 5th bits.
+- Q6_K: 210 bytes = 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales (one per 16
+  weights), fp16 d; w = d * sc * (q - 32).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-BLOCK = 32
-Q8_0 = 8
-Q5_0 = 5
-KINDS: dict[int, tuple[GGMLQuantizationType, int]] = {
-    Q8_0: (GGMLQuantizationType.Q8_0, 34),
-    Q5_0: (GGMLQuantizationType.Q5_0, 22),
+BLOCK = 32                    # activations are quantized per BLOCK elements
+Q5_0 = int(GGMLQuantizationType.Q5_0)
+Q8_0 = int(GGMLQuantizationType.Q8_0)
+Q4_K = int(GGMLQuantizationType.Q4_K)
+Q5_K = int(GGMLQuantizationType.Q5_K)
+Q6_K = int(GGMLQuantizationType.Q6_K)
+
+
+class Kind(NamedTuple):
+    qtype: GGMLQuantizationType
+    bytes: int                # per block
+    weights: int              # per block: in_features must be a multiple
+
+
+KINDS: dict[int, Kind] = {
+    Q5_0: Kind(GGMLQuantizationType.Q5_0, 22, 32),
+    Q8_0: Kind(GGMLQuantizationType.Q8_0, 34, 32),
+    Q4_K: Kind(GGMLQuantizationType.Q4_K, 144, 256),
+    Q5_K: Kind(GGMLQuantizationType.Q5_K, 176, 256),
+    Q6_K: Kind(GGMLQuantizationType.Q6_K, 210, 256),
 }
+_NAMES = ", ".join(f"{k} ({v.qtype.name})" for k, v in KINDS.items())
 
 
 def kind_of(kind: int | GGMLQuantizationType) -> int:
-    """The op's kind (8 or 5) for itself or for a GGMLQuantizationType (Q8_0 or Q5_0)."""
+    """The op's kind (a GGML type id in KINDS) for an int id or a GGMLQuantizationType."""
     if isinstance(kind, GGMLQuantizationType):
-        for k, (qtype, _) in KINDS.items():
-            if qtype == kind:
-                return k
-        raise ValueError(f"{kind.name} blocks are not supported by gguf_linear (Q8_0 and Q5_0 are)")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be 8 (Q8_0) or 5 (Q5_0), got {kind}")
+        if int(kind) not in KINDS:
+            raise ValueError(f"{kind.name} blocks are not supported by gguf_linear ({_NAMES} are)")
+        return int(kind)
+    if isinstance(kind, bool) or not isinstance(kind, int | np.integer) or int(kind) not in KINDS:
+        raise ValueError(f"kind must be one of {_NAMES}, got {kind!r}")
     return int(kind)
 
 
+def check_in_features(k: int, kind: int | GGMLQuantizationType) -> None:
+    """ValueError unless rows of k weights are whole blocks of `kind`."""
+    info = KINDS[kind_of(kind)]
+    if k % info.weights:
+        raise ValueError(f"in_features {k} is not a multiple of {info.weights} "
+                         f"({info.qtype.name} blocks hold {info.weights} weights)")
+
+
 def block_bytes(kind: int | GGMLQuantizationType) -> int:
-    return KINDS[kind_of(kind)][1]
+    return KINDS[kind_of(kind)].bytes
 
 
 def blocks_from_array(data: np.ndarray[Any, Any], kind: int | GGMLQuantizationType) -> torch.Tensor:
-    """A GGUF tensor's raw blocks (as `GGUFReader` gives them: uint8, (N, K / 32 * bytes), or any shape
-    whose last dimension holds whole rows) as a contiguous (N, K / 32 * bytes) uint8 torch tensor (a copy:
+    """A GGUF tensor's raw blocks (as `GGUFReader` gives them: uint8, (N, K / weights * bytes), or any shape
+    whose last dimension holds whole rows) as a contiguous (N, K / weights * bytes) uint8 torch tensor (a copy:
     the reader's array is a read-only memory map)."""
     width = block_bytes(kind)
     array = np.ascontiguousarray(data, dtype=np.uint8)
@@ -63,14 +95,14 @@ def blocks_from_array(data: np.ndarray[Any, Any], kind: int | GGMLQuantizationTy
 
 
 def blocks_from_reader_tensor(tensor: Any) -> tuple[torch.Tensor, int]:
-    """(blocks, kind) for a `gguf.GGUFReader` tensor of type Q8_0 or Q5_0."""
+    """(blocks, kind) for a `gguf.GGUFReader` tensor of a kind in KINDS."""
     kind = kind_of(GGMLQuantizationType(tensor.tensor_type))
     return blocks_from_array(tensor.data, kind), kind
 
 
 def dequantize(blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
     """The float32 weight (N, K) the blocks hold, by gguf-py's dequantize."""
-    qtype, _ = KINDS[kind_of(kind)]
+    qtype = KINDS[kind_of(kind)].qtype
     return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(blocks.numpy(), qtype), dtype=np.float32))
 
 
@@ -101,6 +133,7 @@ def float_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuant
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
     """x (T, K) float32 -> (T, N) by `torch.ops.infermesh.gguf_linear` (load kernels.cpu_ops first)."""
+    check_in_features(x.shape[-1], kind)
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
     torch.ops.infermesh.gguf_linear(x, blocks, kind_of(kind), out)
     return out

@@ -1,5 +1,5 @@
-"""GGUF Q8_0 / Q5_0 blocks times int8 activations (kernels/cpu_gguf.cpp) against gguf-py's layouts and
-the torch references in kernels/gguf_blocks.py."""
+"""GGUF Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks times int8 activations (kernels/cpu_gguf.cpp, its AMX path
+cpu_gguf_amx.cpp) against gguf-py's layouts and the torch references in kernels/gguf_blocks.py."""
 
 from __future__ import annotations
 
@@ -25,65 +25,114 @@ ops = torch.ops.infermesh
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def random_blocks(n: int, k: int, kind: int, seed: int) -> np.ndarray:
-    """(N, K / 32 * bytes) uint8 of random blocks: fp16 d of either sign, random q (every bit pattern,
-    Q8_0's -128 included)."""
+D_FIELDS = {gguf_blocks.Q8_0: [0], gguf_blocks.Q5_0: [0], gguf_blocks.Q4_K: [0, 2], gguf_blocks.Q5_K: [0, 2],
+            gguf_blocks.Q6_K: [208]}                   # byte offsets of each block's fp16 scales
+EXTREME_D = [65504.0, -65504.0, 6.104e-5, 6e-8, -6e-8, 0.0, 1.0, -2.0]
+
+
+def random_blocks(n: int, k: int, kind: int, seed: int, extreme: bool = False) -> np.ndarray:
+    """(N, K / weights * bytes) uint8 of random valid blocks: every q, scale and min bit pattern (Q8_0's
+    -128 included), fp16 scales of either sign; `extreme`: scales from fp16's largest to subnormal and
+    zero, and blocks whose other bytes are all 0x00, 0x80 or 0xFF."""
     rng = np.random.default_rng(seed)
-    nb = k // 32
-    d = (rng.uniform(1e-3, 2e-2, (n, nb, 1)) * rng.choice([-1.0, 1.0], (n, nb, 1))).astype(np.float16)
+    info = gguf_blocks.KINDS[kind]
+    nb = k // info.weights
+    raw = rng.integers(0, 256, (n, nb, info.bytes)).astype(np.uint8)
+    if extreme:
+        fill = rng.choice([-1, 0x00, 0x80, 0xFF], (n, nb))
+        for value in (0x00, 0x80, 0xFF):
+            raw[fill == value] = value
+    for at in D_FIELDS[kind]:
+        if extreme:
+            d = rng.choice(EXTREME_D, (n, nb))
+        else:
+            d = rng.uniform(1e-3, 2e-2, (n, nb)) * rng.choice([-1.0, 1.0], (n, nb))
+        raw[:, :, at:at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def f16(b: np.ndarray) -> np.float32:
+    return np.float32(b.view(np.float16)[0])
+
+
+def spec_block(blk: np.ndarray, kind: int) -> np.ndarray:
+    """One block's weights per the layout as written in kernels/cpu_gguf.cpp, element by element (float32
+    products in gguf-py's order)."""
     if kind == gguf_blocks.Q8_0:
-        rest = rng.integers(-128, 128, (n, nb, 32)).astype(np.int8).view(np.uint8)
-    else:
-        rest = rng.integers(0, 256, (n, nb, 20)).astype(np.uint8)        # qh (4 bytes) and qs (16)
-    return np.concatenate([d.view(np.uint8), rest], axis=-1).reshape(n, -1)
+        return f16(blk[:2]) * blk[2:].view(np.int8).astype(np.float32)
+    if kind == gguf_blocks.Q5_0:
+        qh = int(blk[2:6].view("<u4")[0])
+        qs = blk[6:22].astype(np.int32)
+        q = np.array([(qs[j] & 15) | (((qh >> j) & 1) << 4) for j in range(16)]
+                     + [(qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) for j in range(16)]) - 16
+        return f16(blk[:2]) * q.astype(np.float32)
+    if kind == gguf_blocks.Q6_K:
+        ql, qh, sc = blk[:128].astype(np.int32), blk[128:192].astype(np.int32), blk[192:208].view(np.int8)
+        out = np.zeros(256, np.float32)
+        for h, g, i in np.ndindex(2, 4, 32):
+            q = ((ql[64 * h + 32 * (g & 1) + i] >> (4 * (g >> 1))) & 15) | (((qh[32 * h + i] >> (2 * g)) & 3) << 4)
+            e = 128 * h + 32 * g + i
+            out[e] = (f16(blk[208:210]) * np.float32(sc[e // 16])) * np.float32(q - 32)
+        return out
+    s = blk[4:16].astype(np.int32)                      # Q4_K / Q5_K
+    qh, qs = (blk[16:48].astype(np.int32), blk[48:176]) if kind == gguf_blocks.Q5_K else (None, blk[16:144])
+    out = np.zeros(256, np.float32)
+    for j in range(8):
+        sc, m = ((s[j] & 63, s[j + 4] & 63) if j < 4 else
+                 ((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)))
+        for i in range(32):
+            q = (int(qs[32 * (j // 2) + i]) >> (4 * (j % 2))) & 15
+            if qh is not None:
+                q |= ((qh[i] >> j) & 1) << 4
+            out[32 * j + i] = (f16(blk[:2]) * np.float32(sc)) * np.float32(q) - f16(blk[2:4]) * np.float32(m)
+    return out
 
 
 def spec_weights(raw: np.ndarray, kind: int) -> np.ndarray:
-    """The weights per the layout as written in kernels/cpu_gguf.cpp, element by element."""
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, gguf_blocks.block_bytes(kind))
-    out = np.zeros((n, blocks.shape[1], 32), np.float32)
-    for i in range(n):
-        for b in range(blocks.shape[1]):
-            blk = blocks[i, b]
-            d = np.float32(blk[:2].view(np.float16)[0])
-            if kind == gguf_blocks.Q8_0:
-                q = blk[2:].view(np.int8).astype(np.int32)
-            else:
-                qh = int(blk[2:6].view("<u4")[0])
-                qs = blk[6:22].astype(np.int32)
-                q = np.array([(qs[j] & 15) | (((qh >> j) & 1) << 4) for j in range(16)]
-                             + [(qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) for j in range(16)]) - 16
-            out[i, b] = d * q.astype(np.float32)
-    return out.reshape(n, -1)
+    blocks = raw.reshape(raw.shape[0], -1, gguf_blocks.block_bytes(kind))
+    return np.stack([np.concatenate([spec_block(blk, kind) for blk in row]) for row in blocks])
 
 
-@pytest.mark.parametrize("kind", [gguf_blocks.Q8_0, gguf_blocks.Q5_0])
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
 def test_layouts_match_gguf_py(kind: int) -> None:
-    raw = random_blocks(5, 128, kind, seed=kind)
-    qtype = gguf_blocks.KINDS[kind][0]
-    expected = gguf_dequantize(raw, qtype)
-    np.testing.assert_array_equal(spec_weights(raw, kind), expected)
-    np.testing.assert_array_equal(gguf_blocks.dequantize(gguf_blocks.blocks_from_array(raw, kind), kind).numpy(),
-                                  expected)
-    # and gguf-py's own quantizer writes blocks of this layout
-    w = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
-    q = gguf_quantize(w, qtype)
-    assert q.shape == (3, 2 * gguf_blocks.block_bytes(kind))
-    np.testing.assert_array_equal(spec_weights(q, kind), gguf_dequantize(q, qtype))
+    qtype = gguf_blocks.KINDS[kind].qtype
+    for extreme in (False, True):
+        raw = random_blocks(5, 512, kind, seed=kind, extreme=extreme)
+        expected = gguf_dequantize(raw, qtype)
+        np.testing.assert_array_equal(spec_weights(raw, kind), expected)
+        np.testing.assert_array_equal(
+            gguf_blocks.dequantize(gguf_blocks.blocks_from_array(raw, kind), kind).numpy(), expected)
+    if kind in (gguf_blocks.Q8_0, gguf_blocks.Q5_0):   # gguf-py's own quantizer writes blocks of this layout
+        w = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+        q = gguf_quantize(w, qtype)
+        assert q.shape == (3, 2 * gguf_blocks.block_bytes(kind))
+        np.testing.assert_array_equal(spec_weights(q, kind), gguf_dequantize(q, qtype))
+
+
+def test_kinds_are_ggml_type_ids() -> None:
+    for name in ("Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+        qtype = GGMLQuantizationType[name]
+        assert getattr(gguf_blocks, name) == int(qtype) and gguf_blocks.kind_of(qtype) == int(qtype)
+        assert gguf_blocks.kind_of(int(qtype)) == int(qtype)
+    ids = (gguf_blocks.Q5_0, gguf_blocks.Q8_0, gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K)
+    assert ids == (6, 8, 12, 13, 14)
+    assert {k: (v.bytes, v.weights) for k, v in gguf_blocks.KINDS.items()} == {
+        6: (22, 32), 8: (34, 32), 12: (144, 256), 13: (176, 256), 14: (210, 256)}
 
 
 def test_blocks_come_out_of_a_gguf_file_unchanged(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
-    raws = {kind: random_blocks(6, 96, kind, seed=10 + kind) for kind in gguf_blocks.KINDS}
+    raws = {kind: random_blocks(6, 512, kind, seed=10 + kind) for kind in gguf_blocks.KINDS}
     for kind, raw in raws.items():
-        writer.add_tensor(f"w{kind}", raw, raw_dtype=gguf_blocks.KINDS[kind][0])
+        writer.add_tensor(f"w{kind}", raw, raw_dtype=gguf_blocks.KINDS[kind].qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    for tensor in GGUFReader(str(path)).tensors:
+    tensors = GGUFReader(str(path)).tensors
+    assert len(tensors) == len(raws)
+    for tensor in tensors:
         blocks, kind = gguf_blocks.blocks_from_reader_tensor(tensor)
         assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
         assert torch.equal(blocks, torch.from_numpy(raws[kind]))
@@ -110,14 +159,27 @@ def check_against_references(x: torch.Tensor, blocks: torch.Tensor, kind: int) -
                  * (1 + 1e-6)).all())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 16, 33])
-@pytest.mark.parametrize("shape", [(64, 7), (96, 9), (896, 50), (4864, 24)])
-@pytest.mark.parametrize("kind", [gguf_blocks.Q8_0, gguf_blocks.Q5_0])
-def test_kernel_matches_references(rows: int, shape: tuple[int, int], kind: int) -> None:
-    k, n = shape
+SHAPES = {32: [(64, 7), (96, 9), (896, 50), (4864, 24)], 256: [(256, 7), (512, 9), (1536, 50), (4864, 24)]}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 33])
+@pytest.mark.parametrize("shape", range(4))
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
+def test_kernel_matches_references(rows: int, shape: int, kind: int) -> None:
+    k, n = SHAPES[gguf_blocks.KINDS[kind].weights][shape]
     blocks = gguf_blocks.blocks_from_array(random_blocks(n, k, kind, seed=rows * 7 + k), kind)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
     x[0, :32] = 0.0                                      # a block of zeros: dx = 0
+    check_against_references(x, blocks, kind)
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
+def test_extreme_scales(rows: int, kind: int) -> None:
+    blocks = gguf_blocks.blocks_from_array(random_blocks(40, 768, kind, seed=rows, extreme=True), kind)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 100
+    x[0, :32] = 0.0
+    x[-1, 64:96] = 1e-30
     check_against_references(x, blocks, kind)
 
 
@@ -125,9 +187,10 @@ def test_kernel_matches_references(rows: int, shape: tuple[int, int], kind: int)
 def test_gguf_quantized_weights(kind: int) -> None:
     """Blocks as gguf-py's quantizer writes them from float weights, on an even N."""
     w = np.random.default_rng(3).standard_normal((64, 896)).astype(np.float32) * 0.05
-    blocks = gguf_blocks.blocks_from_array(gguf_quantize(w, gguf_blocks.KINDS[kind][0]), kind)
-    x = torch.randn(5, 896, generator=torch.Generator().manual_seed(4))
-    check_against_references(x, blocks, kind)
+    blocks = gguf_blocks.blocks_from_array(gguf_quantize(w, gguf_blocks.KINDS[kind].qtype), kind)
+    for rows in (5, 24):
+        x = torch.randn(rows, 896, generator=torch.Generator().manual_seed(4))
+        check_against_references(x, blocks, kind)
 
 
 def test_bad_arguments_get_precise_errors() -> None:
@@ -140,29 +203,41 @@ def test_bad_arguments_get_precise_errors() -> None:
     with pytest.raises(RuntimeError, match="blocks must be uint8"):
         ops.gguf_linear(torch.randn(2, 64), blocks.view(torch.int8), 8, out)
     with pytest.raises(RuntimeError, match="do not hold rows of 2 Q5_0 blocks of 22 bytes"):
-        ops.gguf_linear(torch.randn(2, 64), blocks, 5, out)
-    with pytest.raises(RuntimeError, match="kind must be 8 .Q8_0. or 5 .Q5_0., got 6"):
         ops.gguf_linear(torch.randn(2, 64), blocks, 6, out)
+    with pytest.raises(RuntimeError, match=r"kind must be 6 \(Q5_0\), 8 \(Q8_0\), 12 \(Q4_K\), 13 \(Q5_K\) or "
+                                           r"14 \(Q6_K\), got 5"):
+        ops.gguf_linear(torch.randn(2, 64), blocks, 5, out)
     with pytest.raises(RuntimeError, match=r"out must have shape \(3, 8\)"):
         ops.gguf_linear(torch.randn(3, 64), blocks, 8, out)
-    with pytest.raises(ValueError, match="kind must be 8"):
-        gguf_blocks.gguf_linear(torch.randn(2, 64), blocks, 4)
+    with pytest.raises(RuntimeError, match=r"in_features 640 is not a multiple of 256 \(a K-quant super-block\)"):
+        ops.gguf_linear(torch.randn(2, 640), torch.zeros(8, 2 * 144 + 72, dtype=torch.uint8), 12, out)
+    k_blocks = gguf_blocks.blocks_from_array(random_blocks(8, 512, 12, seed=0), 12)
+    with pytest.raises(RuntimeError, match="do not hold rows of 2 Q6_K blocks of 210 bytes"):
+        ops.gguf_linear(torch.randn(2, 512), k_blocks, 14, out)
+    with pytest.raises(ValueError, match="kind must be one of 6 .Q5_0., 8 .Q8_0., 12 .Q4_K., 13 .Q5_K., 14 .Q6_K."):
+        gguf_blocks.gguf_linear(torch.randn(2, 64), blocks, 5)
+    with pytest.raises(ValueError, match=r"in_features 896 is not a multiple of 256 \(Q4_K blocks hold 256"):
+        gguf_blocks.gguf_linear(torch.randn(2, 896), k_blocks, GGMLQuantizationType.Q4_K)
 
 
-@pytest.mark.parametrize("isa", ["avxvnni", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512", "avxvnni", "avx2", "portable"])
 def test_the_other_instruction_set_paths_agree(isa: str) -> None:
-    """The AVX-VNNI (256-bit, no AVX-512), AVX2 and portable builds (a separate library each) pass the
-    same checks."""
-    if isa != "portable" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
+    """The AVX-512 without AMX, AVX-VNNI (256-bit, no AVX-512), AVX2 and portable builds (a separate library
+    each) pass the same checks."""
+    flags = cpu_ops._cpu_flags()
+    if isa != "portable" and not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("this CPU has no AVX2")
-    if isa == "avxvnni" and "avx_vnni" not in cpu_ops._cpu_flags():
+    if isa == "avxvnni" and "avx_vnni" not in flags:
         pytest.skip("this CPU has no AVX-VNNI")
+    if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        pytest.skip("this CPU has no AVX-512")
     script = (
         "import torch; from kernels import cpu_ops, gguf_blocks; assert cpu_ops.load();"
         "from tests.unit.test_gguf_blocks import random_blocks, check_against_references;"
-        "[check_against_references(torch.randn(t, 96, generator=torch.Generator().manual_seed(t)),"
-        " gguf_blocks.blocks_from_array(random_blocks(37, 96, kind, seed=t), kind), kind)"
-        " for kind in (8, 5) for t in (1, 3, 6, 9, 16)]; print('ok')")
+        "[check_against_references(torch.randn(t, k, generator=torch.Generator().manual_seed(t)),"
+        " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind)"
+        " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
+        " for t in (1, 3, 6, 9, 16)]; print('ok')")
     env = {**os.environ, "INFERMESH_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)

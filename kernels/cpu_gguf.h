@@ -1,0 +1,216 @@
+// Shared by cpu_gguf.cpp (the op, small row counts), cpu_gguf_x.cpp (the activations) and cpu_gguf_amx.cpp
+// (AMX tiles): the GGUF block kinds, their decoding, and the quantized activations.  Include after
+// cpu_common.h, at global scope.
+//
+// Every kind decodes, per 32 weights (a "block" here; K-quants hold 8 of them in a 256-weight
+// super-block), to 32 unsigned bytes u, a float scale a per "unit" and, for Q4_K / Q5_K, a float c:
+//   w[j] = a[unit(j)] * (u[j] - offset) + c
+// A unit is the block (a Q6_K block has two 16-weight units with their own scales).  So each block's
+// dot product with activations quantized per block (dx, qx) is
+//   dx * (sum over units of a * (sum(u * qx) - offset * sum(qx)) + c * sum(qx))
+// with the sums in exact int32 arithmetic.
+#pragma once
+
+namespace infermesh_gguf {
+
+// GGML type ids (gguf-py's GGMLQuantizationType), the op's `kind`.
+constexpr int64_t kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kBlock = 32;          // weights per block, and per quantized activation block
+constexpr int kChunk = 8;               // blocks decoded at a time: one K-quant super-block
+
+// x (T, K) quantized per 32-element block as llama.cpp's Q8_0 activations are: dx = max|x| / 127,
+// qx = round(x / dx) (to nearest even).
+struct QuantizedX {
+  int64_t t = 0, k = 0, nb = 0;
+  std::vector<int8_t> q;                // (T, K)
+  std::vector<float> d;                 // (T, nb) dx
+  std::vector<int32_t> s16;             // (T, 2 nb) the sum of qx over each 16 elements
+};
+
+// Fills `out` from x (T, K) (cpu_gguf_x.cpp).
+void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out);
+// Whether this build has the AMX path and the OS lets this process use AMX tiles (asked once).
+bool amx_usable();
+// out (T, N) = x W^T by AMX-INT8 tiles; w is N rows of K / 32 blocks of `kind`.
+void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
+
+}  // namespace infermesh_gguf
+
+namespace {
+
+using namespace infermesh_gguf;
+
+template <int64_t KIND>
+struct Kind;
+template <>
+struct Kind<kQ8_0> {    // 34 bytes: fp16 d, 32 int8 q; w = d * q
+  static constexpr int64_t bytes = 34, weights = 32, offset = 128;
+  static constexpr bool halves = false, mins = false;
+};
+template <>
+struct Kind<kQ5_0> {    // 22 bytes: fp16 d, uint32 qh, 16 bytes qs; w = d * (q - 16)
+  static constexpr int64_t bytes = 22, weights = 32, offset = 16;
+  static constexpr bool halves = false, mins = false;
+};
+template <>
+struct Kind<kQ4_K> {    // 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes qs
+  static constexpr int64_t bytes = 144, weights = 256, offset = 0;
+  static constexpr bool halves = false, mins = true;
+};
+template <>
+struct Kind<kQ5_K> {    // 176 bytes: as Q4_K, with 32 bytes qh (the 5th bits) before qs
+  static constexpr int64_t bytes = 176, weights = 256, offset = 0;
+  static constexpr bool halves = false, mins = true;
+};
+template <>
+struct Kind<kQ6_K> {    // 210 bytes: 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d; w = d * sc * (q - 32)
+  static constexpr int64_t bytes = 210, weights = 256, offset = 32;
+  static constexpr bool halves = true, mins = false;
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_bits_to_float(h);
+}
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j from their 12 bytes s (gguf-py's get_scale_min).
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+#if defined(__AVX2__)
+inline void store32(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
+inline __m256i load32(const uint8_t* src) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)); }
+
+// Q5_0's 32 unsigned 5-bit q (0..31) in byte order 0..31.
+inline __m256i q5_unsigned(const uint8_t* blk) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i bits = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
+#else
+  // byte i = 0xFF where bit i of qh is set (llama.cpp's bytes_from_bits_32)
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  const __m256i bits = _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+#endif
+  return _mm256_or_si256(nib, bits);
+}
+#endif
+
+// Decodes `blocks` blocks (all 8 of a super-block for K-quants) starting at w: block j's 32 bytes to
+// u + j * us (u - offset as int8 when SIGNED), unit i's scale to a[i * as] (one unit a block, two for
+// Q6_K), and for Q4_K / Q5_K block j's c to c[j * cs].
+template <int64_t KIND, bool SIGNED>
+inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* a, int64_t as, float* c, int64_t cs) {
+  using K = Kind<KIND>;
+  if constexpr (KIND == kQ8_0 || KIND == kQ5_0) {
+    (void)c;
+    (void)cs;
+    for (int j = 0; j < blocks; ++j, w += K::bytes, u += us) {
+      a[j * as] = half_at(w);
+#if defined(__AVX2__)
+      __m256i v;
+      if constexpr (KIND == kQ8_0) {
+        v = load32(w + 2);
+        if constexpr (!SIGNED) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+      } else {
+        v = q5_unsigned(w);
+        if constexpr (SIGNED) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+      }
+      store32(u, v);
+#else
+      uint32_t qh = 0;
+      if constexpr (KIND == kQ5_0) std::memcpy(&qh, w + 2, 4);
+      for (int l = 0; l < 32; ++l) {
+        int q;
+        if constexpr (KIND == kQ8_0)
+          q = static_cast<int8_t>(w[2 + l]) + 128;
+        else
+          q = ((w[6 + l % 16] >> (l < 16 ? 0 : 4)) & 15) | (((qh >> l) & 1) << 4);
+        u[l] = static_cast<uint8_t>(SIGNED ? q - K::offset : q);
+      }
+#endif
+    }
+  } else if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    (void)blocks;
+    const float d = half_at(w), dmin = half_at(w + 2);
+    const uint8_t* scales = w + 4;
+    const uint8_t* qh = w + 16;
+    const uint8_t* qs = w + (KIND == kQ5_K ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(scales, j, sc, m);
+      a[j * as] = d * static_cast<float>(sc);
+      c[j * cs] = -(dmin * static_cast<float>(m));
+    }
+#if defined(__AVX2__)
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    [[maybe_unused]] const __m256i high = KIND == kQ5_K ? load32(qh) : _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = load32(qs + 32 * g);
+      __m256i q[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int s = 0; s < 2; ++s) {
+        if constexpr (KIND == kQ5_K) {   // bit j of qh[l] is the 5th bit of sub-block j's element l
+          const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, 2 * g + s), _mm256_set1_epi8(1));
+          q[s] = _mm256_or_si256(q[s], _mm256_slli_epi16(bit, 4));
+        }
+        store32(u + (2 * g + s) * us, q[s]);
+      }
+    }
+#else
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) {
+        int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+        if constexpr (KIND == kQ5_K) q |= ((qh[l] >> j) & 1) << 4;
+        u[j * us + l] = static_cast<uint8_t>(q);
+      }
+#endif
+  } else {   // Q6_K: element 128 h + 32 g + l (block 4 h + g) is ql[64 h + 32 (g & 1) + l] >> 4 (g >> 1)'s
+             // 4 bits and (qh[32 h + l] >> 2 g) & 3 above them
+    (void)blocks;
+    (void)c;
+    (void)cs;
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
+    const float d = half_at(w + 208);
+    for (int i = 0; i < 16; ++i) a[i * as] = d * static_cast<float>(scales[i]);
+    for (int h = 0; h < 2; ++h) {
+#if defined(__AVX2__)
+      const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+      const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hv = load32(qh + 32 * h);
+      const __m256i hi[4] = {_mm256_and_si256(_mm256_slli_epi16(hv, 4), top),
+                             _mm256_and_si256(_mm256_slli_epi16(hv, 2), top), _mm256_and_si256(hv, top),
+                             _mm256_and_si256(_mm256_srli_epi16(hv, 2), top)};
+      const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+      for (int g = 0; g < 4; ++g) {
+        __m256i q = _mm256_or_si256(lo[g], hi[g]);
+        if constexpr (SIGNED) q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+        store32(u + (4 * h + g) * us, q);
+      }
+#else
+      for (int g = 0; g < 4; ++g)
+        for (int l = 0; l < 32; ++l) {
+          const int q = ((ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4);
+          u[(4 * h + g) * us + l] = static_cast<uint8_t>(SIGNED ? q - 32 : q);
+        }
+#endif
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,253 @@
+// gguf_linear's AMX-INT8 path (cpu_gguf.cpp calls it from kAmxMinRows rows on): out = x W^T with W's
+// GGUF blocks decoded to signed bytes (cpu_gguf.h's decode, u - offset) 16 output columns at a time.
+//
+// A tile = 16 weight columns x one unit's bytes (32, or a Q6_K half-block's 16), B tile = the same
+// bytes of 16 activation rows in AMX's 4-byte-interleaved layout (built once per call), C (16 x 16
+// int32) = tdpbssd(A, B): each column's exact integer dot product with each row for that unit.  Scales
+// differ per unit on both sides, so every unit's C is stored and added in float32 into 16 accumulators
+// (one per column, lanes = rows): acc += float(C) * (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins),
+// the same arithmetic as the vector paths.  Two units are in flight at once (tiles 0-2 and 3-5).
+//
+// Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
+// Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
+// asked once; else amx_usable() is false and gguf_linear keeps its vector path.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define GGUF_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+#include "cpu_common.h"
+}  // namespace
+#include "cpu_gguf.h"
+
+namespace {
+
+#if defined(GGUF_AMX)
+constexpr int64_t kTile = 16;       // rows of x, and columns of W, per tile
+
+struct TileConfig {                 // ldtilecfg's 64-byte palette-1 layout
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x in B-tile layout, per tile of 16 rows (rows past T are zeros):
+struct TiledX {
+  int64_t tiles = 0, nb = 0, units = 0;
+  std::vector<int8_t> b;     // (tiles, nb, 8, 64): row i of block b holds bytes 4i..4i+3 of each of the 16 rows
+  std::vector<float> dx;     // (tiles, units, 16) the rows' dx for the unit's block
+  std::vector<float> ds;     // (tiles, nb, 16) dx * sum(qx), for Q4_K / Q5_K's mins
+};
+
+TiledX tile_x(const QuantizedX& qx, int64_t upb, bool mins) {
+  TiledX out;
+  const int64_t nb = qx.nb;
+  out.tiles = (qx.t + kTile - 1) / kTile, out.nb = nb, out.units = nb * upb;
+  out.b.assign(static_cast<size_t>(out.tiles * nb * 512), 0);
+  out.dx.assign(static_cast<size_t>(out.tiles * out.units * kTile), 0.0f);
+  if (mins) out.ds.assign(static_cast<size_t>(out.tiles * nb * kTile), 0.0f);
+  for (int64_t row = 0; row < qx.t; ++row) {
+    const int64_t rt = row / kTile, m = row % kTile;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* src = qx.q.data() + row * qx.k + b * kBlock;
+      int8_t* dst = out.b.data() + (rt * nb + b) * 512 + m * 4;
+      for (int i = 0; i < 8; ++i) std::memcpy(dst + i * 64, src + 4 * i, 4);
+      const float d = qx.d[static_cast<size_t>(row * nb + b)];
+      for (int64_t u = 0; u < upb; ++u) out.dx[static_cast<size_t>((rt * out.units + b * upb + u) * kTile + m)] = d;
+      if (mins)
+        out.ds[static_cast<size_t>((rt * nb + b) * kTile + m)] =
+            d * static_cast<float>(qx.s16[static_cast<size_t>(2 * (row * nb + b))] +
+                                   qx.s16[static_cast<size_t>(2 * (row * nb + b) + 1)]);
+    }
+  }
+  return out;
+}
+
+// One thread's decoded tile of 16 weight columns.
+struct ColumnTile {
+  std::vector<int8_t> a;     // (nb, 16, 32): block b of column c, signed
+  std::vector<float> scale;  // (units, 16)
+  std::vector<float> c;      // (nb, 16)
+  alignas(64) int32_t cb[4][kTile * kTile];     // two steps' two C tiles: one step stored while the last adds
+  alignas(64) float acc[kTile * kTile];
+};
+
+template <int64_t KIND>
+void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t cols, ColumnTile& s) {
+  using K = Kind<KIND>;
+  constexpr int64_t upb = K::halves ? 2 : 1;
+  if (cols < kTile) {        // the last tile's missing columns: zero weights and scales
+    std::fill(s.a.begin(), s.a.end(), 0);
+    std::fill(s.scale.begin(), s.scale.end(), 0.0f);
+    std::fill(s.c.begin(), s.c.end(), 0.0f);
+  }
+  // Chunk by chunk, all columns: a chunk's 4 KB of A stays in L1 while its 16 columns fill it (column
+  // by column, the 512-byte stride would cycle 8 cache sets and miss on every store).
+  for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kChunk, nb - b0));
+    for (int64_t col = 0; col < cols; ++col)
+      decode<KIND, true>(w + col * row_bytes + b0 * kBlock / K::weights * K::bytes,
+                         blocks, reinterpret_cast<uint8_t*>(s.a.data() + (b0 * kTile + col) * kBlock),
+                         kTile * kBlock, s.scale.data() + b0 * upb * kTile + col, kTile,
+                         K::mins ? s.c.data() + b0 * kTile + col : nullptr, kTile);
+  }
+}
+
+// acc[c] (lanes = rows) += unit u's C tile, scaled.
+template <bool MINS>
+inline void add_unit(const int32_t* cb, const TiledX& tx, const ColumnTile& s, int64_t rt, int64_t u, __m512* acc) {
+  const __m512 dxv = _mm512_loadu_ps(tx.dx.data() + (rt * tx.units + u) * kTile);
+  const float* scale = s.scale.data() + u * kTile;
+  for (int c = 0; c < kTile; ++c)
+    acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + c * kTile)),
+                             _mm512_mul_ps(dxv, _mm512_set1_ps(scale[c])), acc[c]);
+  if constexpr (MINS) {      // units are blocks here
+    const __m512 dsv = _mm512_loadu_ps(tx.ds.data() + (rt * tx.nb + u) * kTile);
+    const float* cmin = s.c.data() + u * kTile;
+    for (int c = 0; c < kTile; ++c) acc[c] = _mm512_fmadd_ps(dsv, _mm512_set1_ps(cmin[c]), acc[c]);
+  }
+}
+
+template <int64_t KIND>
+void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out, int64_t begin,
+                  int64_t end) {
+  using K = Kind<KIND>;
+  constexpr int64_t uk = K::halves ? 16 : 32;          // K bytes per unit
+  const int64_t nb = tx.nb, units = tx.units, row_bytes = qx.k / K::weights * K::bytes;
+  TileConfig cfg;
+  for (int i : {0, 3}) cfg.rows[i] = kTile, cfg.colsb[i] = uk;               // A: 16 columns x uk bytes
+  for (int i : {1, 4}) cfg.rows[i] = uk / 4, cfg.colsb[i] = 64;              // B: uk / 4 rows x 16 rows x 4
+  for (int i : {2, 5}) cfg.rows[i] = kTile, cfg.colsb[i] = 64;               // C: 16 x 16 int32
+  _tile_loadconfig(&cfg);
+  ColumnTile s;
+  s.a.resize(static_cast<size_t>(nb * kTile * kBlock));
+  s.scale.resize(static_cast<size_t>(units * kTile));
+  s.c.resize(static_cast<size_t>(nb * kTile));
+  const auto a_at = [&](int64_t u) {
+    return s.a.data() + (K::halves ? (u / 2) * kTile * kBlock + (u % 2) * 16 : u * kTile * kBlock);
+  };
+  const __m512i gather = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const int64_t stop = std::min(n, end * kTile), steps = tx.tiles * ((units + 1) / 2);
+  for (int64_t n0 = begin * kTile; n0 < stop; n0 += kTile) {
+    const int64_t cols = std::min(kTile, n - n0);
+    decode_tile<KIND>(w + n0 * row_bytes, row_bytes, nb, cols, s);
+    // The next tile's rows (contiguous) are fetched into L2 while this one multiplies: the decode above
+    // would otherwise wait on memory with no arithmetic beside it.
+    const char* ahead = reinterpret_cast<const char*>(w + (n0 + cols) * row_bytes);
+    const char* ahead_end = reinterpret_cast<const char*>(w + std::min(stop, n0 + cols + kTile) * row_bytes);
+    const int64_t per_step = (ahead_end - ahead + 64 * steps - 1) / (64 * steps);
+    for (int64_t rt = 0; rt < tx.tiles; ++rt) {
+      const int8_t* bx = tx.b.data() + rt * nb * 512;
+      __m512 acc[kTile];
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      // Step i multiplies units 2 i and 2 i + 1 into cb[2 (i % 2)...] while step i - 1's C tiles are added.
+      int64_t u = 0, last = -1;
+      for (; u + 2 <= units; u += 2) {
+        int32_t* cb = s.cb[2 * ((u / 2) % 2)];
+        for (int64_t i = 0; i < per_step && ahead < ahead_end; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+        _tile_loadd(0, a_at(u), kBlock);
+        _tile_loadd(1, bx + u * uk * 16, 64);
+        _tile_zero(2);
+        _tile_loadd(3, a_at(u + 1), kBlock);
+        _tile_loadd(4, bx + (u + 1) * uk * 16, 64);
+        _tile_zero(5);
+        _tile_dpbssd(2, 0, 1);
+        _tile_dpbssd(5, 3, 4);
+        _tile_stored(2, cb, 64);
+        _tile_stored(5, cb + kTile * kTile, 64);
+        if (last >= 0) {
+          const int32_t* prev = s.cb[2 * ((last / 2) % 2)];
+          add_unit<K::mins>(prev, tx, s, rt, last, acc);
+          add_unit<K::mins>(prev + kTile * kTile, tx, s, rt, last + 1, acc);
+        }
+        last = u;
+      }
+      if (last >= 0) {
+        const int32_t* prev = s.cb[2 * ((last / 2) % 2)];
+        add_unit<K::mins>(prev, tx, s, rt, last, acc);
+        add_unit<K::mins>(prev + kTile * kTile, tx, s, rt, last + 1, acc);
+      }
+      if (u < units) {
+        _tile_loadd(0, a_at(u), kBlock);
+        _tile_loadd(1, bx + u * uk * 16, 64);
+        _tile_zero(2);
+        _tile_dpbssd(2, 0, 1);
+        _tile_stored(2, s.cb[0], 64);
+        add_unit<K::mins>(s.cb[0], tx, s, rt, u, acc);
+      }
+      // acc[c] lane m is out[rt * 16 + m][n0 + c]
+      for (int c = 0; c < kTile; ++c) _mm512_store_ps(s.acc + c * kTile, acc[c]);
+      const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+      for (int64_t m = 0; m < std::min(kTile, qx.t - rt * kTile); ++m)
+        _mm512_mask_storeu_ps(out + (rt * kTile + m) * n + n0, keep,
+                              _mm512_i32gather_ps(_mm512_add_epi32(gather, _mm512_set1_epi32(static_cast<int>(m))),
+                                                  s.acc, 4));
+    }
+  }
+  _tile_release();
+}
+
+template <int64_t KIND>
+void amx_kind(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+  const TiledX tx = tile_x(qx, Kind<KIND>::halves ? 2 : 1, Kind<KIND>::mins);
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, (tiles + threads - 1) / threads);
+  torch::stable::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    tile_columns<KIND>(tx, qx, w, n, out, begin, end);
+  });
+}
+#endif
+
+}  // namespace
+
+namespace infermesh_gguf {
+
+bool amx_usable() {
+#if defined(GGUF_AMX)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;     // <asm/prctl.h>, the kernel's xstate
+  static const bool granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
+void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+#if defined(GGUF_AMX)
+  switch (kind) {
+    case kQ5_0: amx_kind<kQ5_0>(qx, w, n, out); break;
+    case kQ8_0: amx_kind<kQ8_0>(qx, w, n, out); break;
+    case kQ4_K: amx_kind<kQ4_K>(qx, w, n, out); break;
+    case kQ5_K: amx_kind<kQ5_K>(qx, w, n, out); break;
+    case kQ6_K: amx_kind<kQ6_K>(qx, w, n, out); break;
+    default: break;
+  }
+#else
+  (void)kind, (void)qx, (void)w, (void)n, (void)out;
+#endif
+}
+
+}  // namespace infermesh_gguf
