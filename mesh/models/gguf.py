@@ -27,6 +27,17 @@ CHATML_TEMPLATE = (
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
+# Gemma's turns (its own template, the system message folded into the first user turn as Gemma's does),
+# used only if a GGUF with Gemma's turn tokens carries no template: llama.cpp's conversions of Gemma 3
+# base models (gemma-3-270m) drop the one Hugging Face ships with them, and every infermesh model needs
+# one (the tokenizer service refuses a folder without), even one asked for plain completions only.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else "
+    "message['role']) + '\n' + (prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 
 
 @contextlib.contextmanager
@@ -126,13 +137,18 @@ def keep_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
 
 
 def _settle_tokenizer(gguf: Path, tokenizer: Any, configs: list[Any]) -> str:
-    """A chat template (ChatML's where the file has none but uses its tokens) and eos, bos and pad ids that
-    the configs agree on; returns where the template came from."""
+    """A chat template (ChatML's or Gemma's where the file has none but uses their tokens) and eos, bos and
+    pad ids that the configs ([model config, generation config]) agree on; returns where the template
+    came from."""
     template_source = "gguf"
     if not tokenizer.chat_template:
-        if "<|im_start|>" not in tokenizer.get_vocab():
+        vocab = tokenizer.get_vocab()
+        if "<|im_start|>" in vocab:
+            tokenizer.chat_template, template_source = CHATML_TEMPLATE, "chatml-default"
+        elif "<start_of_turn>" in vocab and "<end_of_turn>" in vocab:
+            tokenizer.chat_template, template_source = GEMMA_TEMPLATE, "gemma-default"
+        else:
             raise ModelError(f"{gguf.name} carries no chat template")
-        tokenizer.chat_template, template_source = CHATML_TEMPLATE, "chatml-default"
     if tokenizer.eos_token_id is None:
         raise ModelError(f"{gguf.name} names no eos token")
     # The GGUF's tokenizer metadata names eos (for SmolLM2-Instruct: <|im_end|>); make the model's
@@ -143,6 +159,12 @@ def _settle_tokenizer(gguf: Path, tokenizer: Any, configs: list[Any]) -> str:
             cfg.bos_token_id = tokenizer.bos_token_id
         cfg.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                             else tokenizer.eos_token_id)
+    # A default template ends each turn with its own token: generation stops there too (the last config,
+    # the generation config's, lists both, as Gemma's own generation_config.json does).
+    turn_end = {"chatml-default": "<|im_end|>", "gemma-default": "<end_of_turn>"}.get(template_source)
+    turn_id = tokenizer.get_vocab().get(turn_end) if turn_end else None
+    if turn_id is not None and turn_id != tokenizer.eos_token_id:
+        configs[-1].eos_token_id = [tokenizer.eos_token_id, turn_id]
     max_positions = getattr(configs[0], "max_position_embeddings", None)
     if max_positions and (tokenizer.model_max_length or 0) > max_positions:
         tokenizer.model_max_length = max_positions

@@ -9,6 +9,7 @@ fake clock in tests): services/router/failover.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,7 @@ class Tokenizer:
         self.healthy = [True] * len(self.addresses)     # the router's probes (probed), one per replica
         self._turn = 0
         self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
+        self._loading: dict[str, asyncio.Future[Callable[[Sequence[int]], str]]] = {}
 
     def probed(self, healthy: list[bool]) -> None:
         """The latest health probe of each replica: calls try the ones that passed first (a hung
@@ -119,15 +121,29 @@ class Tokenizer:
         Streams are detokenized here, in process: a round trip to the tokenizer per token
         cost more CPU than the decode itself on a busy machine."""
         decode = self._decoders.get(model)
-        if decode is None:
-            with client_span("router.tokenizer_json", model=model):
-                spec = await self._call("GetTokenizerJson", tokenizer_pb2.ModelInfoRequest(model=model), 30.0)
-            vocabulary = Vocabulary.from_str(spec.tokenizer_json)
+        if decode is not None:
+            return decode
+        # One fetch per model however many requests ask at once, parsed off the event loop: a large
+        # vocabulary's JSON (Gemma 3's 262k tokens: 33 MB, ~1 s to parse) would otherwise stall every
+        # stream and the router's health answers while it parses, once per waiting request.
+        loading = self._loading.get(model)
+        if loading is None:
+            loading = self._loading[model] = asyncio.ensure_future(self._load_decoder(model))
+        try:
+            return await asyncio.shield(loading)
+        finally:
+            if loading.done():
+                self._loading.pop(model, None)
 
-            def decode(ids: Sequence[int]) -> str:
-                return str(vocabulary.decode(list(ids), skip_special_tokens=True))
+    async def _load_decoder(self, model: str) -> Callable[[Sequence[int]], str]:
+        with client_span("router.tokenizer_json", model=model):
+            spec = await self._call("GetTokenizerJson", tokenizer_pb2.ModelInfoRequest(model=model), 30.0)
+        vocabulary = await asyncio.to_thread(Vocabulary.from_str, spec.tokenizer_json)
 
-            self._decoders[model] = decode
+        def decode(ids: Sequence[int]) -> str:
+            return str(vocabulary.decode(list(ids), skip_special_tokens=True))
+
+        self._decoders[model] = decode
         return decode
 
 
