@@ -45,6 +45,7 @@ namespace {
 
 #if defined(GGUF_AMX)
 constexpr int64_t kTile = 16;       // rows of x, and columns of W, per tile
+constexpr int64_t kLag = 4;         // units between a C tile's product and its float sum
 
 struct TileConfig {                 // ldtilecfg's 64-byte palette-1 layout
   uint8_t palette = 1, start_row = 0;
@@ -90,7 +91,7 @@ struct ColumnTile {
   std::vector<int8_t> a;     // (nb, 16, 32): block b of column c, signed
   std::vector<float> scale;  // (units, 16)
   std::vector<float> c;      // (nb, 16)
-  alignas(64) int32_t cb[4][kTile * kTile];     // two steps' two C tiles: one step stored while the last adds
+  alignas(64) int32_t cb[kLag][kTile * kTile];  // the last kLag units' C tiles
   alignas(64) float acc[kTile * kTile];
 };
 
@@ -130,6 +131,16 @@ inline void add_unit(const int32_t* cb, const TiledX& tx, const ColumnTile& s, i
   }
 }
 
+// A unit's product into tile C (A in tile TA, B in TB); a macro, as GCC's tile intrinsics take the tile
+// numbers as literal text.
+#define GGUF_MULTIPLY(TA, TB, C, a, b) \
+  do {                                 \
+    _tile_loadd(TA, a, kBlock);        \
+    _tile_loadd(TB, b, 64);            \
+    _tile_zero(C);                     \
+    _tile_dpbssd(C, TA, TB);           \
+  } while (false)
+
 template <int64_t KIND>
 void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out, int64_t begin,
                   int64_t end) {
@@ -139,7 +150,7 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
   TileConfig cfg;
   for (int i : {0, 3}) cfg.rows[i] = kTile, cfg.colsb[i] = uk;               // A: 16 columns x uk bytes
   for (int i : {1, 4}) cfg.rows[i] = uk / 4, cfg.colsb[i] = 64;              // B: uk / 4 rows x 16 rows x 4
-  for (int i : {2, 5}) cfg.rows[i] = kTile, cfg.colsb[i] = 64;               // C: 16 x 16 int32
+  for (int i : {2, 5, 6, 7}) cfg.rows[i] = kTile, cfg.colsb[i] = 64;         // C: 16 x 16 int32
   _tile_loadconfig(&cfg);
   ColumnTile s;
   s.a.resize(static_cast<size_t>(nb * kTile * kBlock));
@@ -149,7 +160,7 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
     return s.a.data() + (K::halves ? (u / 2) * kTile * kBlock + (u % 2) * 16 : u * kTile * kBlock);
   };
   const __m512i gather = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  const int64_t stop = std::min(n, end * kTile), steps = tx.tiles * ((units + 1) / 2);
+  const int64_t stop = std::min(n, end * kTile), steps = tx.tiles * units;
   for (int64_t n0 = begin * kTile; n0 < stop; n0 += kTile) {
     const int64_t cols = std::min(kTile, n - n0);
     decode_tile<KIND>(w + n0 * row_bytes, row_bytes, nb, cols, s);
@@ -162,41 +173,32 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
       const int8_t* bx = tx.b.data() + rt * nb * 512;
       __m512 acc[kTile];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      // Step i multiplies units 2 i and 2 i + 1 into cb[2 (i % 2)...] while step i - 1's C tiles are added.
-      int64_t u = 0, last = -1;
-      for (; u + 2 <= units; u += 2) {
-        int32_t* cb = s.cb[2 * ((u / 2) % 2)];
-        for (int64_t i = 0; i < per_step && ahead < ahead_end; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-        _tile_loadd(0, a_at(u), kBlock);
-        _tile_loadd(1, bx + u * uk * 16, 64);
-        _tile_zero(2);
-        _tile_loadd(3, a_at(u + 1), kBlock);
-        _tile_loadd(4, bx + (u + 1) * uk * 16, 64);
-        _tile_zero(5);
-        _tile_dpbssd(2, 0, 1);
-        _tile_dpbssd(5, 3, 4);
-        _tile_stored(2, cb, 64);
-        _tile_stored(5, cb + kTile * kTile, 64);
-        if (last >= 0) {
-          const int32_t* prev = s.cb[2 * ((last / 2) % 2)];
-          add_unit<K::mins>(prev, tx, s, rt, last, acc);
-          add_unit<K::mins>(prev + kTile * kTile, tx, s, rt, last + 1, acc);
+      // Unit u multiplies in A and B tiles (0, 1) or (3, 4) by u's parity into C tile 2, 5, 6 or 7 by u % 4,
+      // while unit u - 1's C tile is stored and unit u - kLag's, stored kLag - 1 units ago, is added.  AMX
+      // tiles are not renamed (a tile is rewritten only once what reads it is done), so rotating them lets
+      // the tile unit run ahead, and the float work never waits on its latency.
+      for (int64_t u = 0; u < units; ++u) {
+        for (int64_t j = 0; j < per_step && ahead < ahead_end; ++j, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+        const int8_t* a = a_at(u);
+        const int8_t* b = bx + u * uk * 16;
+        int32_t* prev = s.cb[(u + kLag - 1) % kLag];
+        switch (u % 4) {
+          case 0: GGUF_MULTIPLY(0, 1, 2, a, b); if (u > 0) _tile_stored(7, prev, 64); break;
+          case 1: GGUF_MULTIPLY(3, 4, 5, a, b); _tile_stored(2, prev, 64); break;
+          case 2: GGUF_MULTIPLY(0, 1, 6, a, b); _tile_stored(5, prev, 64); break;
+          default: GGUF_MULTIPLY(3, 4, 7, a, b); _tile_stored(6, prev, 64); break;
         }
-        last = u;
+        if (u >= kLag) add_unit<K::mins>(s.cb[(u - kLag) % kLag], tx, s, rt, u - kLag, acc);
       }
-      if (last >= 0) {
-        const int32_t* prev = s.cb[2 * ((last / 2) % 2)];
-        add_unit<K::mins>(prev, tx, s, rt, last, acc);
-        add_unit<K::mins>(prev + kTile * kTile, tx, s, rt, last + 1, acc);
+      int32_t* last = s.cb[(units - 1) % kLag];
+      switch ((units - 1) % 4) {
+        case 0: _tile_stored(2, last, 64); break;
+        case 1: _tile_stored(5, last, 64); break;
+        case 2: _tile_stored(6, last, 64); break;
+        default: _tile_stored(7, last, 64); break;
       }
-      if (u < units) {
-        _tile_loadd(0, a_at(u), kBlock);
-        _tile_loadd(1, bx + u * uk * 16, 64);
-        _tile_zero(2);
-        _tile_dpbssd(2, 0, 1);
-        _tile_stored(2, s.cb[0], 64);
-        add_unit<K::mins>(s.cb[0], tx, s, rt, u, acc);
-      }
+      for (int64_t u = std::max<int64_t>(0, units - kLag); u < units; ++u)
+        add_unit<K::mins>(s.cb[u % kLag], tx, s, rt, u, acc);
       // acc[c] lane m is out[rt * 16 + m][n0 + c]
       for (int c = 0; c < kTile; ++c) _mm512_store_ps(s.acc + c * kTile, acc[c]);
       const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
