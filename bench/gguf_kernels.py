@@ -107,12 +107,15 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", default=["Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
                         choices=[v.qtype.name for v in gguf_blocks.KINDS.values()])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     parser.add_argument("--stream-mb", type=float, default=1024.0,
                         help="bytes of weight copies per method and shape (more than the last-level cache)")
     args = parser.parse_args()
     if not cpu_ops.load():
         print("the CPU library is not available (see kernels.cpu_ops' warning)", file=sys.stderr)
         return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kinds = [int(getattr(gguf_blocks, name)) for name in args.kinds]
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"weights streamed ({args.stream_mb:.0f} MB of copies per method)")

@@ -61,7 +61,7 @@ constexpr int kRows = 8;          // rows of x multiplied by one decoded weight 
 #else
 constexpr int kRows = 4;
 #endif
-constexpr int64_t kAmxMinRows = 8;     // from this many rows on, AMX tiles where usable
+constexpr int64_t kAmxMinRows = 4;     // from this many rows on, AMX tiles where usable
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)

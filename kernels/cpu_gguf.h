@@ -74,15 +74,37 @@ inline float half_at(const uint8_t* p) {
   return half_bits_to_float(h);
 }
 
-// Q4_K / Q5_K's 6-bit scale and min of sub-block j from their 12 bytes s (gguf-py's get_scale_min).
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// Q4_K / Q5_K's eight 6-bit scales sc[8] and mins m[8] from their 12 bytes s (gguf-py's get_scale_min):
+// sc[j] = s[j] & 63, m[j] = s[j + 4] & 63 for j < 4; sc[j] = s[j + 4] & 15 | (s[j - 4] >> 6) << 4,
+// m[j] = s[j + 4] >> 4 | (s[j] >> 6) << 4 for j >= 4.  Four bytes at a time, as llama.cpp unpacks them.
+inline void scales_mins_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  const uint32_t out[4] = {w[0] & low6, (w[2] & low4) | (((w[0] >> 6) & low2) << 4), w[1] & low6,
+                           ((w[2] >> 4) & low4) | (((w[1] >> 6) & low2) << 4)};
+  std::memcpy(sc, out, 8);
+  std::memcpy(m, out + 2, 8);
+}
+
+// v[j] = scale * (float) b[j] for 8 unsigned (or int8, SIGNED_BYTES) bytes, to v[j * stride].
+template <bool SIGNED_BYTES>
+inline void scale_bytes(const uint8_t* b, float scale, float* v, int64_t stride) {
+#if defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+  const __m256 f = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(SIGNED_BYTES ? _mm256_cvtepi8_epi32(bytes)
+                                                                                      : _mm256_cvtepu8_epi32(bytes)));
+  if (stride == 1) {
+    _mm256_storeu_ps(v, f);
+    return;
   }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, f);
+  for (int j = 0; j < 8; ++j) v[j * stride] = tmp[j];
+#else
+  for (int j = 0; j < 8; ++j)
+    v[j * stride] = scale * static_cast<float>(SIGNED_BYTES ? static_cast<int8_t>(b[j]) : b[j]);
+#endif
 }
 
 #if defined(__AVX2__)
@@ -149,12 +171,10 @@ inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* 
     const uint8_t* scales = w + 4;
     const uint8_t* qh = w + 16;
     const uint8_t* qs = w + (KIND == kQ5_K ? 48 : 16);
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(scales, j, sc, m);
-      a[j * as] = d * static_cast<float>(sc);
-      c[j * cs] = -(dmin * static_cast<float>(m));
-    }
+    uint8_t sc[8], m[8];
+    scales_mins_k4(scales, sc, m);
+    scale_bytes<false>(sc, d, a, as);
+    scale_bytes<false>(m, -dmin, c, cs);      // -(dmin * m), exactly: negation commutes with rounding
 #if defined(__AVX2__)
     const __m256i low = _mm256_set1_epi8(0x0F);
     [[maybe_unused]] const __m256i high = KIND == kQ5_K ? load32(qh) : _mm256_setzero_si256();
@@ -184,9 +204,9 @@ inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* 
     (void)cs;
     const uint8_t* ql = w;
     const uint8_t* qh = w + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
     const float d = half_at(w + 208);
-    for (int i = 0; i < 16; ++i) a[i * as] = d * static_cast<float>(scales[i]);
+    scale_bytes<true>(w + 192, d, a, as);
+    scale_bytes<true>(w + 200, d, a + 8 * as, as);
     for (int h = 0; h < 2; ++h) {
 #if defined(__AVX2__)
       const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);

@@ -45,7 +45,7 @@ namespace {
 
 #if defined(GGUF_AMX)
 constexpr int64_t kTile = 16;       // rows of x, and columns of W, per tile
-constexpr int64_t kLag = 4;         // units between a C tile's product and its float sum
+constexpr int64_t kLag = 8;         // units between a C tile's product and its float sum
 
 struct TileConfig {                 // ldtilecfg's 64-byte palette-1 layout
   uint8_t palette = 1, start_row = 0;
