@@ -9,27 +9,29 @@
 // Block layouts (gguf-py's gguf.quants dequantizes them; kernels/gguf_blocks.py is the torch reference):
 //   Q8_0: fp16 d, 32 int8 q; weight j is d * q[j].
 //   Q5_0: fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 has the 4 low bits qs[j] & 15,
-//         element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i is d * (q[i] - 16).
-//   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] (cpu_gguf.h's scale_min_k4),
+//         element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i is
+//         d * (q[i] - 16).
+//   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] (cpu_gguf.h's scales_mins_k4),
 //         128 bytes qs: sub-block 2g + s (32 weights) is qs[32 g + l] >> 4 s & 15; w = d sc q - dmin m.
 //   Q5_K: as Q4_K with 32 bytes qh after the scales: bit j of qh[l] is the 5th bit of sub-block j's l.
 //   Q6_K: 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d; element 128 h + 32 g + l
 //         is (ql[64 h + 32 (g & 1) + l] >> 4 (g >> 1)) & 15 | ((qh[32 h + l] >> 2 g) & 3) << 4;
 //         w = d * sc * (q - 32).
 //
-// x is quantized once per call, per row and per 32-element block, as llama.cpp's Q8_0 activations are:
-// dx = max|x| / 127, qx = round(x * (1 / dx)) (to nearest even), kept with a float32 dx (not fp16).  Each
-// block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum adds scale * dx * dot
-// (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
+// x is quantized once per call, per row and per 32-element block, as llama.cpp's Q8_0 activations are
+// (cpu_gguf_x.cpp): dx = max|x| / 127, qx = round(x * (1 / dx)) (to nearest even), kept with a float32 dx
+// (not fp16).  Each block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum
+// adds scale * dx * dot (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
 //
-// Paths.  Below KindInfo::amx_rows rows (or without AMX): per output column, 8 (AVX-512) or 4 rows at a time
-// share each decoded block.  The weight is the unsigned operand of VNNI's dpbusd / AVX2's maddubs, with
-// an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the activations is taken
-// off in each lane's integer sum (so every lane holds an exact partial dot product); AVX2 would saturate Q8_0's offset pairs, so there the weight's
-// sign moves onto qx instead (|q| unsigned, sign(qx, q)), as llama.cpp does.  Paths: AVX512-VNNI (two
-// blocks per 512-bit vector), VNNI on 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.
-// Above that, AMX-INT8 tiles where the CPU and OS allow them (cpu_gguf_amx.cpp).  kernels/cpu_ops.py
-// picks the compiler flags (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path).
+// Paths.  From KindInfo::amx_rows rows on (1 for Q5_0, Q4_K, Q5_K; 2 for Q8_0; 4 for Q6_K), AMX-INT8 tiles
+// where the CPU and the OS allow them (cpu_gguf_amx.cpp).  Else, per output column, 8 (AVX-512) or 4 rows
+// at a time share each decoded block: the weight is the unsigned operand of VNNI's dpbusd / AVX2's
+// maddubs, with an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the
+// activations is taken off in each lane's integer sum (so every lane holds an exact partial dot product);
+// AVX2 would saturate Q8_0's offset pairs, so there the weight's sign moves onto qx instead (|q| unsigned,
+// sign(qx, q)), as llama.cpp does.  Vector paths: AVX512-VNNI (two blocks per 512-bit vector), VNNI on
+// 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  kernels/cpu_ops.py picks the compiler flags
+// (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path; avx512 is all but AMX).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -172,8 +174,8 @@ void dot_rows(const QuantizedX& qx, const Lanes& ln, int64_t r0, const uint8_t* 
         const __m512i init = K::offset ? _mm512_loadu_si512(ln.init.data() + (r0 + r) * pairs * 16 + p * 16)
                                        : _mm512_setzero_si512();
         const __m512i dot = _mm512_dpbusd_epi32(init, u, s);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                 _mm512_mul_ps(dw, _mm512_loadu_ps(ln.scale.data() + ((r0 + r) * pairs + p) * 16)), acc[r]);
+        const __m512 dx = _mm512_loadu_ps(ln.scale.data() + ((r0 + r) * pairs + p) * 16);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[r]);
       }
     }
 #elif defined(__AVX2__)

@@ -76,9 +76,11 @@ TiledX tile_x(const QuantizedX& qx, int64_t upb, bool mins) {
     const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
     const int8_t* q = qx.q.data() + rt * kTile * qx.k;
     for (int64_t b = 0; b < nb; ++b)      // row i of block b's B tile: bytes 4 i..4 i + 3 of each of the 16 rows
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < 8; ++i) {
+        const int8_t* at = q + b * kBlock + 4 * i;
         _mm512_storeu_si512(out.b.data() + (rt * nb + b) * 512 + i * 64,
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, q + b * kBlock + 4 * i, 1));
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, at, 1));
+      }
     for (int64_t m = 0; m < rows; ++m) {
       const int64_t row = rt * kTile + m;
       for (int64_t b = 0; b < nb; ++b) {
