@@ -9,27 +9,29 @@
 // Block layouts (gguf-py's gguf.quants dequantizes them; kernels/gguf_blocks.py is the torch reference):
 //   Q8_0: fp16 d, 32 int8 q; weight j is d * q[j].
 //   Q5_0: fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 has the 4 low bits qs[j] & 15,
-//         element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i is d * (q[i] - 16).
-//   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] (cpu_gguf.h's scale_min_k4),
+//         element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i is
+//         d * (q[i] - 16).
+//   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8] (cpu_gguf.h's scales_mins_k4),
 //         128 bytes qs: sub-block 2g + s (32 weights) is qs[32 g + l] >> 4 s & 15; w = d sc q - dmin m.
 //   Q5_K: as Q4_K with 32 bytes qh after the scales: bit j of qh[l] is the 5th bit of sub-block j's l.
 //   Q6_K: 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d; element 128 h + 32 g + l
 //         is (ql[64 h + 32 (g & 1) + l] >> 4 (g >> 1)) & 15 | ((qh[32 h + l] >> 2 g) & 3) << 4;
 //         w = d * sc * (q - 32).
 //
-// x is quantized once per call, per row and per 32-element block, as llama.cpp's Q8_0 activations are:
-// dx = max|x| / 127, qx = round(x * (1 / dx)) (to nearest even), kept with a float32 dx (not fp16).  Each
-// block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum adds scale * dx * dot
-// (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
+// x is quantized once per call, per row and per 32-element block, as llama.cpp's Q8_0 activations are
+// (cpu_gguf_x.cpp): dx = max|x| / 127, qx = round(x * (1 / dx)) (to nearest even), kept with a float32 dx
+// (not fp16).  Each block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum
+// adds scale * dx * dot (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
 //
-// Paths.  Up to kAmxMinRows rows (or without AMX): per output column, 8 (AVX-512) or 4 rows at a time
-// share each decoded block.  The weight is the unsigned operand of VNNI's dpbusd / AVX2's maddubs, with
-// an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the activations is taken
-// off in each lane's integer sum (so every lane holds an exact partial dot product); AVX2 would saturate Q8_0's offset pairs, so there the weight's
-// sign moves onto qx instead (|q| unsigned, sign(qx, q)), as llama.cpp does.  Paths: AVX512-VNNI (two
-// blocks per 512-bit vector), VNNI on 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.
-// Above that, AMX-INT8 tiles where the CPU and OS allow them (cpu_gguf_amx.cpp).  kernels/cpu_ops.py
-// picks the compiler flags (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path).
+// Paths.  From KindInfo::amx_rows rows on (1 for Q5_0, Q4_K, Q5_K; 2 for Q8_0; 4 for Q6_K), AMX-INT8 tiles
+// where the CPU and the OS allow them (cpu_gguf_amx.cpp).  Else, per output column, 8 (AVX-512) or 4 rows
+// at a time share each decoded block: the weight is the unsigned operand of VNNI's dpbusd / AVX2's
+// maddubs, with an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the
+// activations is taken off in each lane's integer sum (so every lane holds an exact partial dot product);
+// AVX2 would saturate Q8_0's offset pairs, so there the weight's sign moves onto qx instead (|q| unsigned,
+// sign(qx, q)), as llama.cpp does.  Vector paths: AVX512-VNNI (two blocks per 512-bit vector), VNNI on
+// 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  kernels/cpu_ops.py picks the compiler flags
+// (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path; avx512 is all but AMX).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -61,7 +63,6 @@ constexpr int kRows = 8;          // rows of x multiplied by one decoded weight 
 #else
 constexpr int kRows = 4;
 #endif
-constexpr int64_t kAmxMinRows = 4;     // from this many rows on, AMX tiles where usable
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
@@ -126,7 +127,8 @@ void dot_rows(const QuantizedX& qx, const Lanes& ln, int64_t r0, const uint8_t* 
   constexpr int units = K::halves ? 2 : 1;
   const int64_t nb = qx.nb, k = qx.k;
   const int8_t* q = qx.q.data() + r0 * k;
-  Decoded dec{};     // zeros: an odd last block's partner lanes read finite scales
+  Decoded dec;
+  std::fill_n(dec.a, 2 * kChunk, 0.0f);     // an odd last block's partner lanes read finite scales
   float mins[R] = {};
 #if defined(GGUF_ZMM)
   const int64_t pairs = (nb + 1) / 2;
@@ -144,13 +146,27 @@ void dot_rows(const QuantizedX& qx, const Lanes& ln, int64_t r0, const uint8_t* 
 #endif
   for (int64_t b0 = 0; b0 < nb; b0 += kChunk, w += Kind<KIND>::bytes * (K::weights == kBlock ? kChunk : 1)) {
     const int blocks = static_cast<int>(std::min<int64_t>(kChunk, nb - b0));
-    decode<KIND, false>(w, blocks, dec.u[0], kBlock, dec.a, 1, dec.c, 1);
+#if defined(GGUF_ZMM)
+    if constexpr (KIND != kQ8_0)
+#endif
+      decode<KIND, false>(w, blocks, dec.u[0], kBlock, dec.a, 1, dec.c, 1);
 #if defined(GGUF_ZMM)
     for (int j = 0; j < blocks; j += 2) {
       const bool two = j + 1 < blocks;       // else the last block alone, the upper half zero
       const int64_t p = (b0 + j) / 2;
-      const __m512i u = two ? _mm512_loadu_si512(dec.u[j]) : _mm512_zextsi256_si512(load32(dec.u[j]));
-      const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dec.a + units * j)));
+      __m512i u;
+      __m512 dw;
+      if constexpr (KIND == kQ8_0) {         // straight into registers: a store and reload would cost more
+        const uint8_t* lo = w + j * K::bytes;  // than its decoding (Q5_0's, measured, is better decoded first)
+        const uint8_t* hi = lo + K::bytes;
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_xor_si256(load32(lo + 2), flip)),
+                               two ? _mm256_xor_si256(load32(hi + 2), flip) : _mm256_setzero_si256(), 1);
+        dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(lo)), _mm512_set1_ps(two ? half_at(hi) : 0.0f));
+      } else {
+        u = two ? _mm512_loadu_si512(dec.u[j]) : _mm512_zextsi256_si512(load32(dec.u[j]));
+        dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dec.a + units * j)));
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* xs = q + r * k + (b0 + j) * kBlock;
         const __m512i s = two ? _mm512_loadu_si512(xs)
@@ -158,8 +174,8 @@ void dot_rows(const QuantizedX& qx, const Lanes& ln, int64_t r0, const uint8_t* 
         const __m512i init = K::offset ? _mm512_loadu_si512(ln.init.data() + (r0 + r) * pairs * 16 + p * 16)
                                        : _mm512_setzero_si512();
         const __m512i dot = _mm512_dpbusd_epi32(init, u, s);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                 _mm512_mul_ps(dw, _mm512_loadu_ps(ln.scale.data() + ((r0 + r) * pairs + p) * 16)), acc[r]);
+        const __m512 dx = _mm512_loadu_ps(ln.scale.data() + ((r0 + r) * pairs + p) * 16);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[r]);
       }
     }
 #elif defined(__AVX2__)
@@ -261,13 +277,17 @@ struct KindInfo {
   int64_t id;
   const char* name;
   int64_t bytes, weights;
+  int64_t amx_rows;          // from this many rows on, AMX tiles where usable
   void (*linear)(const QuantizedX&, const uint8_t*, int64_t, float*);
 };
 
+// AMX pads x to 16 rows, yet for Q5_0 and Q4_K / Q5_K it beats the vector loops from one row (their
+// decoding, done once per 16 columns there, is most of a few-row product); Q8_0 and Q6_K keep the vector
+// loops up to 3 rows (bench/gguf_kernels.py on Qwen2.5-0.5B's shapes, 2 threads of a Sapphire Rapids).
 constexpr KindInfo kKinds[] = {
-    {kQ5_0, "Q5_0", 22, 32, &vector_linear<kQ5_0>},   {kQ8_0, "Q8_0", 34, 32, &vector_linear<kQ8_0>},
-    {kQ4_K, "Q4_K", 144, 256, &vector_linear<kQ4_K>}, {kQ5_K, "Q5_K", 176, 256, &vector_linear<kQ5_K>},
-    {kQ6_K, "Q6_K", 210, 256, &vector_linear<kQ6_K>},
+    {kQ5_0, "Q5_0", 22, 32, 1, &vector_linear<kQ5_0>},   {kQ8_0, "Q8_0", 34, 32, 2, &vector_linear<kQ8_0>},
+    {kQ4_K, "Q4_K", 144, 256, 1, &vector_linear<kQ4_K>}, {kQ5_K, "Q5_K", 176, 256, 1, &vector_linear<kQ5_K>},
+    {kQ6_K, "Q6_K", 210, 256, 4, &vector_linear<kQ6_K>},
 };
 
 void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
@@ -293,7 +313,7 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
   if (t == 0 || n == 0) return;
   QuantizedX qx;
   quantize_rows(x.const_data_ptr<float>(), t, k, qx);
-  if (t >= kAmxMinRows && amx_usable())
+  if (t >= info->amx_rows && amx_usable())
     amx_linear(kind, qx, blocks.const_data_ptr<uint8_t>(), n, out.mutable_data_ptr<float>());
   else
     info->linear(qx, blocks.const_data_ptr<uint8_t>(), n, out.mutable_data_ptr<float>());

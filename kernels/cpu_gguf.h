@@ -225,7 +225,8 @@ inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* 
 #else
       for (int g = 0; g < 4; ++g)
         for (int l = 0; l < 32; ++l) {
-          const int q = ((ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15) | (((qh[32 * h + l] >> (2 * g)) & 3) << 4);
+          const int q = ((ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15) |
+                        (((qh[32 * h + l] >> (2 * g)) & 3) << 4);
           u[(4 * h + g) * us + l] = static_cast<uint8_t>(SIGNED ? q - 32 : q);
         }
 #endif

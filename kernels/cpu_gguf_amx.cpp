@@ -69,18 +69,28 @@ TiledX tile_x(const QuantizedX& qx, int64_t upb, bool mins) {
   out.b.assign(static_cast<size_t>(out.tiles * nb * 512), 0);
   out.dx.assign(static_cast<size_t>(out.tiles * out.units * kTile), 0.0f);
   if (mins) out.ds.assign(static_cast<size_t>(out.tiles * nb * kTile), 0.0f);
-  for (int64_t row = 0; row < qx.t; ++row) {
-    const int64_t rt = row / kTile, m = row % kTile;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* src = qx.q.data() + row * qx.k + b * kBlock;
-      int8_t* dst = out.b.data() + (rt * nb + b) * 512 + m * 4;
-      for (int i = 0; i < 8; ++i) std::memcpy(dst + i * 64, src + 4 * i, 4);
-      const float d = qx.d[static_cast<size_t>(row * nb + b)];
-      for (int64_t u = 0; u < upb; ++u) out.dx[static_cast<size_t>((rt * out.units + b * upb + u) * kTile + m)] = d;
-      if (mins)
-        out.ds[static_cast<size_t>((rt * nb + b) * kTile + m)] =
-            d * static_cast<float>(qx.s16[static_cast<size_t>(2 * (row * nb + b))] +
-                                   qx.s16[static_cast<size_t>(2 * (row * nb + b) + 1)]);
+  const __m512i row_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(qx.k)));
+  for (int64_t rt = 0; rt < out.tiles; ++rt) {
+    const int64_t rows = std::min(kTile, qx.t - rt * kTile);
+    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+    const int8_t* q = qx.q.data() + rt * kTile * qx.k;
+    for (int64_t b = 0; b < nb; ++b)      // row i of block b's B tile: bytes 4 i..4 i + 3 of each of the 16 rows
+      for (int i = 0; i < 8; ++i) {
+        const int8_t* at = q + b * kBlock + 4 * i;
+        _mm512_storeu_si512(out.b.data() + (rt * nb + b) * 512 + i * 64,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, at, 1));
+      }
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t row = rt * kTile + m;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float d = qx.d[static_cast<size_t>(row * nb + b)];
+        for (int64_t u = 0; u < upb; ++u) out.dx[static_cast<size_t>((rt * out.units + b * upb + u) * kTile + m)] = d;
+        if (mins)
+          out.ds[static_cast<size_t>((rt * nb + b) * kTile + m)] =
+              d * static_cast<float>(qx.s16[static_cast<size_t>(2 * (row * nb + b))] +
+                                     qx.s16[static_cast<size_t>(2 * (row * nb + b) + 1)]);
+      }
     }
   }
   return out;

@@ -1,6 +1,7 @@
 """GGUF weight blocks, kept exactly as the GGUF stores them, for the CPU library's `gguf_linear`
-(kernels/cpu_gguf.cpp, cpu_gguf_amx.cpp): taking them out of a GGUF tensor, the op's Python wrapper,
-and the torch references the tests hold it to.
+(kernels/cpu_gguf.cpp: the op and its vector loops; cpu_gguf_amx.cpp: AMX-INT8 tiles where the CPU has
+them): taking them out of a GGUF tensor, the op's Python wrapper, and the torch references the tests
+hold it to.
 
 Kinds are GGML type ids (gguf-py's GGMLQuantizationType): Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
 Q6_K = 14; `KINDS` holds each one's bytes per block and weights per block (32, or a K-quant's
