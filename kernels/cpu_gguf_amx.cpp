@@ -1,12 +1,18 @@
-// gguf_linear's AMX-INT8 path (cpu_gguf.cpp calls it from kAmxMinRows rows on): out = x W^T with W's
-// GGUF blocks decoded to signed bytes (cpu_gguf.h's decode, u - offset) 16 output columns at a time.
+// gguf_linear's AMX-INT8 path (cpu_gguf.cpp calls it from its kind's amx_rows rows on): out = x W^T with
+// W's GGUF blocks decoded to signed bytes (cpu_gguf.h's decode, u - offset) 16 output columns at a time.
 //
 // A tile = 16 weight columns x one unit's bytes (32, or a Q6_K half-block's 16), B tile = the same
 // bytes of 16 activation rows in AMX's 4-byte-interleaved layout (built once per call), C (16 x 16
 // int32) = tdpbssd(A, B): each column's exact integer dot product with each row for that unit.  Scales
 // differ per unit on both sides, so every unit's C is stored and added in float32 into 16 accumulators
 // (one per column, lanes = rows): acc += float(C) * (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins),
-// the same arithmetic as the vector paths.  Two units are in flight at once (tiles 0-2 and 3-5).
+// the same arithmetic as the vector paths.  That per-unit float work (and the tile store before it) is
+// most of the time from about 16 rows on: tdpbssd itself would take a fraction.
+//
+// Per thread, a range of 16-column tiles; per tile: decode its blocks (chunk by chunk across the 16
+// columns, so the A buffer's chunk stays in L1), prefetch the next tile's rows into L2, then for each
+// 16-row tile of x run the units with A/B tiles alternating over two sets and C over four (AMX tiles are
+// not renamed), adding each unit's C kLag units after its product.
 //
 // Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
 // Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
