@@ -278,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
         m = msub.add_parser(action, help=text)
         m.add_argument("name")
     reg = msub.add_parser("register", help="register a local Hugging Face folder (an architecture the engine runs), "
-                                           "or convert and register a GGUF file")
+                                           "or a GGUF file (its blocks kept as they are)")
     reg.add_argument("name")
     reg.add_argument("folder", help="a Hugging Face folder, or FILE.gguf")
     ins = msub.add_parser("inspect", help="architecture, parameters, context, dtype, quantization, chat template, "

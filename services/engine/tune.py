@@ -147,12 +147,21 @@ def _gguf_calls(folder: Path, count: int) -> list[tuple[Callable[[torch.Tensor],
 
 
 def gguf_types(folder: Path) -> list[str]:
-    """The GGUF types of the layers tuning times (part of its cache key: another file, another answer)."""
+    """The GGUF types of the layers tuning times."""
     from services.engine.models.config import load_weights
     from services.engine.models.gguf_weights import Blocks
 
     return sorted({w.name for name, w in load_weights(folder).items() if isinstance(w, Blocks)
                    and name.startswith("model.layers.")})
+
+
+def _file_key(folder: Path) -> str:
+    """The GGUF file's size and modification time: part of tuning's cache key (another file, another answer)
+    without parsing the file (its header's tokenizer arrays take seconds to read)."""
+    from services.engine.models.gguf_weights import FILE
+
+    stat = (folder / FILE).stat()
+    return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _time(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], rows: int, reps: int) -> float:
@@ -220,7 +229,7 @@ def cached(folder: Path) -> Tuned | None:
 
 def _keyed(kinds: list[str], folder: Path) -> list[str]:
     """The kinds as the cache key names them: `gguf` with the file's layer types."""
-    return [f"gguf[{','.join(gguf_types(folder))}]" if kind == "gguf" else kind for kind in kinds]
+    return [f"gguf[{_file_key(folder)}]" if kind == "gguf" else kind for kind in kinds]
 
 
 def _read(cache: Path) -> Tuned | None:

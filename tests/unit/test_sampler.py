@@ -119,6 +119,24 @@ def test_the_fast_path_draws_what_the_reference_draws(params: SamplingParams) ->
     assert same >= total - 1, (same, total)        # one rounding at a bucket's edge allowed
 
 
+def test_a_flat_row_is_drawn_among_wider_candidates_before_any_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose top_p nucleus holds ~1,000 tokens (past the first 256 candidates, within the 4,096 of the
+    second try): the reference's token for every seed, and the sort is never taken."""
+    import dataclasses
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randn(152_000, generator=gen) * 0.1 - 12.0
+    row[torch.randperm(152_000, generator=gen)[:1000]] += 12.0 + torch.rand(1000, generator=gen)
+    want = [sampler.reference_sample(row, SamplingParams(temperature=0.7, top_p=0.95, seed=s), 0) for s in range(30)]
+
+    def no_sort(*args: object) -> int:
+        raise AssertionError("the row took the sort")
+
+    monkeypatch.setattr(sampler, "reference_sample", no_sort)
+    params = SamplingParams(temperature=0.7, top_p=0.95)
+    got = [sampler.sample_batch(row.unsqueeze(0), [dataclasses.replace(params, seed=s)], [0])[0] for s in range(30)]
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 29
+
+
 def test_a_batch_mixes_greedy_whole_vocabulary_and_nucleus_rows() -> None:
     rows = torch.stack([_peaked(5_000, s) for s in range(4)])
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=1),
