@@ -146,15 +146,6 @@ def _gguf_calls(folder: Path, count: int) -> list[tuple[Callable[[torch.Tensor],
     return calls
 
 
-def gguf_types(folder: Path) -> list[str]:
-    """The GGUF types of the layers tuning times."""
-    from services.engine.models.config import load_weights
-    from services.engine.models.gguf_weights import Blocks
-
-    return sorted({w.name for name, w in load_weights(folder).items() if isinstance(w, Blocks)
-                   and name.startswith("model.layers.")})
-
-
 def _file_key(folder: Path) -> str:
     """The GGUF file's size and modification time: part of tuning's cache key (another file, another answer)
     without parsing the file (its header's tokenizer arrays take seconds to read)."""
