@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as the engine runs: large tensors in 2 MB pages
+
+import torch  # noqa: E402 - after the allocator's setting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 

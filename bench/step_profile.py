@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # as the engine runs: large tensors in 2 MB pages
+
+import torch  # noqa: E402 - after the allocator's setting
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
