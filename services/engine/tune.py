@@ -4,8 +4,8 @@ The machines an engine lands on differ (an AVX2-only EPYC multiplies bf16 slowly
 fast; a q4 kernel wins wherever decode is memory-bound), so the execution plan's CPU matmul kinds
 come from timing the candidates here: each multiplies activations of 1, 4, 16 and 64 rows by
 weights of the model's own shapes (8 layers' worth, so they stream from memory as in a real step),
-and the fastest at 1 row serves small batches, the fastest at 64 rows large ones, split where the
-small one stops winning.  The answer is cached per CPU, torch version, kernel source and model shape
+and the fastest at 1 row serves small batches, the fastest at 64 rows large ones (if it is worth a
+second copy of the weights: 1.5x faster there), split where the small one stops winning.  The answer is cached per CPU, torch version, kernel source and model shape
 under $INFERMESH_HOME/plans/, so only the first start on a machine pays the few seconds.
 `infermesh tune [MODEL]` measures ahead of time (and prints the table).
 """
@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 ROWS = (1, 4, 16, 64)
 LAYERS = 8              # distinct weights timed: enough that they stream from memory, not cache
-VERSION = 2             # bump when the candidates or the method change: old answers are then ignored
+SECOND_COPY = 1.5       # how much faster a second kind's 64-row step must be to be worth its copy
+VERSION = 3             # bump when the candidates or the method change: old answers are then ignored
 
 
 @dataclass(frozen=True)
@@ -169,9 +170,13 @@ def _time(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], rows:
 
 def choose(table: dict[str, list[float]]) -> Tuned:
     """The fastest kind at 1 row for small batches, at 64 rows for large ones; the split is the
-    largest measured row count where the small kind is still at least as fast as the large one."""
+    largest measured row count where the small kind is still at least as fast as the large one.
+    A second kind is a second copy of every weight in memory: it is taken only where it pays for it,
+    a 64-row step at least SECOND_COPY times faster than the small kind's."""
     small = min(table, key=lambda k: table[k][0])
     large = min(table, key=lambda k: table[k][-1])
+    if table[small][-1] < SECOND_COPY * table[large][-1]:
+        large = small
     rows = max((r for i, r in enumerate(ROWS) if table[small][i] <= table[large][i]), default=0)
     if large == small or rows >= ROWS[-1]:
         return Tuned(small, "", 0, table)

@@ -101,6 +101,10 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
     assert (tuned.small, tuned.large, tuned.rows) == ("q4", "fp16w", 4)
     assert choose({"fp16w": [1.0, 2.0, 3.0, 4.0], "q4": [2.0, 3.0, 4.0, 5.0]}) == \
         Tuned("fp16w", "", 0, {"fp16w": [1.0, 2.0, 3.0, 4.0], "q4": [2.0, 3.0, 4.0, 5.0]})
+    # a second copy of the weights only where it pays: 1.5x faster at 64 rows, not 1.2x
+    near = {"gguf": [20.0, 25.0, 26.0, 64.0], "bf16w": [36.0, 34.0, 36.0, 53.0]}
+    assert choose(near) == Tuned("gguf", "", 0, near)
+    assert choose(near | {"bf16w": [36.0, 34.0, 36.0, 42.0]}).large == "bf16w"
     if cpu_ops.load():
         p = decide(device="cpu", tuned=tuned)
         assert (p.matmul, p.matmul_large, p.split_rows) == ("q4", "fp16w", 4)
