@@ -7,14 +7,16 @@ difference of the chosen tokens' log-probs over the positions before any diverge
 text, teacher-forced by the shared prefix).  bfloat16 (the model's training dtype, `--dtype
 bfloat16`) is the bar: `auto` must never pick a mode that does worse than it on these.
 
-    .venv/bin/python bench/quality.py [--prompts 16 --tokens 128]
+    .venv/bin/python bench/quality.py [--model NAME] [--prompts 16 --tokens 128] [--modes LABEL ...]
+
+`gguf` (the file's own blocks) runs only for a model registered from a GGUF (`infermesh model register`);
+--modes picks modes by label prefix (`--modes bf16 auto gguf`); float32 always runs, as the reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -23,9 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engine import cpu_name  # noqa: E402
+from mesh.models import served_model  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
 from services.engine.model_runner import ModelRunner  # noqa: E402
+from services.engine.models.gguf_weights import has_gguf  # noqa: E402
 from services.engine.plan import decide, for_config  # noqa: E402
 from services.engine.request import SamplingParams  # noqa: E402
 
@@ -40,7 +45,8 @@ MODES = (("float32 (exact)", "float32", "auto", "auto"), ("bfloat16", "bfloat16"
          ("auto (tuned plan)", "auto", "auto", "auto"),
          ("q4", "float32", "q4", "auto"), ("q4, float32 KV", "float32", "q4", "float32"),
          ("fp16w", "float32", "fp16w", "auto"), ("packed", "float32", "packed", "auto"),
-         ("bf16w", "float32", "bf16w", "auto"), ("int8 (--dtype int8)", "int8", "auto", "auto"))
+         ("bf16w", "float32", "bf16w", "auto"), ("gguf", "float32", "gguf", "auto"),
+         ("int8 (--dtype int8)", "int8", "auto", "auto"))
 
 
 @dataclass
@@ -92,11 +98,13 @@ def compare(label: str, ref: tuple[list[list[int]], list[list[float]], float],
                    statistics.fmean(diffs) if diffs else float("nan"), got[2])
 
 
-def run(folder: Path, n: int = 16, tokens: int = 128) -> list[Quality]:
+def run(folder: Path, n: int = 16, tokens: int = 128, only: tuple[str, ...] = ()) -> list[Quality]:
     ids = prompts(folder, n)
     ref = generate(folder, "float32", "auto", ids, tokens)
     results = []
     for label, dtype, matmul, kv_dtype in MODES:
+        if only and not label.startswith(("float32", *only)) or matmul == "gguf" and not has_gguf(folder):
+            continue
         got = ref if label.startswith("float32") else generate(folder, dtype, matmul, ids, tokens, kv_dtype)
         results.append(compare(label, ref, got))
     return results
@@ -118,10 +126,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--model", default="default", help="a served model's NAME (`infermesh model list`)")
+    parser.add_argument("--modes", nargs="*", default=[], help="only the modes whose labels start so")
     args = parser.parse_args()
-    folder = Path(subprocess.run([str(ROOT / ".venv" / "bin" / "infermesh"), "model", "path", "default"],
-                                 capture_output=True, text=True, check=True).stdout.strip())
-    print("\n".join(report(run(folder, args.prompts, args.tokens), args.tokens)))
+    name, folder = served_model(args.model)
+    print(f"{name} on {cpu_name()}")
+    print("\n".join(report(run(Path(folder), args.prompts, args.tokens, tuple(args.modes)), args.tokens)))
     return 0
 
 
