@@ -24,11 +24,12 @@
 // adds scale * dx * dot (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
 //
 // Paths.  From KindInfo::amx_rows rows on (1 for Q5_0, Q4_K, Q5_K, Q6_K; 2 for Q8_0), AMX-INT8 tiles where
-// the CPU and the OS allow them (cpu_gguf_amx.cpp: tiles sized to the rows, the next 16 columns decoded in
-// registers while the tile unit multiplies these).  Else, per output column, 8 (AVX-512) or 4 rows at a
-// time share each decoded block: the weight is the unsigned operand of VNNI's dpbusd / AVX2's
-// maddubs, with an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the
-// activations is taken off in each lane's integer sum (so every lane holds an exact partial dot product);
+// the CPU and the OS allow them (cpu_gguf_amx.cpp up to 8 rows: tiles sized to the rows, the next 16 columns
+// decoded in registers while the tile unit multiplies these; cpu_gguf_amx16.cpp from 9 rows: 16-row tiles).
+// Else, per output column, 8 (AVX-512) or 4 rows at a time share each decoded block: the weight is the
+// unsigned operand of VNNI's dpbusd / AVX2's maddubs, with an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80,
+// Q6_K's 32) whose product with the activations is taken off in each lane's integer sum (so every lane
+// holds an exact partial dot product);
 // AVX2 would saturate Q8_0's offset pairs, so there the weight's sign moves onto qx instead (|q| unsigned,
 // sign(qx, q)), as llama.cpp does.  Vector paths: AVX512-VNNI (two blocks per 512-bit vector), VNNI on
 // 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  kernels/cpu_ops.py picks the compiler flags

@@ -48,6 +48,8 @@ void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out);
 bool amx_usable();
 // out (T, N) = x W^T by AMX-INT8 tiles; w is N rows of K / 32 blocks of `kind`.
 void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
+// The same for more than 8 rows (cpu_gguf_amx16.cpp), which amx_linear hands over.
+void amx_linear_wide(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
 
 }  // namespace infermesh_gguf
 

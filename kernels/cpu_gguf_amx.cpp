@@ -293,6 +293,7 @@ bool amx_usable() {
 
 void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
 #if defined(GGUF_AMX)
+  if (qx.t > 8) return amx_linear_wide(kind, qx, w, n, out);
   switch (kind) {
     case kQ5_0: amx_kind<kQ5_0>(qx, w, n, out); break;
     case kQ8_0: amx_kind<kQ8_0>(qx, w, n, out); break;
