@@ -23,11 +23,13 @@
 // (not fp16).  Each block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum
 // adds scale * dx * dot (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
 //
-// Paths.  From KindInfo::amx_rows rows on (1 for Q5_0, Q4_K, Q5_K; 2 for Q8_0; 4 for Q6_K), AMX-INT8 tiles
-// where the CPU and the OS allow them (cpu_gguf_amx.cpp).  Else, per output column, 8 (AVX-512) or 4 rows
-// at a time share each decoded block: the weight is the unsigned operand of VNNI's dpbusd / AVX2's
-// maddubs, with an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80, Q6_K's 32) whose product with the
-// activations is taken off in each lane's integer sum (so every lane holds an exact partial dot product);
+// Paths.  From KindInfo::amx_rows rows on (1 for Q5_0, Q4_K, Q5_K, Q6_K; 2 for Q8_0), AMX-INT8 tiles where
+// the CPU and the OS allow them (cpu_gguf_amx.cpp up to 8 rows: tiles sized to the rows, the next 16 columns
+// decoded in registers while the tile unit multiplies these; cpu_gguf_amx16.cpp from 9 rows: 16-row tiles).
+// Else, per output column, 8 (AVX-512) or 4 rows at a time share each decoded block: the weight is the
+// unsigned operand of VNNI's dpbusd / AVX2's maddubs, with an offset (Q5_0's 16, Q8_0's 128 as q ^ 0x80,
+// Q6_K's 32) whose product with the activations is taken off in each lane's integer sum (so every lane
+// holds an exact partial dot product);
 // AVX2 would saturate Q8_0's offset pairs, so there the weight's sign moves onto qx instead (|q| unsigned,
 // sign(qx, q)), as llama.cpp does.  Vector paths: AVX512-VNNI (two blocks per 512-bit vector), VNNI on
 // 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  kernels/cpu_ops.py picks the compiler flags
@@ -281,13 +283,15 @@ struct KindInfo {
   void (*linear)(const QuantizedX&, const uint8_t*, int64_t, float*);
 };
 
-// AMX pads x to 16 rows, yet for Q5_0 and Q4_K / Q5_K it beats the vector loops from one row (their
-// decoding, done once per 16 columns there, is most of a few-row product); Q8_0 and Q6_K keep the vector
-// loops up to 3 rows (bench/gguf_kernels.py on Qwen2.5-0.5B's shapes, 2 threads of a Sapphire Rapids).
+// AMX from one row for all but Q8_0: its B and C tiles are sized to the rows, so one to four rows cost
+// little more than decoding the blocks, which it does in registers; Q8_0 needs no decoding, and its vector
+// loop streams the LM head faster at one row (bench/gguf_kernels.py, 2 threads of a Sapphire Rapids, 2 MB
+// pages: Q6_K down 0.26 ms on AMX vs 0.38 vector at 1 row; Q8_0 LM head 6.0 vector vs 6.4 AMX at 1 row,
+// 7.7 AMX vs 10.8 vector at 2 rows).
 constexpr KindInfo kKinds[] = {
     {kQ5_0, "Q5_0", 22, 32, 1, &vector_linear<kQ5_0>},   {kQ8_0, "Q8_0", 34, 32, 2, &vector_linear<kQ8_0>},
     {kQ4_K, "Q4_K", 144, 256, 1, &vector_linear<kQ4_K>}, {kQ5_K, "Q5_K", 176, 256, 1, &vector_linear<kQ5_K>},
-    {kQ6_K, "Q6_K", 210, 256, 4, &vector_linear<kQ6_K>},
+    {kQ6_K, "Q6_K", 210, 256, 1, &vector_linear<kQ6_K>},
 };
 
 void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {

@@ -27,12 +27,29 @@ struct QuantizedX {
   std::vector<int32_t> s16;             // (T, 2 nb) the sum of qx over each 16 elements
 };
 
+// x for cpu_gguf_amx.cpp's tiles (cpu_gguf_x.cpp builds it), per tile of W rows (T rounded up to 1, 2, 4, 8
+// or 16: a C tile row's 16 int32 then hold 16 / W units' sums, so a few rows do not pay for 16) and group of
+// G units (as many as fill A's 64 bytes of K and C's 16 int32 a row): B row k (4 bytes of K) has, in column
+// i W + m, row m's 4 bytes where they lie in unit i of the group, else 0, so that C's column i W + m is
+// unit i's product alone.  A unit is a block, or a Q6_K half-block (uk = 32 or 16 bytes of K).
+constexpr int64_t kTile = 16;           // columns of W per AMX tile, and at most 16 rows of x
+struct TiledX {
+  int64_t tiles = 0, nb = 0, units = 0, groups = 0, width = 0, g = 0, uk = 0;
+  std::vector<int8_t> b;     // (tiles, groups, G uk / 4, G W, 4)
+  std::vector<float> dx;     // (tiles, groups, 16): lane l the dx of unit (l / W) % G's block, row l % W
+  std::vector<float> ds;     // likewise dx * sum(qx) of the block, for Q4_K / Q5_K's mins
+};
+constexpr int64_t group_of(int64_t uk, int64_t w) { return std::min<int64_t>(64 / uk, kTile / w); }
+TiledX tile_x(const QuantizedX& qx, int64_t uk, bool mins);
+
 // Fills `out` from x (T, K) (cpu_gguf_x.cpp).
 void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out);
 // Whether this build has the AMX path and the OS lets this process use AMX tiles (asked once).
 bool amx_usable();
 // out (T, N) = x W^T by AMX-INT8 tiles; w is N rows of K / 32 blocks of `kind`.
 void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
+// The same for more than 8 rows (cpu_gguf_amx16.cpp), which amx_linear hands over.
+void amx_linear_wide(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
 
 }  // namespace infermesh_gguf
 
@@ -233,5 +250,55 @@ inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* 
     }
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Q5_0 blocks at w and w + 22 as 64 signed bytes q - 16, straight from registers: the 16 bytes qs of each
+// block broadcast to two 128-bit lanes, the second lane's shifted to its high nibbles, and the 5th bits
+// (qh as a byte mask) keep the nibble where set and take 16 off where clear.
+inline __m512i q5_pair_signed(const uint8_t* w) {
+  __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 6)));
+  z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 28)));
+  z = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+  uint32_t h0, h1;
+  std::memcpy(&h0, w + 2, 4);
+  std::memcpy(&h1, w + 24, 4);
+  const __mmask64 high = static_cast<uint64_t>(h0) | static_cast<uint64_t>(h1) << 32;
+  return _mm512_mask_sub_epi8(z, static_cast<__mmask64>(~high), z, _mm512_set1_epi8(16));
+}
+
+// One Q4_K / Q6_K super-block at w: its 256 signed bytes to a (64 at a time, two blocks per register), its
+// units' scales to scale and Q4_K's -dmin * m to mins.  Other kinds: cpu_gguf.h's decode.
+template <int64_t KIND>
+inline void decode_super(const uint8_t* w, int8_t* a, float* scale, float* mins) {
+  if constexpr (KIND == kQ4_K) {            // blocks 2 g and 2 g + 1: qs[32 g + l]'s low and high nibbles
+    uint8_t sc[8], m[8];
+    scales_mins_k4(w + 4, sc, m);
+    scale_bytes<false>(sc, half_at(w), scale, 1);
+    scale_bytes<false>(m, -half_at(w + 2), mins, 1);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_broadcast_i64x4(load32(w + 16 + 32 * g));
+      const __m512i nibbles = _mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
+      _mm512_storeu_si512(a + 64 * g, _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F)));
+    }
+  } else if constexpr (KIND == kQ6_K) {     // blocks 4 h + g (cpu_gguf.h's decode): 4 low bits from ql, 2 from qh
+    (void)mins;
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_set1_ps(half_at(w + 208)),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192))))));
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(w + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(load32(w + 128 + 32 * h));
+      const __m512i hi01 = _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), top);
+      const __m512i hi23 = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), top);
+      const __m512i ql4 = _mm512_srli_epi64(ql, 4);     // 0xEC: (ql & low) | hi
+      _mm512_storeu_si512(a + 128 * h, _mm512_sub_epi8(_mm512_ternarylogic_epi64(ql, hi01, low, 0xEC), offset));
+      _mm512_storeu_si512(a + 128 * h + 64, _mm512_sub_epi8(_mm512_ternarylogic_epi64(ql4, hi23, low, 0xEC), offset));
+    }
+  } else {
+    decode<KIND, true>(w, kChunk, reinterpret_cast<uint8_t*>(a), kBlock, scale, 1, mins, 1);
+  }
+}
+#endif
 
 }  // namespace

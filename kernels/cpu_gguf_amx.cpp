@@ -1,18 +1,19 @@
 // gguf_linear's AMX-INT8 path (cpu_gguf.cpp calls it from its kind's amx_rows rows on): out = x W^T with
-// W's GGUF blocks decoded to signed bytes (cpu_gguf.h's decode, u - offset) 16 output columns at a time.
+// W's GGUF blocks decoded to signed bytes (q - offset) 16 output columns at a time.
 //
-// A tile = 16 weight columns x one unit's bytes (32, or a Q6_K half-block's 16), B tile = the same
-// bytes of 16 activation rows in AMX's 4-byte-interleaved layout (built once per call), C (16 x 16
-// int32) = tdpbssd(A, B): each column's exact integer dot product with each row for that unit.  Scales
-// differ per unit on both sides, so every unit's C is stored and added in float32 into 16 accumulators
-// (one per column, lanes = rows): acc += float(C) * (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins),
-// the same arithmetic as the vector paths.  That per-unit float work (and the tile store before it) is
-// most of the time from about 16 rows on: tdpbssd itself would take a fraction.
+// A tile = 16 weight columns x G units' bytes (64 bytes of K: two blocks, or four Q6_K half-blocks), B tile
+// = the same K bytes of W rows of x (W = T rounded up to 1, 2, 4, 8 or 16), spread so that each unit's rows
+// get their own C columns (cpu_gguf.h's TiledX; G = 16 / W at most), C = tdpbssd(A, B) (16 x G W int32):
+// each column's exact integer dot product with each row for each unit.  Scales differ per unit on both
+// sides, so every group's C is stored and added in float32 into G W accumulators: acc += float(C) *
+// (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins), the vector paths' arithmetic.  Sizing B and C to
+// the rows is what makes one to four rows cheap: the float work per group is G W vectors, not 16.
 //
-// Per thread, a range of 16-column tiles; per tile: decode its blocks (chunk by chunk across the 16
-// columns, so the A buffer's chunk stays in L1), prefetch the next tile's rows into L2, then for each
-// 16-row tile of x run the units with A/B tiles alternating over two sets and C over four (AMX tiles are
-// not renamed), adding each unit's C kLag units after its product.
+// Per thread, a range of 16-column tiles; while one tile's groups multiply (A/B tiles alternating over two
+// sets and C over four, as AMX tiles are not renamed, each group's C added kLag groups after its product),
+// the next tile is decoded column by column into the other buffer, in registers 64 bytes at a time (Q5_0
+// pairs, Q4_K / Q6_K super-blocks; Q5_K through cpu_gguf.h's decode), each column's row prefetched whole
+// just before.  Q5_0 / Q8_0's fp16 scales are gathered from the blocks when their group is added.
 //
 // Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
 // Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
@@ -50,8 +51,9 @@ namespace {
 namespace {
 
 #if defined(GGUF_AMX)
-constexpr int64_t kTile = 16;       // rows of x, and columns of W, per tile
-constexpr int64_t kLag = 8;         // units between a C tile's product and its float sum
+constexpr int64_t kLag = 8;         // groups between a C tile's product and its float sum
+
+inline __m512i lanes16() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
 struct TileConfig {                 // ldtilecfg's 64-byte palette-1 layout
   uint8_t palette = 1, start_row = 0;
@@ -60,181 +62,217 @@ struct TileConfig {                 // ldtilecfg's 64-byte palette-1 layout
   uint8_t rows[16] = {};
 };
 
-// x in B-tile layout, per tile of 16 rows (rows past T are zeros):
-struct TiledX {
-  int64_t tiles = 0, nb = 0, units = 0;
-  std::vector<int8_t> b;     // (tiles, nb, 8, 64): row i of block b holds bytes 4i..4i+3 of each of the 16 rows
-  std::vector<float> dx;     // (tiles, units, 16) the rows' dx for the unit's block
-  std::vector<float> ds;     // (tiles, nb, 16) dx * sum(qx), for Q4_K / Q5_K's mins
+// A decoded tile of 16 weight columns (each thread has two: it decodes the next tile while it multiplies
+// this one, so the tile loads never wait on the decoding's stores, and the decoding fills the AMX unit's
+// latency).
+struct ColumnTile {
+  std::vector<int8_t> buffer;  // a, 64-byte aligned, with 64 bytes to spare (a last group's missing unit)
+  int8_t* a = nullptr;       // (16, K): column c's blocks, signed, one after another (A tiles read 16 rows of it)
+  std::vector<float> scale;  // (groups, 16, G): unit g G + i of column c at (g 16 + c) G + i
+  std::vector<float> c;      // likewise, Q4_K / Q5_K's -dmin * m
+
+  void allocate(int64_t k, int64_t size) {
+    buffer.resize(static_cast<size_t>(kTile * k + 128));
+    a = buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64;
+    scale.assign(static_cast<size_t>(size), 0.0f);
+    c.assign(scale.size(), 0.0f);
+  }
+  void clear(int64_t k) {    // the last tile's missing columns: zero weights and scales
+    std::fill_n(a, kTile * k, 0);
+    std::fill(scale.begin(), scale.end(), 0.0f);
+    std::fill(c.begin(), c.end(), 0.0f);
+  }
 };
 
-TiledX tile_x(const QuantizedX& qx, int64_t upb, bool mins) {
-  TiledX out;
-  const int64_t nb = qx.nb;
-  out.tiles = (qx.t + kTile - 1) / kTile, out.nb = nb, out.units = nb * upb;
-  out.b.assign(static_cast<size_t>(out.tiles * nb * 512), 0);
-  out.dx.assign(static_cast<size_t>(out.tiles * out.units * kTile), 0.0f);
-  if (mins) out.ds.assign(static_cast<size_t>(out.tiles * nb * kTile), 0.0f);
-  const __m512i row_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(qx.k)));
-  for (int64_t rt = 0; rt < out.tiles; ++rt) {
-    const int64_t rows = std::min(kTile, qx.t - rt * kTile);
-    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
-    const int8_t* q = qx.q.data() + rt * kTile * qx.k;
-    for (int64_t b = 0; b < nb; ++b)      // row i of block b's B tile: bytes 4 i..4 i + 3 of each of the 16 rows
-      for (int i = 0; i < 8; ++i) {
-        const int8_t* at = q + b * kBlock + 4 * i;
-        _mm512_storeu_si512(out.b.data() + (rt * nb + b) * 512 + i * 64,
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, at, 1));
-      }
-    for (int64_t m = 0; m < rows; ++m) {
-      const int64_t row = rt * kTile + m;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float d = qx.d[static_cast<size_t>(row * nb + b)];
-        for (int64_t u = 0; u < upb; ++u) out.dx[static_cast<size_t>((rt * out.units + b * upb + u) * kTile + m)] = d;
-        if (mins)
-          out.ds[static_cast<size_t>((rt * nb + b) * kTile + m)] =
-              d * static_cast<float>(qx.s16[static_cast<size_t>(2 * (row * nb + b))] +
-                                     qx.s16[static_cast<size_t>(2 * (row * nb + b) + 1)]);
+// Column col's row of blocks at w into s: its signed bytes to s.a + col * K; K-quants' scales (and mins) to
+// their places in s.scale and s.c (Q5_0 / Q8_0's are gathered from the blocks when used: half_scales).
+template <int64_t KIND, int64_t G>
+void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
+  using K = Kind<KIND>;
+  int8_t* a = s.a + col * nb * kBlock;
+  if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+    int64_t b = 0;
+    if constexpr (KIND == kQ5_0)
+      for (; b + 2 <= nb; b += 2) _mm512_storeu_si512(a + b * kBlock, q5_pair_signed(w + b * K::bytes));
+    for (; b < nb; ++b) {
+      const uint8_t* blk = w + b * K::bytes;
+      const __m256i v = KIND == kQ8_0 ? load32(blk + 2) : _mm256_sub_epi8(q5_unsigned(blk), _mm256_set1_epi8(16));
+      store32(reinterpret_cast<uint8_t*>(a + b * kBlock), v);
+    }
+  } else {
+    constexpr int64_t upb = K::halves ? 2 : 1, units = kChunk * upb;
+    alignas(64) float scale[units], mins[kChunk];
+    for (int64_t sb = 0; sb < nb / kChunk; ++sb) {
+      decode_super<KIND>(w + sb * K::bytes, a + sb * K::weights, scale, mins);
+      // a group's G units of one column lie together: (groups, 16, G)
+      for (int64_t i = 0; i < units; i += G) {
+        std::memcpy(s.scale.data() + ((sb * units + i) / G * kTile + col) * G, scale + i, G * sizeof(float));
+        if (K::mins && i < kChunk)
+          std::memcpy(s.c.data() + ((sb * kChunk + i) / G * kTile + col) * G, mins + i, G * sizeof(float));
       }
     }
   }
-  return out;
 }
 
-// One thread's decoded tile of 16 weight columns.
-struct ColumnTile {
-  std::vector<int8_t> a;     // (nb, 16, 32): block b of column c, signed
-  std::vector<float> scale;  // (units, 16)
-  std::vector<float> c;      // (nb, 16)
-  alignas(64) int32_t cb[kLag][kTile * kTile];  // the last kLag units' C tiles
-  alignas(64) float acc[kTile * kTile];
-};
-
-template <int64_t KIND>
-void decode_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t cols, ColumnTile& s) {
-  using K = Kind<KIND>;
-  constexpr int64_t upb = K::halves ? 2 : 1;
-  if (cols < kTile) {        // the last tile's missing columns: zero weights and scales
-    std::fill(s.a.begin(), s.a.end(), 0);
-    std::fill(s.scale.begin(), s.scale.end(), 0.0f);
-    std::fill(s.c.begin(), s.c.end(), 0.0f);
-  }
-  // Chunk by chunk, all columns: a chunk's 4 KB of A stays in L1 while its 16 columns fill it (column
-  // by column, the 512-byte stride would cycle 8 cache sets and miss on every store).
-  for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
-    const int blocks = static_cast<int>(std::min<int64_t>(kChunk, nb - b0));
-    for (int64_t col = 0; col < cols; ++col)
-      decode<KIND, true>(w + col * row_bytes + b0 * kBlock / K::weights * K::bytes,
-                         blocks, reinterpret_cast<uint8_t*>(s.a.data() + (b0 * kTile + col) * kBlock),
-                         kTile * kBlock, s.scale.data() + b0 * upb * kTile + col, kTile,
-                         K::mins ? s.c.data() + b0 * kTile + col : nullptr, kTile);
+// Q5_0 / Q8_0: group gi's scales, (16, G) as s.scale holds them, straight from the fp16 d of the blocks of
+// the tile's `cols` columns at w (a last group's missing unit and missing columns read 0).
+template <int64_t KIND, int G>
+inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t units, int64_t cols, float* out) {
+  const __m512i rows = _mm512_mullo_epi32(lanes16(),
+                                          _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1);
+  const uint8_t* at = w + gi * G * Kind<KIND>::bytes;
+  __m512i d[G];
+  for (int i = 0; i < G; ++i)
+    d[i] = gi * G + i < units
+               ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, at + i * Kind<KIND>::bytes, 1)
+               : _mm512_setzero_si512();
+  if constexpr (G == 1) {
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d[0])));
+  } else {                   // G == 2: dword c holds column c's two halves, in (c, i) order
+    const __m512i pairs = _mm512_mask_blend_epi16(0xAAAAAAAA, d[0], _mm512_slli_epi32(d[1], 16));
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_castsi512_si256(pairs)));
+    _mm512_storeu_ps(out + kTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1)));
   }
 }
 
-// acc[c] (lanes = rows) += unit u's C tile, scaled.
-template <bool MINS>
-inline void add_unit(const int32_t* cb, const TiledX& tx, const ColumnTile& s, int64_t rt, int64_t u, __m512* acc) {
-  const __m512 dxv = _mm512_loadu_ps(tx.dx.data() + (rt * tx.units + u) * kTile);
-  const float* scale = s.scale.data() + u * kTile;
-  for (int c = 0; c < kTile; ++c)
-    acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + c * kTile)),
-                             _mm512_mul_ps(dxv, _mm512_set1_ps(scale[c])), acc[c]);
-  if constexpr (MINS) {      // units are blocks here
-    const __m512 dsv = _mm512_loadu_ps(tx.ds.data() + (rt * tx.nb + u) * kTile);
-    const float* cmin = s.c.data() + u * kTile;
-    for (int c = 0; c < kTile; ++c) acc[c] = _mm512_fmadd_ps(dsv, _mm512_set1_ps(cmin[c]), acc[c]);
+// acc (16 columns x G units x W rows: acc[j] lane l is flat index f = 16 j + l = (c G + i) W + m) += group
+// gi's C tile, scaled: lane l takes the scale at f / W of the group's (16, G) and the dx pattern's lane l.
+template <int W, int G, bool MINS>
+inline void add_group(const int32_t* cb, const TiledX& tx, const ColumnTile& s, const float* scale, int64_t rt,
+                      int64_t gi, __m512* acc) {
+  const __m512 dxv = _mm512_loadu_ps(tx.dx.data() + (rt * tx.groups + gi) * kTile);
+  [[maybe_unused]] const float* cmin = MINS ? s.c.data() + gi * kTile * G : nullptr;
+  [[maybe_unused]] const __m512 dsv = MINS ? _mm512_loadu_ps(tx.ds.data() + (rt * tx.groups + gi) * kTile)
+                                           : _mm512_setzero_ps();
+  const auto spread = [](const float* v) {   // v[l / W] in lane l
+    if constexpr (W == 1) return _mm512_loadu_ps(v);
+    else if constexpr (W == kTile) return _mm512_set1_ps(v[0]);
+    else
+      return _mm512_permutexvar_ps(_mm512_srli_epi32(lanes16(), W == 2 ? 1 : W == 4 ? 2 : 3), _mm512_loadu_ps(v));
+  };
+  for (int j = 0; j < G * W; ++j) {
+    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + j * kTile)),
+                             _mm512_mul_ps(dxv, spread(scale + j * kTile / W)), acc[j]);
+    if constexpr (MINS) acc[j] = _mm512_fmadd_ps(dsv, spread(cmin + j * kTile / W), acc[j]);
   }
 }
 
-// A unit's product into tile C (A in tile TA, B in TB); a macro, as GCC's tile intrinsics take the tile
+// A group's product into tile C (A in tile TA, B in TB); a macro, as GCC's tile intrinsics take the tile
 // numbers as literal text.
 #define GGUF_MULTIPLY(TA, TB, C, a, b) \
   do {                                 \
-    _tile_loadd(TA, a, kBlock);        \
-    _tile_loadd(TB, b, 64);            \
+    _tile_loadd(TA, a, lda);           \
+    _tile_loadd(TB, b, 4 * G * W);     \
     _tile_zero(C);                     \
     _tile_dpbssd(C, TA, TB);           \
   } while (false)
 
-template <int64_t KIND>
+template <int64_t KIND, int W>
 void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out, int64_t begin,
                   int64_t end) {
   using K = Kind<KIND>;
   constexpr int64_t uk = K::halves ? 16 : 32;          // K bytes per unit
-  const int64_t nb = tx.nb, units = tx.units, row_bytes = qx.k / K::weights * K::bytes;
+  constexpr int G = static_cast<int>(group_of(uk, W));
+  const int64_t nb = tx.nb, groups = tx.groups, row_bytes = qx.k / K::weights * K::bytes, lda = qx.k;
   TileConfig cfg;
-  for (int i : {0, 3}) cfg.rows[i] = kTile, cfg.colsb[i] = uk;               // A: 16 columns x uk bytes
-  for (int i : {1, 4}) cfg.rows[i] = uk / 4, cfg.colsb[i] = 64;              // B: uk / 4 rows x 16 rows x 4
-  for (int i : {2, 5, 6, 7}) cfg.rows[i] = kTile, cfg.colsb[i] = 64;         // C: 16 x 16 int32
+  for (int i : {0, 3}) cfg.rows[i] = kTile, cfg.colsb[i] = G * uk;           // A: 16 columns x G units' bytes
+  for (int i : {1, 4}) cfg.rows[i] = G * uk / 4, cfg.colsb[i] = 4 * G * W;   // B: those bytes / 4 x G W x 4
+  for (int i : {2, 5, 6, 7}) cfg.rows[i] = kTile, cfg.colsb[i] = 4 * G * W;  // C: 16 columns x G W int32
   _tile_loadconfig(&cfg);
-  ColumnTile s;
-  s.a.resize(static_cast<size_t>(nb * kTile * kBlock));
-  s.scale.resize(static_cast<size_t>(units * kTile));
-  s.c.resize(static_cast<size_t>(nb * kTile));
-  const auto a_at = [&](int64_t u) {
-    return s.a.data() + (K::halves ? (u / 2) * kTile * kBlock + (u % 2) * 16 : u * kTile * kBlock);
+  ColumnTile side[2];
+  for (ColumnTile& t : side) t.allocate(qx.k, groups * kTile * G);
+  alignas(64) int32_t cb[kLag][kTile * kTile];   // the last kLag groups' C tiles
+  alignas(64) float sums[kTile * kTile];
+  const int64_t stop = std::min(n, end * kTile), steps = tx.tiles * groups;
+  const auto columns_at = [&](int64_t n0) { return n0 < stop ? std::min(kTile, n - n0) : int64_t{0}; };
+  // Each column's row is asked of memory whole (prefetcht1, all its lines at once) just before it is decoded:
+  // measured, that streams faster than the hardware's prefetch alone, or than software prefetch further ahead.
+  const auto decode_at = [&](int64_t first, int64_t col, ColumnTile& into) {
+    const char* row = reinterpret_cast<const char*>(w + (first + col) * row_bytes);
+    for (const char* line = row; line < row + row_bytes; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+    decode_column<KIND, G>(w + (first + col) * row_bytes, nb, col, into);
   };
-  const __m512i gather = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  const int64_t stop = std::min(n, end * kTile), steps = tx.tiles * units;
-  for (int64_t n0 = begin * kTile; n0 < stop; n0 += kTile) {
-    const int64_t cols = std::min(kTile, n - n0);
-    decode_tile<KIND>(w + n0 * row_bytes, row_bytes, nb, cols, s);
-    // The next tile's rows (contiguous) are fetched into L2 while this one multiplies: the decode above
-    // would otherwise wait on memory with no arithmetic beside it.
-    const char* ahead = reinterpret_cast<const char*>(w + (n0 + cols) * row_bytes);
-    const char* ahead_end = reinterpret_cast<const char*>(w + std::min(stop, n0 + cols + kTile) * row_bytes);
-    const int64_t per_step = (ahead_end - ahead + 64 * steps - 1) / (64 * steps);
+  if (columns_at(begin * kTile) < kTile) side[0].clear(qx.k);
+  for (int64_t col = 0; col < columns_at(begin * kTile); ++col) decode_at(begin * kTile, col, side[0]);
+  for (int64_t n0 = begin * kTile, now = 0; n0 < stop; n0 += kTile, now ^= 1) {
+    const int64_t cols = columns_at(n0), next_cols = columns_at(n0 + kTile);
+    const ColumnTile& s = side[now];
+    const auto add = [&](const int32_t* c, int64_t rt, int64_t gi, __m512* acc) {
+      alignas(64) float gathered[kTile * G];
+      const float* scale = s.scale.data() + gi * kTile * G;
+      if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+        half_scales<KIND, G>(w + n0 * row_bytes, row_bytes, gi, tx.units, cols, gathered);
+        scale = gathered;
+      }
+      add_group<W, G, K::mins>(c, tx, s, scale, rt, gi, acc);
+    };
+    ColumnTile& next = side[now ^ 1];
+    if (next_cols > 0 && next_cols < kTile) next.clear(qx.k);
+    int64_t decoded = 0, due = 0;       // the next tile's columns decoded so far, spread evenly over the steps
     for (int64_t rt = 0; rt < tx.tiles; ++rt) {
-      const int8_t* bx = tx.b.data() + rt * nb * 512;
-      __m512 acc[kTile];
+      const int8_t* bx = tx.b.data() + rt * groups * G * uk * G * W;
+      __m512 acc[G * W];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      // Unit u multiplies in A and B tiles (0, 1) or (3, 4) by u's parity into C tile 2, 5, 6 or 7 by u % 4,
-      // while unit u - 1's C tile is stored and unit u - kLag's, stored kLag - 1 units ago, is added.  AMX
+      // Group u multiplies in A and B tiles (0, 1) or (3, 4) by u's parity into C tile 2, 5, 6 or 7 by u % 4,
+      // while group u - 1's C tile is stored and group u - kLag's, stored kLag - 1 groups ago, is added.  AMX
       // tiles are not renamed (a tile is rewritten only once what reads it is done), so rotating them lets
       // the tile unit run ahead, and the float work never waits on its latency.
-      for (int64_t u = 0; u < units; ++u) {
-        for (int64_t j = 0; j < per_step && ahead < ahead_end; ++j, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-        const int8_t* a = a_at(u);
-        const int8_t* b = bx + u * uk * 16;
-        int32_t* prev = s.cb[(u + kLag - 1) % kLag];
+      for (int64_t u = 0; u < groups; ++u) {
+        for (due += next_cols; due >= steps; due -= steps, ++decoded) decode_at(n0 + kTile, decoded, next);
+        const int8_t* a = s.a + u * G * uk;
+        const int8_t* b = bx + u * G * uk * G * W;
+        int32_t* prev = cb[(u + kLag - 1) % kLag];
         switch (u % 4) {
-          case 0: GGUF_MULTIPLY(0, 1, 2, a, b); if (u > 0) _tile_stored(7, prev, 64); break;
-          case 1: GGUF_MULTIPLY(3, 4, 5, a, b); _tile_stored(2, prev, 64); break;
-          case 2: GGUF_MULTIPLY(0, 1, 6, a, b); _tile_stored(5, prev, 64); break;
-          default: GGUF_MULTIPLY(3, 4, 7, a, b); _tile_stored(6, prev, 64); break;
+          case 0: GGUF_MULTIPLY(0, 1, 2, a, b); if (u > 0) _tile_stored(7, prev, 4 * G * W); break;
+          case 1: GGUF_MULTIPLY(3, 4, 5, a, b); _tile_stored(2, prev, 4 * G * W); break;
+          case 2: GGUF_MULTIPLY(0, 1, 6, a, b); _tile_stored(5, prev, 4 * G * W); break;
+          default: GGUF_MULTIPLY(3, 4, 7, a, b); _tile_stored(6, prev, 4 * G * W); break;
         }
-        if (u >= kLag) add_unit<K::mins>(s.cb[(u - kLag) % kLag], tx, s, rt, u - kLag, acc);
+        if (u >= kLag) add(cb[(u - kLag) % kLag], rt, u - kLag, acc);
       }
-      int32_t* last = s.cb[(units - 1) % kLag];
-      switch ((units - 1) % 4) {
-        case 0: _tile_stored(2, last, 64); break;
-        case 1: _tile_stored(5, last, 64); break;
-        case 2: _tile_stored(6, last, 64); break;
-        default: _tile_stored(7, last, 64); break;
+      int32_t* last = cb[(groups - 1) % kLag];
+      switch ((groups - 1) % 4) {
+        case 0: _tile_stored(2, last, 4 * G * W); break;
+        case 1: _tile_stored(5, last, 4 * G * W); break;
+        case 2: _tile_stored(6, last, 4 * G * W); break;
+        default: _tile_stored(7, last, 4 * G * W); break;
       }
-      for (int64_t u = std::max<int64_t>(0, units - kLag); u < units; ++u)
-        add_unit<K::mins>(s.cb[u % kLag], tx, s, rt, u, acc);
-      // acc[c] lane m is out[rt * 16 + m][n0 + c]
-      for (int c = 0; c < kTile; ++c) _mm512_store_ps(s.acc + c * kTile, acc[c]);
+      for (int64_t u = std::max<int64_t>(0, groups - kLag); u < groups; ++u)
+        add(cb[u % kLag], rt, u, acc);
+      // out[rt W + m][n0 + c] is the sum over i of sums[(c G + i) W + m]
+      for (int j = 0; j < G * W; ++j) _mm512_store_ps(sums + j * kTile, acc[j]);
       const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-      for (int64_t m = 0; m < std::min(kTile, qx.t - rt * kTile); ++m)
-        _mm512_mask_storeu_ps(out + (rt * kTile + m) * n + n0, keep,
-                              _mm512_i32gather_ps(_mm512_add_epi32(gather, _mm512_set1_epi32(static_cast<int>(m))),
-                                                  s.acc, 4));
+      const __m512i at = _mm512_mullo_epi32(lanes16(),
+                                            _mm512_set1_epi32(G * W));
+      for (int64_t m = 0; m < std::min<int64_t>(W, qx.t - rt * W); ++m) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < G; ++i) {
+          const __m512i index = _mm512_add_epi32(at, _mm512_set1_epi32(static_cast<int>(i * W + m)));
+          sum = _mm512_add_ps(sum, _mm512_i32gather_ps(index, sums, 4));
+        }
+        _mm512_mask_storeu_ps(out + (rt * W + m) * n + n0, keep, sum);
+      }
     }
+    for (; decoded < next_cols; ++decoded) decode_at(n0 + kTile, decoded, next);
   }
   _tile_release();
 }
 
 template <int64_t KIND>
 void amx_kind(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
-  const TiledX tx = tile_x(qx, Kind<KIND>::halves ? 2 : 1, Kind<KIND>::mins);
+  const TiledX tx = tile_x(qx, Kind<KIND>::halves ? 16 : 32, Kind<KIND>::mins);
   const int64_t tiles = (n + kTile - 1) / kTile;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, (tiles + threads - 1) / threads);
   torch::stable::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    tile_columns<KIND>(tx, qx, w, n, out, begin, end);
+    switch (tx.width) {
+      case 1: tile_columns<KIND, 1>(tx, qx, w, n, out, begin, end); break;
+      case 2: tile_columns<KIND, 2>(tx, qx, w, n, out, begin, end); break;
+      case 4: tile_columns<KIND, 4>(tx, qx, w, n, out, begin, end); break;
+      case 8: tile_columns<KIND, 8>(tx, qx, w, n, out, begin, end); break;
+      default: tile_columns<KIND, 16>(tx, qx, w, n, out, begin, end); break;
+    }
   });
 }
 #endif
@@ -255,6 +293,7 @@ bool amx_usable() {
 
 void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
 #if defined(GGUF_AMX)
+  if (qx.t > 8) return amx_linear_wide(kind, qx, w, n, out);
   switch (kind) {
     case kQ5_0: amx_kind<kQ5_0>(qx, w, n, out); break;
     case kQ8_0: amx_kind<kQ8_0>(qx, w, n, out); break;

@@ -77,4 +77,38 @@ void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out) {
   }
 }
 
+// x (quantized) in AMX B-tile layout (cpu_gguf.h's TiledX); rows past T are zeros.
+TiledX tile_x(const QuantizedX& qx, int64_t uk, bool mins) {
+  TiledX out;
+  int64_t w = 1;
+  while (w < qx.t && w < kTile) w *= 2;
+  const int64_t nb = qx.nb, g = group_of(uk, w), upb = kBlock / uk;
+  out.width = w, out.g = g, out.uk = uk, out.tiles = (qx.t + w - 1) / w, out.nb = nb, out.units = nb * upb;
+  out.groups = (out.units + g - 1) / g;
+  const int64_t cols = g * w, rows_b = g * uk / 4;
+  out.b.assign(static_cast<size_t>(out.tiles * out.groups * rows_b * cols * 4), 0);
+  out.dx.assign(static_cast<size_t>(out.tiles * out.groups * kTile), 0.0f);
+  if (mins) out.ds.assign(out.dx.size(), 0.0f);
+  for (int64_t rt = 0; rt < out.tiles; ++rt)
+    for (int64_t m = 0; m < std::min(w, qx.t - rt * w); ++m) {
+      const int64_t row = rt * w + m;
+      const int8_t* q = qx.q.data() + row * qx.k;
+      for (int64_t u = 0; u < out.units; ++u) {
+        const int64_t gi = rt * out.groups + u / g, i = u % g, b = u / upb;
+        int8_t* dst = out.b.data() + gi * rows_b * cols * 4;
+        for (int64_t k = 0; k < uk / 4; ++k)
+          std::memcpy(dst + ((i * uk / 4 + k) * cols + i * w + m) * 4, q + u * uk + 4 * k, 4);
+        const float d = qx.d[static_cast<size_t>(row * nb + b)];
+        for (int64_t l = i * w + m; l < kTile; l += cols) {
+          out.dx[static_cast<size_t>(gi * kTile + l)] = d;
+          if (mins)
+            out.ds[static_cast<size_t>(gi * kTile + l)] =
+                d * static_cast<float>(qx.s16[static_cast<size_t>(2 * (row * nb + b))] +
+                                       qx.s16[static_cast<size_t>(2 * (row * nb + b) + 1)]);
+        }
+      }
+    }
+  return out;
+}
+
 }  // namespace infermesh_gguf
