@@ -18,4 +18,5 @@ void rope_and_write_kv(const Tensor& qkv, const Tensor& positions, const Tensor&
                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots, int64_t num_heads);
 Tensor silu_and_mul(const Tensor& gate_up);
 Tensor q4_linear(const Tensor& x, const Tensor& packed, int64_t out_features);
+void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out);
 }  // namespace infermesh_cpu

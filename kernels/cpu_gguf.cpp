@@ -57,6 +57,7 @@ namespace {
 #include "cpu_common.h"
 }  // namespace
 #include "cpu_gguf.h"
+#include "cpu_api.h"
 
 namespace {
 
@@ -324,6 +325,12 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
 }
 
 }  // namespace
+
+namespace infermesh_cpu {
+void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
+  ::gguf_linear(x, blocks, kind, out);
+}
+}  // namespace infermesh_cpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(infermesh, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int kind, Tensor(a!) out) -> ()");

@@ -116,6 +116,13 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch
     hidden = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
     want = hidden @ dense(ours["model.layers.0.mlp.down_proj.weight"]).T
     assert (down(hidden) - want).abs().max() <= 0.02 * want.abs().max()
+    if _kernel_has(qtype) and blocks.plan.attention == "fused":
+        # Decode steps run each layer as one call (decode_layer_gguf): the op-by-op forward's numbers exactly.
+        assert blocks.model.fused_layers is not None and blocks.model.fused_op == "decode_layer_gguf"
+        fused = _generate(blocks, prompts)
+        op_by_op = ModelRunner(folder, decide(device="cpu", dtype="float32", matmul="gguf"), kv_cache_bytes=16 << 20)
+        op_by_op.model.fused_layers = None
+        assert _generate(op_by_op, prompts) == fused
 
     if cli:
         shown = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "inspect", "tiny"], env=env,
@@ -135,3 +142,15 @@ def _kernel_has(qtype: str) -> bool:
         return gguf_blocks.kind_of(GGMLQuantizationType[qtype]) is not None
     except ValueError:
         return False
+
+
+def _generate(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, list[tuple[int, float]]]:
+    """Each prompt's 8 greedy tokens with their log-probs."""
+    engine = Engine(runner)
+    for i, prompt in enumerate(prompts):
+        engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)))
+    got: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
+    return got

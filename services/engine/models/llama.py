@@ -26,6 +26,7 @@ from services.engine.models.gguf_weights import Blocks, Weight, dense
 from services.engine.models.linear import (
     BlockLinear,
     Concat,
+    GgufLinear,
     Int8Linear,
     Linear,
     Q4Linear,
@@ -72,6 +73,33 @@ def _fused_q4_layers(layers: list[Layer]) -> list[tuple[torch.Tensor, ...]] | No
         qkv, o, gate_up, down = parts
         out.append((layer.input_norm, qkv, o, layer.post_norm, gate_up, down))
     return out  # type: ignore[return-value]
+
+
+def _fused_gguf_layers(layers: list[Layer]) -> list[tuple[Any, ...]] | None:
+    """Per layer decode_layer_gguf's weights (input_norm, up to 3 q/k/v blocks with kinds, their bias, o, post_norm,
+    up to 2 gate/up blocks, down), or None unless every GEMM is gguf blocks the kernel has (directly or as a
+    split's small kind), o and down without bias."""
+    def blocks(linear: Any) -> GgufLinear | None:
+        linear = linear.small if isinstance(linear, SplitLinear) else linear
+        return linear if isinstance(linear, GgufLinear) and linear.fallback is None else None
+
+    def parts(concat: Concat, most: int) -> list[GgufLinear] | None:
+        found = [blocks(p) for p in concat.parts]
+        return found if len(found) <= most and all(found) else None  # type: ignore[return-value]
+
+    out: list[tuple[Any, ...]] = []
+    for layer in layers:
+        qkv, gate_up, o, down = parts(layer.qkv, 3), parts(layer.gate_up, 2), blocks(layer.o), blocks(layer.down)
+        if qkv is None or gate_up is None or o is None or down is None or o.bias is not None \
+                or down.bias is not None or any(p.bias is not None for p in gate_up):
+            return None
+        bias = None if all(p.bias is None for p in qkv) else torch.cat(
+            [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in qkv]).float().contiguous()
+        qkv_args = [a for p in qkv for a in (p.weight, p.kind)] + [None, 0] * (3 - len(qkv))
+        gate_up_args = [a for p in gate_up for a in (p.weight, p.kind)] + [None, 0] * (2 - len(gate_up))
+        out.append((layer.input_norm, *qkv_args, bias, o.weight, o.kind, layer.post_norm, *gate_up_args,
+                    down.weight, down.kind))
+    return out
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -180,13 +208,16 @@ class LlamaModel:
                              "with --device cpu")
         self.attention = Attention(plan.attention, config.attn_scale or d ** -0.5, config.attn_softcap)
         self.ops: Any = op_sets.load(plan.ops)      # add_rms_norm, rope_and_write_kv, silu_and_mul
-        # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library
-        # (decode_layer_q4: the same ops in the same order) when every layer's GEMMs are lossless q4.
+        # Pure-decode steps of up to `fused_rows` rows run each layer as one call of the CPU library (the same
+        # ops in the same order) when every layer's GEMMs are lossless q4 (decode_layer_q4) or a GGUF's blocks
+        # (decode_layer_gguf).
         plain = not (config.qk_norm or any(self.windows) or config.layer_rope or config.sandwich_norms
                      or self.dynamic or config.attn_softcap
                      or config.embed_scale != 1.0 or config.activation != "silu")   # what decode_layer_q4 computes
-        self.fused_layers = _fused_q4_layers(self.layers) if (plan.attention, plan.ops) == ("fused", "cpu") \
-            and plain else None
+        fusable = (plan.attention, plan.ops) == ("fused", "cpu") and plain
+        self.fused_op = "decode_layer_gguf" if plan.matmul == "gguf" else "decode_layer_q4"
+        self.fused_layers = (_fused_gguf_layers(self.layers) if plan.matmul == "gguf" else
+                             _fused_q4_layers(self.layers)) if fusable else None
         self.fused_rows = plan.split_rows if plan.matmul_large else 1 << 30
 
     @property
@@ -232,7 +263,7 @@ class LlamaModel:
         if self.fused_layers is not None and meta.decode_rows is not None and not meta.prefills \
                 and t <= self.fused_rows:
             for weights, (k_cache, v_cache) in zip(self.fused_layers, kv, strict=True):
-                update = torch.ops.infermesh.decode_layer_q4(
+                update = getattr(torch.ops.infermesh, self.fused_op)(
                     x, update, *weights, eps, positions, self.cos, self.sin, k_cache, v_cache, meta.slots,
                     meta.decode_tables, meta.decode_lens, self.attention.scale, c.num_heads, c.num_kv_heads,
                     c.head_dim, c.intermediate_size)
