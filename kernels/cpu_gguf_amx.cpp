@@ -6,13 +6,13 @@
 // get their own C columns (cpu_gguf.h's TiledX; G = 16 / W at most), C = tdpbssd(A, B) (16 x G W int32):
 // each column's exact integer dot product with each row for each unit.  Scales differ per unit on both
 // sides, so every group's C is stored and added in float32 into G W accumulators: acc += float(C) *
-// (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins), the vector paths' arithmetic.  Sizing B and C to
+// (dx * a) (+ c * dx * sum(qx) for Q4_1 / Q4_K / Q5_K's mins), the vector paths' arithmetic.  Sizing B and C to
 // the rows is what makes one to four rows cheap: the float work per group is G W vectors, not 16.
 //
 // Per thread, a range of 16-column tiles; while one tile's groups multiply (A/B tiles alternating over two
 // sets and C over four, as AMX tiles are not renamed, each group's C added kLag groups after its product),
-// the next tile is decoded column by column into the other buffer, in registers 64 bytes at a time (Q5_0
-// pairs, Q4_K / Q6_K super-blocks; Q5_K through cpu_gguf.h's decode), each column's row prefetched whole
+// the next tile is decoded column by column into the other buffer, in registers 64 bytes at a time (Q4_1 /
+// Q5_0 pairs, Q4_K / Q6_K super-blocks; Q5_K through cpu_gguf.h's decode), each column's row prefetched whole
 // just before.  Q5_0 / Q8_0's fp16 scales are gathered from the blocks when their group is added.
 //
 // Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
@@ -69,7 +69,7 @@ struct ColumnTile {
   std::vector<int8_t> buffer;  // a, 64-byte aligned, with 64 bytes to spare (a last group's missing unit)
   int8_t* a = nullptr;       // (16, K): column c's blocks, signed, one after another (A tiles read 16 rows of it)
   std::vector<float> scale;  // (groups, 16, G): unit g G + i of column c at (g 16 + c) G + i
-  std::vector<float> c;      // likewise, Q4_K / Q5_K's -dmin * m
+  std::vector<float> c;      // likewise, Q4_1's m, Q4_K / Q5_K's -dmin * m
 
   void allocate(int64_t k, int64_t size) {
     buffer.resize(static_cast<size_t>(kTile * k + 128));
@@ -84,13 +84,24 @@ struct ColumnTile {
   }
 };
 
-// Column col's row of blocks at w into s: its signed bytes to s.a + col * K; K-quants' scales (and mins) to
+// Column col's row of blocks at w into s: its signed bytes to s.a + col * K; Q4_1's and K-quants' scales (and mins) to
 // their places in s.scale and s.c (Q5_0 / Q8_0's are gathered from the blocks when used: half_scales).
 template <int64_t KIND, int64_t G>
 void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
   using K = Kind<KIND>;
   int8_t* a = s.a + col * nb * kBlock;
-  if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+  if constexpr (KIND == kQ4_1) {     // pairs of blocks in registers; d and m to their (groups, 16, G) places
+    for (int64_t b = 0; b < nb; ++b) {
+      if (b % 2 == 0 && b + 1 < nb)
+        _mm512_storeu_si512(a + b * kBlock, q4_1_pair(w + b * K::bytes));
+      const int64_t at = ((b / G) * kTile + col) * G + b % G;
+      if (b % 2 == 0 && b + 1 == nb)     // the pair's load would read past the row
+        decode<KIND, true>(w + b * K::bytes, 1, reinterpret_cast<uint8_t*>(a + b * kBlock), kBlock,
+                           s.scale.data() + at, 1, s.c.data() + at, 1);
+      s.scale[static_cast<size_t>(at)] = half_at(w + b * K::bytes);
+      s.c[static_cast<size_t>(at)] = half_at(w + b * K::bytes + 2);
+    }
+  } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
     int64_t b = 0;
     if constexpr (KIND == kQ5_0)
       for (; b + 2 <= nb; b += 2) _mm512_storeu_si512(a + b * kBlock, q5_pair_signed(w + b * K::bytes));
@@ -295,6 +306,7 @@ void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n,
 #if defined(GGUF_AMX)
   if (qx.t > 8) return amx_linear_wide(kind, qx, w, n, out);
   switch (kind) {
+    case kQ4_1: amx_kind<kQ4_1>(qx, w, n, out); break;
     case kQ5_0: amx_kind<kQ5_0>(qx, w, n, out); break;
     case kQ8_0: amx_kind<kQ8_0>(qx, w, n, out); break;
     case kQ4_K: amx_kind<kQ4_K>(qx, w, n, out); break;
