@@ -13,7 +13,8 @@
 // sets and C over four, as AMX tiles are not renamed, each group's C added kLag groups after its product),
 // the next tile is decoded column by column into the other buffer, in registers 64 bytes at a time (Q4_1 /
 // Q5_0 pairs, Q4_K / Q6_K super-blocks; Q5_K through cpu_gguf.h's decode), each column's row prefetched whole
-// just before.  Q5_0 / Q8_0's fp16 scales are gathered from the blocks when their group is added.
+// just before.  Q4_1 / Q5_0 / Q8_0's fp16 scales (and Q4_1's m) are gathered from the blocks when their group
+// is added.
 //
 // Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
 // Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
@@ -69,7 +70,7 @@ struct ColumnTile {
   std::vector<int8_t> buffer;  // a, 64-byte aligned, with 64 bytes to spare (a last group's missing unit)
   int8_t* a = nullptr;       // (16, K): column c's blocks, signed, one after another (A tiles read 16 rows of it)
   std::vector<float> scale;  // (groups, 16, G): unit g G + i of column c at (g 16 + c) G + i
-  std::vector<float> c;      // likewise, Q4_1's m, Q4_K / Q5_K's -dmin * m
+  std::vector<float> c;      // likewise, Q4_K / Q5_K's -dmin * m
 
   void allocate(int64_t k, int64_t size) {
     buffer.resize(static_cast<size_t>(kTile * k + 128));
@@ -84,22 +85,18 @@ struct ColumnTile {
   }
 };
 
-// Column col's row of blocks at w into s: its signed bytes to s.a + col * K; Q4_1's and K-quants' scales (and mins) to
-// their places in s.scale and s.c (Q5_0 / Q8_0's are gathered from the blocks when used: half_scales).
+// Column col's row of blocks at w into s: its signed bytes to s.a + col * K; K-quants' scales (and mins) to
+// their places in s.scale and s.c (Q4_1 / Q5_0 / Q8_0's are gathered from the blocks when used: half_scales).
 template <int64_t KIND, int64_t G>
 void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
   using K = Kind<KIND>;
   int8_t* a = s.a + col * nb * kBlock;
-  if constexpr (KIND == kQ4_1) {     // pairs of blocks in registers; d and m to their (groups, 16, G) places
-    for (int64_t b = 0; b < nb; ++b) {
-      if (b % 2 == 0 && b + 1 < nb)
-        _mm512_storeu_si512(a + b * kBlock, q4_1_pair(w + b * K::bytes));
-      const int64_t at = ((b / G) * kTile + col) * G + b % G;
-      if (b % 2 == 0 && b + 1 == nb)     // the pair's load would read past the row
-        decode<KIND, true>(w + b * K::bytes, 1, reinterpret_cast<uint8_t*>(a + b * kBlock), kBlock,
-                           s.scale.data() + at, 1, s.c.data() + at, 1);
-      s.scale[static_cast<size_t>(at)] = half_at(w + b * K::bytes);
-      s.c[static_cast<size_t>(at)] = half_at(w + b * K::bytes + 2);
+  if constexpr (KIND == kQ4_1) {     // pairs of blocks in registers (a last odd one alone: a pair would read past
+    int64_t b = 0;                   // the row)
+    for (; b + 2 <= nb; b += 2) _mm512_storeu_si512(a + b * kBlock, q4_1_pair(w + b * K::bytes));
+    if (b < nb) {
+      float d, m;
+      decode<KIND, true>(w + b * K::bytes, 1, reinterpret_cast<uint8_t*>(a + b * kBlock), kBlock, &d, 1, &m, 1);
     }
   } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
     int64_t b = 0;
@@ -125,8 +122,8 @@ void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
   }
 }
 
-// Q5_0 / Q8_0: group gi's scales, (16, G) as s.scale holds them, straight from the fp16 d of the blocks of
-// the tile's `cols` columns at w (a last group's missing unit and missing columns read 0).
+// Q4_1 / Q5_0 / Q8_0: group gi's scales, (16, G) as s.scale holds them, straight from the fp16 d of the blocks
+// of the tile's `cols` columns at w (Q4_1's m from w + 2) (a last group's missing unit and missing columns read 0).
 template <int64_t KIND, int G>
 inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t units, int64_t cols, float* out) {
   const __m512i rows = _mm512_mullo_epi32(lanes16(),
@@ -150,10 +147,9 @@ inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t
 // acc (16 columns x G units x W rows: acc[j] lane l is flat index f = 16 j + l = (c G + i) W + m) += group
 // gi's C tile, scaled: lane l takes the scale at f / W of the group's (16, G) and the dx pattern's lane l.
 template <int W, int G, bool MINS>
-inline void add_group(const int32_t* cb, const TiledX& tx, const ColumnTile& s, const float* scale, int64_t rt,
+inline void add_group(const int32_t* cb, const TiledX& tx, const float* scale, const float* cmin, int64_t rt,
                       int64_t gi, __m512* acc) {
   const __m512 dxv = _mm512_loadu_ps(tx.dx.data() + (rt * tx.groups + gi) * kTile);
-  [[maybe_unused]] const float* cmin = MINS ? s.c.data() + gi * kTile * G : nullptr;
   [[maybe_unused]] const __m512 dsv = MINS ? _mm512_loadu_ps(tx.ds.data() + (rt * tx.groups + gi) * kTile)
                                            : _mm512_setzero_ps();
   const auto spread = [](const float* v) {   // v[l / W] in lane l
@@ -210,13 +206,18 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
     const int64_t cols = columns_at(n0), next_cols = columns_at(n0 + kTile);
     const ColumnTile& s = side[now];
     const auto add = [&](const int32_t* c, int64_t rt, int64_t gi, __m512* acc) {
-      alignas(64) float gathered[kTile * G];
+      alignas(64) float gathered[kTile * G], gathered_c[kTile * G];
       const float* scale = s.scale.data() + gi * kTile * G;
-      if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+      const float* cmin = s.c.data() + gi * kTile * G;
+      if constexpr (KIND == kQ4_1 || KIND == kQ5_0 || KIND == kQ8_0) {
         half_scales<KIND, G>(w + n0 * row_bytes, row_bytes, gi, tx.units, cols, gathered);
         scale = gathered;
       }
-      add_group<W, G, K::mins>(c, tx, s, scale, rt, gi, acc);
+      if constexpr (KIND == kQ4_1) {    // m, the fp16 after d
+        half_scales<KIND, G>(w + n0 * row_bytes + 2, row_bytes, gi, tx.units, cols, gathered_c);
+        cmin = gathered_c;
+      }
+      add_group<W, G, K::mins>(c, tx, scale, cmin, rt, gi, acc);
     };
     ColumnTile& next = side[now ^ 1];
     if (next_cols > 0 && next_cols < kTile) next.clear(qx.k);
