@@ -123,9 +123,11 @@ void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
 }
 
 // Q4_1 / Q5_0 / Q8_0: group gi's scales, (16, G) as s.scale holds them, straight from the fp16 d of the blocks
-// of the tile's `cols` columns at w (Q4_1's m from w + 2) (a last group's missing unit and missing columns read 0).
+// of the tile's `cols` columns at w (a last group's missing unit and missing columns read 0); with `mins`,
+// Q4_1's m (the fp16 after d, in the same gathered dword) likewise.
 template <int64_t KIND, int G>
-inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t units, int64_t cols, float* out) {
+inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t units, int64_t cols, float* out,
+                        float* mins = nullptr) {
   const __m512i rows = _mm512_mullo_epi32(lanes16(),
                                           _mm512_set1_epi32(static_cast<int>(row_bytes)));
   const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1);
@@ -137,10 +139,16 @@ inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t
                : _mm512_setzero_si512();
   if constexpr (G == 1) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d[0])));
+    if (mins) _mm512_storeu_ps(mins, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d[0], 16))));
   } else {                   // G == 2: dword c holds column c's two halves, in (c, i) order
     const __m512i pairs = _mm512_mask_blend_epi16(0xAAAAAAAA, d[0], _mm512_slli_epi32(d[1], 16));
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_castsi512_si256(pairs)));
     _mm512_storeu_ps(out + kTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1)));
+    if (mins) {              // the high halves
+      const __m512i high = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(d[0], 16), d[1]);
+      _mm512_storeu_ps(mins, _mm512_cvtph_ps(_mm512_castsi512_si256(high)));
+      _mm512_storeu_ps(mins + kTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(high, 1)));
+    }
   }
 }
 
@@ -210,12 +218,10 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
       const float* scale = s.scale.data() + gi * kTile * G;
       const float* cmin = s.c.data() + gi * kTile * G;
       if constexpr (KIND == kQ4_1 || KIND == kQ5_0 || KIND == kQ8_0) {
-        half_scales<KIND, G>(w + n0 * row_bytes, row_bytes, gi, tx.units, cols, gathered);
+        half_scales<KIND, G>(w + n0 * row_bytes, row_bytes, gi, tx.units, cols, gathered,
+                             KIND == kQ4_1 ? gathered_c : nullptr);
         scale = gathered;
-      }
-      if constexpr (KIND == kQ4_1) {    // m, the fp16 after d
-        half_scales<KIND, G>(w + n0 * row_bytes + 2, row_bytes, gi, tx.units, cols, gathered_c);
-        cmin = gathered_c;
+        if constexpr (KIND == kQ4_1) cmin = gathered_c;
       }
       add_group<W, G, K::mins>(c, tx, scale, cmin, rt, gi, acc);
     };
