@@ -1,8 +1,9 @@
 """gguf_linear (kernels/cpu_gguf.cpp: GGUF blocks as the file stores them, int8 activations) against
 the engine's fp16w (FBGEMM fp16 weights) and bf16w (oneDNN bf16 weights, AMX where the CPU has it) on
-Qwen2.5-0.5B's shapes, with the weights streamed from memory as in a decode step.
+Qwen2.5-0.5B's or SmolLM2-135M's shapes, with the weights streamed from memory as in a decode step.
 
-    .venv/bin/python bench/gguf_kernels.py [--rows 1 4 16 64] [--kinds Q5_0 Q8_0 Q4_K Q5_K Q6_K]
+    .venv/bin/python bench/gguf_kernels.py [--model qwen2.5-0.5b|smollm2-135m] [--rows 1 4 16 64]
+        [--kinds Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K] [--shapes qkv o gate_up down lm_head]
 
 Each method gets its own copies of the weight (as many as fill --stream-mb, at least 2), and the
 timed calls cycle through them, so no weight sits in a cache between its uses.  For each (K, N) the
@@ -35,9 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 from kernels import cpu_ops, gguf_blocks  # noqa: E402
 from services.engine.models.linear import Bf16WeightLinear, Fp16WeightLinear  # noqa: E402
 
-# Qwen2.5-0.5B: q/k/v fused, o, gate/up fused, down, and the LM head (tied embedding, Q8_0 in Q4_K_M files).
-SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
-          "lm_head": (896, 151936)}
+# (K, N) of q/k/v fused, o, gate/up fused, down, and the LM head (a tied embedding: Q8_0 in Qwen2.5's Q4_K_M
+# files and in SmolLM2's Q4_1 file, whose other linear weights are all Q4_1; K = 576 holds no K-quant).
+MODELS = {
+    "qwen2.5-0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
+                     "lm_head": (896, 151936)},
+    "smollm2-135m": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                     "lm_head": (576, 49152)},
+}
+SHAPES = list(MODELS["qwen2.5-0.5b"])          # the same names for every model
 
 
 def cpu_name() -> str:
@@ -59,7 +66,8 @@ def random_blocks(n: int, k: int, kind: int, rng: np.random.Generator) -> torch.
     info = gguf_blocks.KINDS[kind]
     raw = rng.integers(0, 256, (n, k // info.weights, info.bytes), dtype=np.uint8)
     scales = rng.uniform(1e-4, 1e-2, (n, k // info.weights)).astype(np.float16)[..., None].view(np.uint8)
-    for at in ([208] if kind == gguf_blocks.Q6_K else [0, 2] if info.weights == 256 else [0]):
+    mins = info.weights == 256 or kind == gguf_blocks.Q4_1     # fp16 d and a second fp16 (dmin, m)
+    for at in ([208] if kind == gguf_blocks.Q6_K else [0, 2] if mins else [0]):
         raw[:, :, at:at + 2] = scales
     return torch.from_numpy(raw.reshape(n, -1))
 
@@ -108,9 +116,10 @@ def bench_dense(k: int, n: int, make: Callable[[torch.Tensor, None], Callable[[t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--kinds", nargs="+", default=["Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
+    parser.add_argument("--model", default="qwen2.5-0.5b", choices=list(MODELS))
+    parser.add_argument("--kinds", nargs="+", default=["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
                         choices=[v.qtype.name for v in gguf_blocks.KINDS.values()])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, choices=SHAPES)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     parser.add_argument("--stream-mb", type=float, default=1024.0,
                         help="bytes of weight copies per method and shape (more than the last-level cache)")
@@ -126,7 +135,7 @@ def main() -> int:
     print(f"{'shape':>8} {'K':>5} {'N':>6} {'kind':>5} {'rows':>4} {'gguf ms':>8} {'fp16w ms':>9} {'bf16w ms':>9} "
           f"{'fp16w/gguf':>10} {'bf16w/gguf':>10}")
     for name in args.shapes:
-        k, n = SHAPES[name]
+        k, n = MODELS[args.model][name]
         here = [kind for kind in kinds if k % gguf_blocks.KINDS[kind].weights == 0
                 and (name != "lm_head" or kind == gguf_blocks.Q8_0)]
         if not here:

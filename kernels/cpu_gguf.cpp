@@ -3,10 +3,12 @@
 //
 // gguf_linear(x (T, K) float32, blocks (N, K / 32 * bytes) uint8, kind, out (T, N)! float32):
 //   out = x W^T where W's rows are N rows of blocks of `kind`, a GGML type id:
-//   Q5_0 = 6 (22 bytes / 32 weights), Q8_0 = 8 (34 / 32), Q4_K = 12 (144 / 256), Q5_K = 13 (176 / 256),
-//   Q6_K = 14 (210 / 256).  K-quants need K a multiple of 256.
+//   Q4_1 = 3 (20 bytes / 32 weights), Q5_0 = 6 (22 / 32), Q8_0 = 8 (34 / 32), Q4_K = 12 (144 / 256),
+//   Q5_K = 13 (176 / 256), Q6_K = 14 (210 / 256).  K-quants need K a multiple of 256.
 //
 // Block layouts (gguf-py's gguf.quants dequantizes them; kernels/gguf_blocks.py is the torch reference):
+//   Q4_1: fp16 d, fp16 m, 16 bytes qs; element j < 16 is qs[j] & 15, element j + 16 is qs[j] >> 4;
+//         weight i is d * q[i] + m.
 //   Q8_0: fp16 d, 32 int8 q; weight j is d * q[j].
 //   Q5_0: fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 has the 4 low bits qs[j] & 15,
 //         element j + 16 has qs[j] >> 4, and element i's 5th bit is (qh >> i) & 1; weight i is
@@ -21,9 +23,9 @@
 // x is quantized once per call, per row and per 32-element block, as llama.cpp's Q8_0 activations are
 // (cpu_gguf_x.cpp): dx = max|x| / 127, qx = round(x * (1 / dx)) (to nearest even), kept with a float32 dx
 // (not fp16).  Each block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum
-// adds scale * dx * dot (and, for Q4_K / Q5_K, the block's -dmin * m * dx * sum(qx)) in float32.
+// adds scale * dx * dot (and the block's c * dx * sum(qx): Q4_1's m, Q4_K / Q5_K's -dmin * m) in float32.
 //
-// Paths.  From KindInfo::amx_rows rows on (1 for Q5_0, Q4_K, Q5_K, Q6_K; 2 for Q8_0), AMX-INT8 tiles where
+// Paths.  From KindInfo::amx_rows rows on (1 for Q4_1, Q5_0, Q4_K, Q5_K, Q6_K; 2 for Q8_0), AMX-INT8 tiles where
 // the CPU and the OS allow them (cpu_gguf_amx.cpp up to 8 rows: tiles sized to the rows, the next 16 columns
 // decoded in registers while the tile unit multiplies these; cpu_gguf_amx16.cpp from 9 rows: 16-row tiles).
 // Else, per output column, 8 (AVX-512) or 4 rows at a time share each decoded block: the weight is the
@@ -83,7 +85,7 @@ struct Lanes {
                                // every lane holds its own exact partial dot product (taking the offset off
                                // in one lane would leave float32 to cancel it across lanes): (T, K / 4)
   std::vector<float> scale;    // ZMM: (T, pairs, 16), dx of block 2 p in lanes 0-7, of block 2 p + 1 in 8-15
-  std::vector<float> ds;       // (T, nb) dx * sum(qx), for Q4_K / Q5_K's mins
+  std::vector<float> ds;       // (T, nb) dx * sum(qx), for Q4_1 / Q4_K / Q5_K's mins
 };
 
 Lanes lanes_for(const QuantizedX& qx, int64_t offset, bool mins) {
@@ -226,7 +228,7 @@ void dot_rows(const QuantizedX& qx, const Lanes& ln, int64_t r0, const uint8_t* 
 #endif
     if constexpr (K::mins)      // K-quant chunks are whole super-blocks
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < kChunk; ++j) mins[r] += dec.c[j] * ln.ds[(r0 + r) * nb + b0 + j];
+        for (int j = 0; j < blocks; ++j) mins[r] += dec.c[j] * ln.ds[(r0 + r) * nb + b0 + j];
   }
   for (int r = 0; r < R; ++r) {
 #if defined(GGUF_ZMM)
@@ -288,11 +290,12 @@ struct KindInfo {
 // little more than decoding the blocks, which it does in registers; Q8_0 needs no decoding, and its vector
 // loop streams the LM head faster at one row (bench/gguf_kernels.py, 2 threads of a Sapphire Rapids, 2 MB
 // pages: Q6_K down 0.26 ms on AMX vs 0.38 vector at 1 row; Q8_0 LM head 6.0 vector vs 6.4 AMX at 1 row,
-// 7.7 AMX vs 10.8 vector at 2 rows).
+// 7.7 AMX vs 10.8 vector at 2 rows; Q4_1 on SmolLM2's gate_up 576x3072, 1 / 4 rows: 0.086 / 0.105 AMX vs
+// 0.145 / 0.185 vector).
 constexpr KindInfo kKinds[] = {
-    {kQ5_0, "Q5_0", 22, 32, 1, &vector_linear<kQ5_0>},   {kQ8_0, "Q8_0", 34, 32, 2, &vector_linear<kQ8_0>},
-    {kQ4_K, "Q4_K", 144, 256, 1, &vector_linear<kQ4_K>}, {kQ5_K, "Q5_K", 176, 256, 1, &vector_linear<kQ5_K>},
-    {kQ6_K, "Q6_K", 210, 256, 1, &vector_linear<kQ6_K>},
+    {kQ4_1, "Q4_1", 20, 32, 1, &vector_linear<kQ4_1>},   {kQ5_0, "Q5_0", 22, 32, 1, &vector_linear<kQ5_0>},
+    {kQ8_0, "Q8_0", 34, 32, 2, &vector_linear<kQ8_0>},   {kQ4_K, "Q4_K", 144, 256, 1, &vector_linear<kQ4_K>},
+    {kQ5_K, "Q5_K", 176, 256, 1, &vector_linear<kQ5_K>}, {kQ6_K, "Q6_K", 210, 256, 1, &vector_linear<kQ6_K>},
 };
 
 void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
@@ -300,7 +303,8 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
   const KindInfo* info = nullptr;
   for (const KindInfo& candidate : kKinds)
     if (candidate.id == kind) info = &candidate;
-  CHECK(info != nullptr, op, ": kind must be 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", kind);
+  CHECK(info != nullptr, op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ",
+        kind);
   check_float(x, op, "x", 2);
   check_contiguous(x, op, "x");
   check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);

@@ -3,7 +3,7 @@
 // cpu_common.h, at global scope.
 //
 // Every kind decodes, per 32 weights (a "block" here; K-quants hold 8 of them in a 256-weight
-// super-block), to 32 unsigned bytes u, a float scale a per "unit" and, for Q4_K / Q5_K, a float c:
+// super-block), to 32 unsigned bytes u, a float scale a per "unit" and, for Q4_1 / Q4_K / Q5_K, a float c:
 //   w[j] = a[unit(j)] * (u[j] - offset) + c
 // A unit is the block (a Q6_K block has two 16-weight units with their own scales).  So each block's
 // dot product with activations quantized per block (dx, qx) is
@@ -14,7 +14,7 @@
 namespace infermesh_gguf {
 
 // GGML type ids (gguf-py's GGMLQuantizationType), the op's `kind`.
-constexpr int64_t kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int64_t kBlock = 32;          // weights per block, and per quantized activation block
 constexpr int kChunk = 8;               // blocks decoded at a time: one K-quant super-block
 
@@ -37,7 +37,7 @@ struct TiledX {
   int64_t tiles = 0, nb = 0, units = 0, groups = 0, width = 0, g = 0, uk = 0;
   std::vector<int8_t> b;     // (tiles, groups, G uk / 4, G W, 4)
   std::vector<float> dx;     // (tiles, groups, 16): lane l the dx of unit (l / W) % G's block, row l % W
-  std::vector<float> ds;     // likewise dx * sum(qx) of the block, for Q4_K / Q5_K's mins
+  std::vector<float> ds;     // likewise dx * sum(qx) of the block, for Q4_1 / Q4_K / Q5_K's mins
 };
 constexpr int64_t group_of(int64_t uk, int64_t w) { return std::min<int64_t>(64 / uk, kTile / w); }
 TiledX tile_x(const QuantizedX& qx, int64_t uk, bool mins);
@@ -63,6 +63,11 @@ template <>
 struct Kind<kQ8_0> {    // 34 bytes: fp16 d, 32 int8 q; w = d * q
   static constexpr int64_t bytes = 34, weights = 32, offset = 128;
   static constexpr bool halves = false, mins = false;
+};
+template <>
+struct Kind<kQ4_1> {    // 20 bytes: fp16 d, fp16 m, 16 bytes qs; w = d * q + m (c = m, per block)
+  static constexpr int64_t bytes = 20, weights = 32, offset = 0;
+  static constexpr bool halves = false, mins = true;
 };
 template <>
 struct Kind<kQ5_0> {    // 22 bytes: fp16 d, uint32 qh, 16 bytes qs; w = d * (q - 16)
@@ -150,11 +155,23 @@ inline __m256i q5_unsigned(const uint8_t* blk) {
 
 // Decodes `blocks` blocks (all 8 of a super-block for K-quants) starting at w: block j's 32 bytes to
 // u + j * us (u - offset as int8 when SIGNED), unit i's scale to a[i * as] (one unit a block, two for
-// Q6_K), and for Q4_K / Q5_K block j's c to c[j * cs].
+// Q6_K), and for Q4_1 / Q4_K / Q5_K block j's c to c[j * cs].
 template <int64_t KIND, bool SIGNED>
 inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* a, int64_t as, float* c, int64_t cs) {
   using K = Kind<KIND>;
-  if constexpr (KIND == kQ8_0 || KIND == kQ5_0) {
+  if constexpr (KIND == kQ4_1) {       // offset 0: u is the same signed or not
+    for (int j = 0; j < blocks; ++j, w += K::bytes, u += us) {
+      a[j * as] = half_at(w);
+      c[j * cs] = half_at(w + 2);
+#if defined(__AVX2__)
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));
+      const __m128i low = _mm_set1_epi8(0x0F);
+      store32(u, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low)));
+#else
+      for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>((w[4 + l % 16] >> (l < 16 ? 0 : 4)) & 15);
+#endif
+    }
+  } else if constexpr (KIND == kQ8_0 || KIND == kQ5_0) {
     (void)c;
     (void)cs;
     for (int j = 0; j < blocks; ++j, w += K::bytes, u += us) {
@@ -252,6 +269,14 @@ inline void decode(const uint8_t* w, int blocks, uint8_t* u, int64_t us, float* 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+// Q4_1 blocks at w and w + 20 as 64 bytes q (0..15), straight from registers: each block's 16 bytes qs
+// broadcast to two 128-bit lanes, the second lane's shifted to its high nibbles.
+inline __m512i q4_1_pair(const uint8_t* w) {
+  __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4)));
+  z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 24)));
+  return _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+}
+
 // Q5_0 blocks at w and w + 22 as 64 signed bytes q - 16, straight from registers: the 16 bytes qs of each
 // block broadcast to two 128-bit lanes, the second lane's shifted to its high nibbles, and the 5th bits
 // (qh as a byte mask) keep the nibble where set and take 16 off where clear.

@@ -6,14 +6,15 @@
 // get their own C columns (cpu_gguf.h's TiledX; G = 16 / W at most), C = tdpbssd(A, B) (16 x G W int32):
 // each column's exact integer dot product with each row for each unit.  Scales differ per unit on both
 // sides, so every group's C is stored and added in float32 into G W accumulators: acc += float(C) *
-// (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins), the vector paths' arithmetic.  Sizing B and C to
+// (dx * a) (+ c * dx * sum(qx) for Q4_1 / Q4_K / Q5_K's mins), the vector paths' arithmetic.  Sizing B and C to
 // the rows is what makes one to four rows cheap: the float work per group is G W vectors, not 16.
 //
 // Per thread, a range of 16-column tiles; while one tile's groups multiply (A/B tiles alternating over two
 // sets and C over four, as AMX tiles are not renamed, each group's C added kLag groups after its product),
-// the next tile is decoded column by column into the other buffer, in registers 64 bytes at a time (Q5_0
-// pairs, Q4_K / Q6_K super-blocks; Q5_K through cpu_gguf.h's decode), each column's row prefetched whole
-// just before.  Q5_0 / Q8_0's fp16 scales are gathered from the blocks when their group is added.
+// the next tile is decoded column by column into the other buffer, in registers 64 bytes at a time (Q4_1 /
+// Q5_0 pairs, Q4_K / Q6_K super-blocks; Q5_K through cpu_gguf.h's decode), each column's row prefetched whole
+// just before.  Q4_1 / Q5_0 / Q8_0's fp16 scales (and Q4_1's m) are gathered from the blocks when their group
+// is added.
 //
 // Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
 // Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
@@ -85,12 +86,19 @@ struct ColumnTile {
 };
 
 // Column col's row of blocks at w into s: its signed bytes to s.a + col * K; K-quants' scales (and mins) to
-// their places in s.scale and s.c (Q5_0 / Q8_0's are gathered from the blocks when used: half_scales).
+// their places in s.scale and s.c (Q4_1 / Q5_0 / Q8_0's are gathered from the blocks when used: half_scales).
 template <int64_t KIND, int64_t G>
 void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
   using K = Kind<KIND>;
   int8_t* a = s.a + col * nb * kBlock;
-  if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+  if constexpr (KIND == kQ4_1) {     // pairs of blocks in registers (a last odd one alone: a pair would read past
+    int64_t b = 0;                   // the row)
+    for (; b + 2 <= nb; b += 2) _mm512_storeu_si512(a + b * kBlock, q4_1_pair(w + b * K::bytes));
+    if (b < nb) {
+      float d, m;
+      decode<KIND, true>(w + b * K::bytes, 1, reinterpret_cast<uint8_t*>(a + b * kBlock), kBlock, &d, 1, &m, 1);
+    }
+  } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
     int64_t b = 0;
     if constexpr (KIND == kQ5_0)
       for (; b + 2 <= nb; b += 2) _mm512_storeu_si512(a + b * kBlock, q5_pair_signed(w + b * K::bytes));
@@ -114,10 +122,12 @@ void decode_column(const uint8_t* w, int64_t nb, int64_t col, ColumnTile& s) {
   }
 }
 
-// Q5_0 / Q8_0: group gi's scales, (16, G) as s.scale holds them, straight from the fp16 d of the blocks of
-// the tile's `cols` columns at w (a last group's missing unit and missing columns read 0).
+// Q4_1 / Q5_0 / Q8_0: group gi's scales, (16, G) as s.scale holds them, straight from the fp16 d of the blocks
+// of the tile's `cols` columns at w (a last group's missing unit and missing columns read 0); with `mins`,
+// Q4_1's m (the fp16 after d, in the same gathered dword) likewise.
 template <int64_t KIND, int G>
-inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t units, int64_t cols, float* out) {
+inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t units, int64_t cols, float* out,
+                        float* mins = nullptr) {
   const __m512i rows = _mm512_mullo_epi32(lanes16(),
                                           _mm512_set1_epi32(static_cast<int>(row_bytes)));
   const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1);
@@ -129,20 +139,25 @@ inline void half_scales(const uint8_t* w, int64_t row_bytes, int64_t gi, int64_t
                : _mm512_setzero_si512();
   if constexpr (G == 1) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d[0])));
+    if (mins) _mm512_storeu_ps(mins, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d[0], 16))));
   } else {                   // G == 2: dword c holds column c's two halves, in (c, i) order
     const __m512i pairs = _mm512_mask_blend_epi16(0xAAAAAAAA, d[0], _mm512_slli_epi32(d[1], 16));
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_castsi512_si256(pairs)));
     _mm512_storeu_ps(out + kTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1)));
+    if (mins) {              // the high halves
+      const __m512i high = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(d[0], 16), d[1]);
+      _mm512_storeu_ps(mins, _mm512_cvtph_ps(_mm512_castsi512_si256(high)));
+      _mm512_storeu_ps(mins + kTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(high, 1)));
+    }
   }
 }
 
 // acc (16 columns x G units x W rows: acc[j] lane l is flat index f = 16 j + l = (c G + i) W + m) += group
 // gi's C tile, scaled: lane l takes the scale at f / W of the group's (16, G) and the dx pattern's lane l.
 template <int W, int G, bool MINS>
-inline void add_group(const int32_t* cb, const TiledX& tx, const ColumnTile& s, const float* scale, int64_t rt,
+inline void add_group(const int32_t* cb, const TiledX& tx, const float* scale, const float* cmin, int64_t rt,
                       int64_t gi, __m512* acc) {
   const __m512 dxv = _mm512_loadu_ps(tx.dx.data() + (rt * tx.groups + gi) * kTile);
-  [[maybe_unused]] const float* cmin = MINS ? s.c.data() + gi * kTile * G : nullptr;
   [[maybe_unused]] const __m512 dsv = MINS ? _mm512_loadu_ps(tx.ds.data() + (rt * tx.groups + gi) * kTile)
                                            : _mm512_setzero_ps();
   const auto spread = [](const float* v) {   // v[l / W] in lane l
@@ -199,13 +214,16 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
     const int64_t cols = columns_at(n0), next_cols = columns_at(n0 + kTile);
     const ColumnTile& s = side[now];
     const auto add = [&](const int32_t* c, int64_t rt, int64_t gi, __m512* acc) {
-      alignas(64) float gathered[kTile * G];
+      alignas(64) float gathered[kTile * G], gathered_c[kTile * G];
       const float* scale = s.scale.data() + gi * kTile * G;
-      if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
-        half_scales<KIND, G>(w + n0 * row_bytes, row_bytes, gi, tx.units, cols, gathered);
+      const float* cmin = s.c.data() + gi * kTile * G;
+      if constexpr (KIND == kQ4_1 || KIND == kQ5_0 || KIND == kQ8_0) {
+        half_scales<KIND, G>(w + n0 * row_bytes, row_bytes, gi, tx.units, cols, gathered,
+                             KIND == kQ4_1 ? gathered_c : nullptr);
         scale = gathered;
+        if constexpr (KIND == kQ4_1) cmin = gathered_c;
       }
-      add_group<W, G, K::mins>(c, tx, s, scale, rt, gi, acc);
+      add_group<W, G, K::mins>(c, tx, scale, cmin, rt, gi, acc);
     };
     ColumnTile& next = side[now ^ 1];
     if (next_cols > 0 && next_cols < kTile) next.clear(qx.k);
@@ -295,6 +313,7 @@ void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n,
 #if defined(GGUF_AMX)
   if (qx.t > 8) return amx_linear_wide(kind, qx, w, n, out);
   switch (kind) {
+    case kQ4_1: amx_kind<kQ4_1>(qx, w, n, out); break;
     case kQ5_0: amx_kind<kQ5_0>(qx, w, n, out); break;
     case kQ8_0: amx_kind<kQ8_0>(qx, w, n, out); break;
     case kQ4_K: amx_kind<kQ4_K>(qx, w, n, out); break;

@@ -7,7 +7,7 @@
 // bytes of 16 activation rows in AMX's 4-byte-interleaved layout (built once per call), C (16 x 16
 // int32) = tdpbssd(A, B): each column's exact integer dot product with each row for that unit.  Scales
 // differ per unit on both sides, so every unit's C is stored and added in float32 into 16 accumulators
-// (one per column, lanes = rows): acc += float(C) * (dx * a) (+ c * dx * sum(qx) for Q4_K / Q5_K's mins),
+// (one per column, lanes = rows): acc += float(C) * (dx * a) (+ c * dx * sum(qx) for Q4_1 / Q4_K / Q5_K's mins),
 // the same arithmetic as the vector paths.  That per-unit float work (and the tile store before it) is
 // most of the time from about 16 rows on: tdpbssd itself would take a fraction.
 //
@@ -67,7 +67,7 @@ struct WideX {
   int64_t tiles = 0, nb = 0, units = 0;
   std::vector<int8_t> b;     // (tiles, nb, 8, 64): row i of block b holds bytes 4i..4i+3 of each of the 16 rows
   std::vector<float> dx;     // (tiles, units, 16) the rows' dx for the unit's block
-  std::vector<float> ds;     // (tiles, nb, 16) dx * sum(qx), for Q4_K / Q5_K's mins
+  std::vector<float> ds;     // (tiles, nb, 16) dx * sum(qx), for Q4_1 / Q4_K / Q5_K's mins
 };
 
 WideX wide_x(const QuantizedX& qx, int64_t upb, bool mins) {
@@ -249,6 +249,7 @@ namespace infermesh_gguf {
 void amx_linear_wide(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
 #if defined(GGUF_AMX)
   switch (kind) {
+    case kQ4_1: amx_kind<kQ4_1>(qx, w, n, out); break;
     case kQ5_0: amx_kind<kQ5_0>(qx, w, n, out); break;
     case kQ8_0: amx_kind<kQ8_0>(qx, w, n, out); break;
     case kQ4_K: amx_kind<kQ4_K>(qx, w, n, out); break;

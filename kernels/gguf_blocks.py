@@ -3,20 +3,22 @@
 them): taking them out of a GGUF tensor, the op's Python wrapper, and the torch references the tests
 hold it to.
 
-Kinds are GGML type ids (gguf-py's GGMLQuantizationType): Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-Q6_K = 14; `KINDS` holds each one's bytes per block and weights per block (32, or a K-quant's
+Kinds are GGML type ids (gguf-py's GGMLQuantizationType): Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12,
+Q5_K = 13, Q6_K = 14; `KINDS` holds each one's bytes per block and weights per block (32, or a K-quant's
 256-weight super-block: in_features must be a multiple of it).
 
 The op multiplies the blocks with activations quantized to int8 per 32-element block, as llama.cpp
 does: dx = max|x| / 127 (float32), qx = round(x * (1 / dx)) to nearest even.  Each block's integer
-dot product is exact; the sum over blocks of scale * dx * dot (and K-quant mins' terms) runs in
+dot product is exact; the sum over blocks of scale * dx * dot (and Q4_1's / K-quants' mins terms) runs in
 float32.  So the op differs from the float product x @ W^T by the activations' quantization (at most
 dx / 2 per element, relative 2^-8 of the block's largest |x|), and from `gguf_linear_reference`
 (which quantizes x the same way) only by float rounding.
 
 Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here; kernels/cpu_gguf.cpp's
 header comment spells each one out):
-- Q8_0: 34 bytes a block = fp16 d, 32 int8 q; w = d * q.
+- Q4_1: 20 bytes a block = fp16 d, fp16 m, 16 bytes qs; element j < 16 is qs[j] & 15, element
+  j + 16 is qs[j] >> 4; w = d * q + m.
+- Q8_0: 34 bytes = fp16 d, 32 int8 q; w = d * q.
 - Q5_0: 22 bytes = fp16 d, uint32 qh (little-endian), 16 bytes qs; element j < 16 is
   qs[j] & 15 plus bit j of qh as its 5th bit, element j + 16 is qs[j] >> 4 plus bit j + 16;
   w = d * (q - 16).
@@ -37,6 +39,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 BLOCK = 32                    # activations are quantized per BLOCK elements
+Q4_1 = int(GGMLQuantizationType.Q4_1)
 Q5_0 = int(GGMLQuantizationType.Q5_0)
 Q8_0 = int(GGMLQuantizationType.Q8_0)
 Q4_K = int(GGMLQuantizationType.Q4_K)
@@ -51,6 +54,7 @@ class Kind(NamedTuple):
 
 
 KINDS: dict[int, Kind] = {
+    Q4_1: Kind(GGMLQuantizationType.Q4_1, 20, 32),
     Q5_0: Kind(GGMLQuantizationType.Q5_0, 22, 32),
     Q8_0: Kind(GGMLQuantizationType.Q8_0, 34, 32),
     Q4_K: Kind(GGMLQuantizationType.Q4_K, 144, 256),

@@ -1,4 +1,4 @@
-"""GGUF Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks times int8 activations (kernels/cpu_gguf.cpp, its AMX path
+"""GGUF Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks times int8 activations (kernels/cpu_gguf.cpp, its AMX path
 cpu_gguf_amx.cpp) against gguf-py's layouts and the torch references in kernels/gguf_blocks.py."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ ops = torch.ops.infermesh
 ROOT = Path(__file__).resolve().parents[2]
 
 
-D_FIELDS = {gguf_blocks.Q8_0: [0], gguf_blocks.Q5_0: [0], gguf_blocks.Q4_K: [0, 2], gguf_blocks.Q5_K: [0, 2],
-            gguf_blocks.Q6_K: [208]}                   # byte offsets of each block's fp16 scales
+D_FIELDS = {gguf_blocks.Q4_1: [0, 2], gguf_blocks.Q8_0: [0], gguf_blocks.Q5_0: [0], gguf_blocks.Q4_K: [0, 2],
+            gguf_blocks.Q5_K: [0, 2], gguf_blocks.Q6_K: [208]}   # byte offsets of each block's fp16 scales
 EXTREME_D = [65504.0, -65504.0, 6.104e-5, 6e-8, -6e-8, 0.0, 1.0, -2.0]
 
 
@@ -60,6 +60,10 @@ def spec_block(blk: np.ndarray, kind: int) -> np.ndarray:
     products in gguf-py's order)."""
     if kind == gguf_blocks.Q8_0:
         return f16(blk[:2]) * blk[2:].view(np.int8).astype(np.float32)
+    if kind == gguf_blocks.Q4_1:
+        qs = blk[4:20].astype(np.int32)
+        q = np.array([qs[j] & 15 for j in range(16)] + [qs[j] >> 4 for j in range(16)])
+        return f16(blk[:2]) * q.astype(np.float32) + f16(blk[2:4])
     if kind == gguf_blocks.Q5_0:
         qh = int(blk[2:6].view("<u4")[0])
         qs = blk[6:22].astype(np.int32)
@@ -102,7 +106,7 @@ def test_layouts_match_gguf_py(kind: int) -> None:
         np.testing.assert_array_equal(spec_weights(raw, kind), expected)
         np.testing.assert_array_equal(
             gguf_blocks.dequantize(gguf_blocks.blocks_from_array(raw, kind), kind).numpy(), expected)
-    if kind in (gguf_blocks.Q8_0, gguf_blocks.Q5_0):   # gguf-py's own quantizer writes blocks of this layout
+    if kind in (gguf_blocks.Q8_0, gguf_blocks.Q5_0, gguf_blocks.Q4_1):   # gguf-py's quantizer writes these
         w = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
         q = gguf_quantize(w, qtype)
         assert q.shape == (3, 2 * gguf_blocks.block_bytes(kind))
@@ -110,14 +114,14 @@ def test_layouts_match_gguf_py(kind: int) -> None:
 
 
 def test_kinds_are_ggml_type_ids() -> None:
-    for name in ("Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+    for name in ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         qtype = GGMLQuantizationType[name]
         assert getattr(gguf_blocks, name) == int(qtype) and gguf_blocks.kind_of(qtype) == int(qtype)
         assert gguf_blocks.kind_of(int(qtype)) == int(qtype)
-    ids = (gguf_blocks.Q5_0, gguf_blocks.Q8_0, gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K)
-    assert ids == (6, 8, 12, 13, 14)
+    ids = (gguf_blocks.Q4_1, gguf_blocks.Q5_0, gguf_blocks.Q8_0, gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K)
+    assert ids == (3, 6, 8, 12, 13, 14)
     assert {k: (v.bytes, v.weights) for k, v in gguf_blocks.KINDS.items()} == {
-        6: (22, 32), 8: (34, 32), 12: (144, 256), 13: (176, 256), 14: (210, 256)}
+        3: (20, 32), 6: (22, 32), 8: (34, 32), 12: (144, 256), 13: (176, 256), 14: (210, 256)}
 
 
 def test_blocks_come_out_of_a_gguf_file_unchanged(tmp_path: Path) -> None:
@@ -183,7 +187,7 @@ def test_extreme_scales(rows: int, kind: int) -> None:
     check_against_references(x, blocks, kind)
 
 
-@pytest.mark.parametrize("kind", [gguf_blocks.Q8_0, gguf_blocks.Q5_0])
+@pytest.mark.parametrize("kind", [gguf_blocks.Q8_0, gguf_blocks.Q5_0, gguf_blocks.Q4_1])
 def test_gguf_quantized_weights(kind: int) -> None:
     """Blocks as gguf-py's quantizer writes them from float weights, on an even N."""
     w = np.random.default_rng(3).standard_normal((64, 896)).astype(np.float32) * 0.05
@@ -204,8 +208,8 @@ def test_bad_arguments_get_precise_errors() -> None:
         ops.gguf_linear(torch.randn(2, 64), blocks.view(torch.int8), 8, out)
     with pytest.raises(RuntimeError, match="do not hold rows of 2 Q5_0 blocks of 22 bytes"):
         ops.gguf_linear(torch.randn(2, 64), blocks, 6, out)
-    with pytest.raises(RuntimeError, match=r"kind must be 6 \(Q5_0\), 8 \(Q8_0\), 12 \(Q4_K\), 13 \(Q5_K\) or "
-                                           r"14 \(Q6_K\), got 5"):
+    with pytest.raises(RuntimeError, match=r"kind must be 3 \(Q4_1\), 6 \(Q5_0\), 8 \(Q8_0\), 12 \(Q4_K\), "
+                                           r"13 \(Q5_K\) or 14 \(Q6_K\), got 5"):
         ops.gguf_linear(torch.randn(2, 64), blocks, 5, out)
     with pytest.raises(RuntimeError, match=r"out must have shape \(3, 8\)"):
         ops.gguf_linear(torch.randn(3, 64), blocks, 8, out)
@@ -214,7 +218,8 @@ def test_bad_arguments_get_precise_errors() -> None:
     k_blocks = gguf_blocks.blocks_from_array(random_blocks(8, 512, 12, seed=0), 12)
     with pytest.raises(RuntimeError, match="do not hold rows of 2 Q6_K blocks of 210 bytes"):
         ops.gguf_linear(torch.randn(2, 512), k_blocks, 14, out)
-    with pytest.raises(ValueError, match="kind must be one of 6 .Q5_0., 8 .Q8_0., 12 .Q4_K., 13 .Q5_K., 14 .Q6_K."):
+    with pytest.raises(ValueError, match="kind must be one of 3 .Q4_1., 6 .Q5_0., 8 .Q8_0., 12 .Q4_K., 13 .Q5_K., "
+                                         "14 .Q6_K."):
         gguf_blocks.gguf_linear(torch.randn(2, 64), blocks, 5)
     with pytest.raises(ValueError, match=r"in_features 896 is not a multiple of 256 \(Q4_K blocks hold 256"):
         gguf_blocks.gguf_linear(torch.randn(2, 896), k_blocks, GGMLQuantizationType.Q4_K)
