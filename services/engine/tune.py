@@ -5,8 +5,9 @@ fast; a q4 kernel wins wherever decode is memory-bound), so the execution plan's
 come from timing the candidates here: each multiplies activations of 1, 4, 16 and 64 rows by
 weights of the model's own shapes (8 layers' worth, so they stream from memory as in a real step),
 and the fastest at 1 row serves small batches, the fastest at 64 rows large ones (if it is worth a
-second copy of the weights: 1.5x faster there), split where the small one stops winning.  The answer is cached per CPU, torch version, kernel source and model shape
-under $INFERMESH_HOME/plans/, so only the first start on a machine pays the few seconds.
+second copy of the weights: 1.5x faster there), split where the small one stops winning.  The
+answer is cached per CPU, torch version, kernel source and model shape under $INFERMESH_HOME/plans/,
+so only the first start on a machine pays the few seconds.
 `infermesh tune [MODEL]` measures ahead of time (and prints the table).
 """
 
