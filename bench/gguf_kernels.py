@@ -37,7 +37,9 @@ from services.engine.models.linear import Bf16WeightLinear, Fp16WeightLinear  # 
 
 # Qwen2.5-0.5B: q/k/v fused, o, gate/up fused, down, and the LM head (tied embedding, Q8_0 in Q4_K_M files).
 SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
-          "lm_head": (896, 151936)}
+          "lm_head": (896, 151936),
+          # Qwen2.5-1.5B / Coder-1.5B's MLP: gate/up fused (Q4_K in Q4_K_M files) and down (Q6_K there)
+          "gate_up15": (1536, 17920), "down15": (8960, 1536)}
 
 
 def cpu_name() -> str:
@@ -114,6 +116,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     parser.add_argument("--stream-mb", type=float, default=1024.0,
                         help="bytes of weight copies per method and shape (more than the last-level cache)")
+    parser.add_argument("--gguf-only", action="store_true", help="skip fp16w and bf16w (their columns read nan)")
     args = parser.parse_args()
     if not cpu_ops.load():
         print("the CPU library is not available (see kernels.cpu_ops' warning)", file=sys.stderr)
@@ -124,20 +127,23 @@ def main() -> int:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"weights streamed ({args.stream_mb:.0f} MB of copies per method)")
     print(f"{'shape':>8} {'K':>5} {'N':>6} {'kind':>5} {'rows':>4} {'gguf ms':>8} {'fp16w ms':>9} {'bf16w ms':>9} "
-          f"{'fp16w/gguf':>10} {'bf16w/gguf':>10}")
+          f"{'fp16w/gguf':>10} {'bf16w/gguf':>10} {'gguf GB/s':>9}")
     for name in args.shapes:
         k, n = SHAPES[name]
         here = [kind for kind in kinds if k % gguf_blocks.KINDS[kind].weights == 0
                 and (name != "lm_head" or kind == gguf_blocks.Q8_0)]
         if not here:
             continue
-        fp16 = bench_dense(k, n, Fp16WeightLinear, args.rows, args.stream_mb)
-        bf16 = bench_dense(k, n, Bf16WeightLinear, args.rows, args.stream_mb)
+        skipped = dict.fromkeys(args.rows, math.nan)
+        fp16 = skipped if args.gguf_only else bench_dense(k, n, Fp16WeightLinear, args.rows, args.stream_mb)
+        bf16 = skipped if args.gguf_only else bench_dense(k, n, Bf16WeightLinear, args.rows, args.stream_mb)
         for kind in here:
             gguf = bench_gguf(k, n, kind, args.rows, args.stream_mb)
+            nbytes = n * k // gguf_blocks.KINDS[kind].weights * gguf_blocks.KINDS[kind].bytes
             for t in args.rows:
                 print(f"{name:>8} {k:>5} {n:>6} {gguf_blocks.KINDS[kind].qtype.name:>5} {t:>4} {gguf[t]:>8.3f} "
-                      f"{fp16[t]:>9.3f} {bf16[t]:>9.3f} {fp16[t] / gguf[t]:>10.2f} {bf16[t] / gguf[t]:>10.2f}",
+                      f"{fp16[t]:>9.3f} {bf16[t]:>9.3f} {fp16[t] / gguf[t]:>10.2f} {bf16[t] / gguf[t]:>10.2f} "
+                      f"{nbytes / gguf[t] / 1e6:>9.1f}",
                       flush=True)
     return 0
 
