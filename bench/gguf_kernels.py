@@ -2,7 +2,7 @@
 the engine's fp16w (FBGEMM fp16 weights) and bf16w (oneDNN bf16 weights, AMX where the CPU has it) on
 Qwen2.5-0.5B's or SmolLM2-135M's shapes, with the weights streamed from memory as in a decode step.
 
-    .venv/bin/python bench/gguf_kernels.py [--model qwen2.5-0.5b|smollm2-135m] [--rows 1 4 16 64]
+    .venv/bin/python bench/gguf_kernels.py [--model qwen2.5-0.5b|qwen2.5-1.5b|smollm2-135m] [--rows 1 4 16 64]
         [--kinds Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K] [--shapes qkv o gate_up down lm_head]
 
 Each method gets its own copies of the weight (as many as fill --stream-mb, at least 2), and the
@@ -43,6 +43,8 @@ MODELS = {
                      "lm_head": (896, 151936)},
     "smollm2-135m": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
                      "lm_head": (576, 49152)},
+    "qwen2.5-1.5b": {"qkv": (1536, 2048), "o": (1536, 1536), "gate_up": (1536, 17920), "down": (8960, 1536),
+                     "lm_head": (1536, 151936)},   # Q4_K_M: q/k/o/gate/up Q4_K, v/down/head Q6_K
 }
 SHAPES = list(MODELS["qwen2.5-0.5b"])          # the same names for every model
 
@@ -123,6 +125,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     parser.add_argument("--stream-mb", type=float, default=1024.0,
                         help="bytes of weight copies per method and shape (more than the last-level cache)")
+    parser.add_argument("--gguf-only", action="store_true", help="skip fp16w and bf16w (their columns read nan)")
     args = parser.parse_args()
     if not cpu_ops.load():
         print("the CPU library is not available (see kernels.cpu_ops' warning)", file=sys.stderr)
@@ -133,20 +136,23 @@ def main() -> int:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"weights streamed ({args.stream_mb:.0f} MB of copies per method)")
     print(f"{'shape':>8} {'K':>5} {'N':>6} {'kind':>5} {'rows':>4} {'gguf ms':>8} {'fp16w ms':>9} {'bf16w ms':>9} "
-          f"{'fp16w/gguf':>10} {'bf16w/gguf':>10}")
+          f"{'fp16w/gguf':>10} {'bf16w/gguf':>10} {'gguf GB/s':>9}")
     for name in args.shapes:
         k, n = MODELS[args.model][name]
         here = [kind for kind in kinds if k % gguf_blocks.KINDS[kind].weights == 0
                 and (name != "lm_head" or kind == gguf_blocks.Q8_0)]
         if not here:
             continue
-        fp16 = bench_dense(k, n, Fp16WeightLinear, args.rows, args.stream_mb)
-        bf16 = bench_dense(k, n, Bf16WeightLinear, args.rows, args.stream_mb)
+        skipped = dict.fromkeys(args.rows, math.nan)
+        fp16 = skipped if args.gguf_only else bench_dense(k, n, Fp16WeightLinear, args.rows, args.stream_mb)
+        bf16 = skipped if args.gguf_only else bench_dense(k, n, Bf16WeightLinear, args.rows, args.stream_mb)
         for kind in here:
             gguf = bench_gguf(k, n, kind, args.rows, args.stream_mb)
+            nbytes = n * k // gguf_blocks.KINDS[kind].weights * gguf_blocks.KINDS[kind].bytes
             for t in args.rows:
                 print(f"{name:>8} {k:>5} {n:>6} {gguf_blocks.KINDS[kind].qtype.name:>5} {t:>4} {gguf[t]:>8.3f} "
-                      f"{fp16[t]:>9.3f} {bf16[t]:>9.3f} {fp16[t] / gguf[t]:>10.2f} {bf16[t] / gguf[t]:>10.2f}",
+                      f"{fp16[t]:>9.3f} {bf16[t]:>9.3f} {fp16[t] / gguf[t]:>10.2f} {bf16[t] / gguf[t]:>10.2f} "
+                      f"{nbytes / gguf[t] / 1e6:>9.1f}",
                       flush=True)
     return 0
 

@@ -25,7 +25,9 @@
 // (not fp16).  Each block's (or Q6_K half-block's) integer dot product is exact in int32; the row's sum
 // adds scale * dx * dot (and the block's c * dx * sum(qx): Q4_1's m, Q4_K / Q5_K's -dmin * m) in float32.
 //
-// Paths.  From KindInfo::amx_rows rows on (1 for Q4_1, Q5_0, Q4_K, Q5_K, Q6_K; 2 for Q8_0), AMX-INT8 tiles where
+// Paths.  Q4_K and Q6_K at 1-4 rows (AVX512-VNNI builds): cpu_gguf_q8k.cpp, with x quantized per 256 instead
+// (llama.cpp's Q8_K) and each super-block's dot product one integer (faster than AMX there, measured).
+// Else from KindInfo::amx_rows rows on (1 for Q4_1, Q5_0, Q4_K, Q5_K, Q6_K; 2 for Q8_0), AMX-INT8 tiles where
 // the CPU and the OS allow them (cpu_gguf_amx.cpp up to 8 rows: tiles sized to the rows, the next 16 columns
 // decoded in registers while the tile unit multiplies these; cpu_gguf_amx16.cpp from 9 rows: 16-row tiles).
 // Else, per output column, 8 (AVX-512) or 4 rows at a time share each decoded block: the weight is the
@@ -320,6 +322,9 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
   CHECK(out.size(0) == t && out.size(1) == n, op, ": out must have shape (", t, ", ", n, "), got ",
         str(out.sizes()));
   if (t == 0 || n == 0) return;
+  if (q8k_linear(kind, x.const_data_ptr<float>(), t, k, blocks.const_data_ptr<uint8_t>(), n,
+                 out.mutable_data_ptr<float>()))
+    return;
   QuantizedX qx;
   quantize_rows(x.const_data_ptr<float>(), t, k, qx);
   if (t >= info->amx_rows && amx_usable())

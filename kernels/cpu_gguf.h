@@ -50,6 +50,10 @@ bool amx_usable();
 void amx_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
 // The same for more than 8 rows (cpu_gguf_amx16.cpp), which amx_linear hands over.
 void amx_linear_wide(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
+// out (T, N) = x W^T for Q4_K / Q6_K at 1 to kQ8KRows rows with x quantized per 256 (cpu_gguf_q8k.cpp);
+// false (nothing done) for other kinds and row counts, and in builds without AVX512-VNNI.
+constexpr int64_t kQ8KRows = 4;
+bool q8k_linear(int64_t kind, const float* x, int64_t t, int64_t k, const uint8_t* w, int64_t n, float* out);
 
 }  // namespace infermesh_gguf
 

@@ -49,7 +49,8 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_layer.cpp"),
            Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gguf.cpp"),
            Path(__file__).with_name("cpu_gguf_x.cpp"), Path(__file__).with_name("cpu_gguf_amx.cpp"),
-           Path(__file__).with_name("cpu_gguf_amx16.cpp"), Path(__file__).with_name("cpu_layer_gguf.cpp"))
+           Path(__file__).with_name("cpu_gguf_amx16.cpp"), Path(__file__).with_name("cpu_layer_gguf.cpp"),
+           Path(__file__).with_name("cpu_gguf_q8k.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"),
            Path(__file__).with_name("cpu_gguf.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"

@@ -12,7 +12,9 @@ does: dx = max|x| / 127 (float32), qx = round(x * (1 / dx)) to nearest even.  Ea
 dot product is exact; the sum over blocks of scale * dx * dot (and Q4_1's / K-quants' mins terms) runs in
 float32.  So the op differs from the float product x @ W^T by the activations' quantization (at most
 dx / 2 per element, relative 2^-8 of the block's largest |x|), and from `gguf_linear_reference`
-(which quantizes x the same way) only by float rounding.
+(which quantizes x the same way) only by float rounding.  Q4_K and Q6_K at 1-4 rows on AVX512-VNNI CPUs
+(kernels/cpu_gguf_q8k.cpp) quantize x per 256 instead, as llama.cpp's Q8_K activations for K-quants:
+there `gguf_linear_reference(..., block=256)` is the reference.
 
 Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here; kernels/cpu_gguf.cpp's
 header comment spells each one out):
@@ -111,23 +113,24 @@ def dequantize(blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.
     return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(blocks.numpy(), qtype), dtype=np.float32))
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (T, K) float32 -> (q (T, K) int8, d (T, K / 32) float32), as the kernel quantizes it."""
+def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, K) float32 -> (q (T, K) int8, d (T, K / block) float32), as the kernel quantizes it."""
     t, k = x.shape
-    if k % BLOCK:
-        raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
-    xb = x.float().reshape(t, k // BLOCK, BLOCK)
+    if k % block:
+        raise ValueError(f"in_features {k} is not a multiple of {block}")
+    xb = x.float().reshape(t, k // block, block)
     d = xb.abs().amax(-1) / 127
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
     q = torch.round(xb * inv.unsqueeze(-1))                    # half to even, as the kernel rounds
     return q.to(torch.int8).reshape(t, k), d
 
 
-def gguf_linear_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
-    """x (T, K) -> (T, N): the kernel's product (int8 activations), computed in float64."""
-    q, d = quantize_activations(x)
+def gguf_linear_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType,
+                          block: int = BLOCK) -> torch.Tensor:
+    """x (T, K) -> (T, N): the kernel's product (int8 activations per `block` elements), in float64."""
+    q, d = quantize_activations(x, block)
     t, k = q.shape
-    xq = (q.double().reshape(t, k // BLOCK, BLOCK) * d.double().unsqueeze(-1)).reshape(t, k)
+    xq = (q.double().reshape(t, k // block, block) * d.double().unsqueeze(-1)).reshape(t, k)
     return (xq @ dequantize(blocks, kind).double().T).float()
 
 
