@@ -85,6 +85,12 @@ def test_fuzz_the_openapi_document(api: Any, served: list[str], mesh: Mesh, mode
             clamp_max_tokens(case)
             if mode == GenerationMode.POSITIVE:
                 steer(case, model, stream)
-        case.call_and_validate(base_url=mesh.http, checks=CHECKS, timeout=120)
+        response = case.call(base_url=mesh.http, timeout=120)
+        # An invalid body that is also over the edge's 1 MiB limit is refused by its size first: 413 is a
+        # refusal too (schemathesis's list of refusals lacks it); the other checks still apply.
+        refused_by_size = mode == GenerationMode.NEGATIVE and response.status_code == 413
+        case.validate_response(response, checks=[c for c in CHECKS if not (refused_by_size and
+                                                                        c is negative_data_rejection)],
+                               transport_kwargs={"base_url": mesh.http, "timeout": 120})
 
     fuzz()
