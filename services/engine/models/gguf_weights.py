@@ -140,7 +140,7 @@ def _float_tensor(t: Any, gguf: Any) -> torch.Tensor:
     if t.tensor_type == gguf.GGMLQuantizationType.F32:
         return _tensor(np.asarray(t.data))
     if t.tensor_type == gguf.GGMLQuantizationType.F16:
-        return _tensor(np.asarray(t.data)).float()
+        return torch.from_numpy(np.asarray(t.data, dtype=np.float32))     # the widening is the copy
     return _dequantize(np.asarray(t.data), t.tensor_type, int(t.shape[0])).flatten()       # BF16
 
 
