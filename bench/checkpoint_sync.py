@@ -72,6 +72,11 @@ def main() -> None:
         publisher = {**os.environ, "INFERMESH_HOME": str(tmp / "publisher")}
         v1 = Path(subprocess.run([py, "-m", "mesh.cli", "model", "path", "default"], capture_output=True,
                                  text=True, check=True).stdout.strip())
+        if (v1 / "model.gguf").is_file():           # the pulled folder keeps the GGUF: sync its float32 form
+            from mesh.models.gguf import convert_gguf
+
+            convert_gguf(v1 / "model.gguf", tmp / "v1")
+            v1 = tmp / "v1"
         config = json.loads((v1 / "config.json").read_text())
         layers = [round(i * (config["num_hidden_layers"] - 1) / max(1, a.layers - 1)) for i in range(a.layers)]
         changed = perturbed_copy(v1, tmp / "v2", layers)

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 INFERMESH = ROOT / ".venv" / "bin" / "infermesh"
@@ -456,7 +456,9 @@ def main() -> int:
             print("llama.cpp server skipped: none found (build it as docs/llama-peer.md says, "
                   "or pass --llama-server PATH [--gguf FILE])")
         if args.transformers:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            from mesh.models.gguf import load_float32
+
+            model = load_float32(folder)
             timed_generate(model, {"input_ids": torch.tensor([encode_chat(tokenizer, chats[0])])}, 4,
                            tokenizer.eos_token_id)  # warm-up
             results.append(run_hf_sequential(model, tokenizer, chats[: args.hf_sequential_requests],

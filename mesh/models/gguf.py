@@ -1,8 +1,10 @@
-"""GGUF -> plain Hugging Face folder: dequantize with transformers (+ the `gguf` package) and save
-float32 safetensors, config, tokenizer, chat template and generation config, which every service
-then loads with plain `from_pretrained(folder)`.
+"""GGUF -> Hugging Face folder.  `keep_gguf` (what `model pull` and `model register FILE.gguf` write): config,
+tokenizer, chat template and generation config read from the file, and the file itself as model.gguf, whose
+blocks the engine multiplies.  `convert_gguf`: a plain float32 folder (de-quantized by transformers + the
+`gguf` package, saved as safetensors), the copy a test or bench perturbs.  `load_float32`: transformers'
+float32 model of either, the reference the engine's `--dtype float32` equals.
 
-torch and transformers are imported inside `convert_gguf`, not at the top: `import mesh.models` must
+torch and transformers are imported inside the functions, not at the top: `import mesh.models` must
 stay standard-library only so the CLI starts fast; only a pull pays for them.
 """
 
@@ -210,6 +212,20 @@ def load_gguf_model(gguf: Path) -> tuple[Any, str]:
                          f"unexpected {sorted(unexpected)})")
     model.tie_weights()
     return model, "gguf-reader"
+
+
+def load_float32(folder: str | Path) -> Any:
+    """transformers' float32 model (eval mode) of an infermesh folder: its safetensors, or its model.gguf
+    de-quantized as transformers reads `gguf_file=`."""
+    folder = Path(folder)
+    if (folder / "model.gguf").is_file():
+        with _hub_offline():
+            model, _ = load_gguf_model(folder / "model.gguf")
+        return model.eval()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def _strip_quantizer(model: Any) -> None:

@@ -90,9 +90,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def reference(model_dir: Path):  # type: ignore[no-untyped-def]
     """Hugging Face transformers' own greedy generation, the independent reference."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from mesh.models.gguf import load_float32
+
+    model = load_float32(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
     def generate(max_new_tokens: int, messages: list[dict[str, str]] | None = None, prompt: str | None = None

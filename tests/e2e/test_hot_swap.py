@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -40,13 +39,16 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def v2_folder(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model with every tensor of layers 9 and 20 scaled by (1 + 50% noise): answers change."""
+    """The default model (de-quantized into a float32 folder) with every tensor of layers 9 and 20 scaled by
+    (1 + 50% noise): answers change."""
     import torch
     from safetensors.torch import load_file, save_file
 
+    from mesh.models.gguf import convert_gguf
+
     folder = tmp_path_factory.mktemp("v2") / "smollm2-v2"
-    shutil.copytree(model_dir, folder)
-    weights = load_file(str(model_dir / "model.safetensors"))
+    convert_gguf(model_dir / "model.gguf", folder)
+    weights = load_file(str(folder / "model.safetensors"))
     generator = torch.Generator().manual_seed(2)
     for name, tensor in weights.items():
         if ".layers.9." in name or ".layers.20." in name:
@@ -133,10 +135,12 @@ def test_a_hot_swap_under_16_streams(swap_mesh: Mesh, v2_folder: Path) -> None:
 
     # After the swap: version 2, v2's greedy text (transformers on the v2 folder), the same processes.
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from mesh.models.gguf import load_float32
 
     tokenizer = AutoTokenizer.from_pretrained(str(v2_folder))
-    model = AutoModelForCausalLM.from_pretrained(str(v2_folder), dtype=torch.float32).eval()
+    model = load_float32(v2_folder)
     changed = 0
     for prompt, old in zip(PROMPTS[:3], before[:3], strict=True):
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],

@@ -178,7 +178,7 @@ def test_tools_render_generically_or_through_a_template_and_stay_text(tok: Model
     assert "<tools>" in text and "<tool_response>\nsunny\n</tool_response>" in text and "get_weather" in text
     assert ids.count(tok.controls["<|im_start|>"]) == 5          # system, user, assistant, user, generation
     folder = tmp_path / "model"
-    shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     native = ModelTokenizer(NAME, folder)
     assert native.knows_tools

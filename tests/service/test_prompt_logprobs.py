@@ -16,9 +16,11 @@ from tests.service.test_engine import run, tokens
 
 
 def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from mesh.models.gguf import load_float32
+
+    model = load_float32(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs into the forest to "
                            "find its friends, who are waiting by the old oak tree near the river.")

@@ -42,8 +42,8 @@ def fake_fetch(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 def fake_convert(gguf: Path, out_dir: Path) -> dict:
     hf_folder(out_dir)
-    (out_dir / "model.safetensors").write_bytes(b"weights")
-    (out_dir / "model.safetensors").chmod(0o600)
+    (out_dir / "model.gguf").write_bytes(gguf.read_bytes())
+    (out_dir / "model.gguf").chmod(0o600)
     return {"model_type": "llama", "loader": "fake"}
 
 
@@ -75,7 +75,7 @@ def test_verify_sha256(tmp_path: Path):
 
 def test_pull_with_wrong_sha_raises_and_leaves_nothing(store_home: Path, fake_fetch, monkeypatch):  # noqa: F811
     monkeypatch.setitem(download.CATALOG, "smollm2-135m", fake_spec(b"other bytes"))
-    monkeypatch.setattr(download, "convert_gguf", lambda *a: pytest.fail("must not convert"))
+    monkeypatch.setattr(download, "keep_gguf", lambda *a: pytest.fail("must not convert"))
     with pytest.raises(ModelError, match="sha256 mismatch.*expected .* actual "):
         download.pull("default", progress=lambda line: None)
     models = store_home / "models"
@@ -95,19 +95,19 @@ def test_pull_converts_renames_and_writes_marker_last(store_home: Path, fake_fet
         assert out_dir.parent == store_home / "models" and out_dir.name.startswith(".smollm2-135m.tmp-")
         return fake_convert(gguf, out_dir)
 
-    monkeypatch.setattr(download, "convert_gguf", convert)
+    monkeypatch.setattr(download, "keep_gguf", convert)
     lines: list[str] = []
     target = download.pull("default", progress=lines.append)
     assert target == store_home / "models" / "smollm2-135m"
     assert not seen["out_dir"].exists()
-    assert [line.split(" ")[0] for line in lines] == ["downloading", "verifying", "converting", "saved"]
+    assert [line.split(" ")[0] for line in lines] == ["downloading", "verifying", "keeping", "saved"]
     assert lines[-1].startswith(f"saved to {target}")
     marker = json.loads((target / MARKER).read_text())
     assert marker["name"] == "smollm2-135m"
     assert marker["sha256"] == spec.sha256
     assert marker["source"] == spec.source and "llm-fake==9.9" in marker["source"]
-    assert marker["converted_at"] and marker["loader"] == "fake"
-    assert (target / MARKER).stat().st_mtime_ns >= (target / "model.safetensors").stat().st_mtime_ns
+    assert marker["converted_at"] and marker["loader"] == "fake" and marker["pull_layout"] == download.PULL_LAYOUT
+    assert (target / MARKER).stat().st_mtime_ns >= (target / "model.gguf").stat().st_mtime_ns
     assert {oct(p.stat().st_mode & 0o777) for p in target.iterdir()} == {"0o644"}
     assert oct(target.stat().st_mode & 0o777) == "0o755"
     assert store.path("smollm2-135m") == target
@@ -115,7 +115,7 @@ def test_pull_converts_renames_and_writes_marker_last(store_home: Path, fake_fet
     assert sorted(p.name for p in (store_home / "models").iterdir() if p.is_dir()) == ["smollm2-135m"]
 
     # idempotent: no download, no conversion, no output
-    monkeypatch.setattr(download, "convert_gguf", lambda *a: pytest.fail("must not convert again"))
+    monkeypatch.setattr(download, "keep_gguf", lambda *a: pytest.fail("must not convert again"))
     again: list[str] = []
     assert download.pull("smollm2-135m", progress=again.append) == target
     assert fake_fetch["fetch"] == 1 and again == []
@@ -128,7 +128,7 @@ def test_crash_during_conversion_never_looks_complete(store_home: Path, fake_fet
         fake_convert(gguf, out_dir)
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setattr(download, "convert_gguf", crash)
+    monkeypatch.setattr(download, "keep_gguf", crash)
     with pytest.raises(RuntimeError, match="killed"):
         download.pull("default", progress=lambda line: None)
     target = store_home / "models" / "smollm2-135m"
@@ -153,9 +153,27 @@ def test_folder_without_marker_is_not_present_and_is_redone(store_home: Path, fa
     entry = next(e for e in list_models() if e["name"] == "smollm2-135m")
     assert entry["present"] is False and entry["path"] == str(target)
 
-    monkeypatch.setattr(download, "convert_gguf", fake_convert)
+    monkeypatch.setattr(download, "keep_gguf", fake_convert)
     assert download.pull("default", progress=lambda line: None) == target
     assert fake_fetch["fetch"] == 1
     assert not (target / "stale.bin").exists() and not leftover.exists()
     assert is_present(target)
     assert next(e for e in list_models() if e["name"] == "smollm2-135m")["present"] is True
+
+
+def test_a_folder_an_earlier_release_pulled_is_pulled_again(store_home: Path, fake_fetch,  # noqa: F811
+                                                            monkeypatch):
+    """A complete folder without the current layout (float32 safetensors, as pulls before the GGUF's blocks
+    were kept wrote it) is replaced by a new pull, which says why; the next pull is a no-op."""
+    monkeypatch.setitem(download.CATALOG, "smollm2-135m", fake_spec(b"gguf bytes"))
+    target = hf_folder(store_home / "models" / "smollm2-135m")
+    (target / "model.safetensors").write_bytes(b"old weights")
+    (target / MARKER).write_text(json.dumps({"name": "smollm2-135m", "loader": "gguf"}))
+    assert is_present(target)
+    monkeypatch.setattr(download, "keep_gguf", fake_convert)
+    lines: list[str] = []
+    assert download.pull("default", progress=lines.append) == target
+    assert "from an earlier release" in lines[0] and fake_fetch["fetch"] == 1
+    assert not (target / "model.safetensors").exists() and (target / "model.gguf").read_bytes() == b"gguf bytes"
+    again: list[str] = []
+    assert download.pull("default", progress=again.append) == target and again == [] and fake_fetch["fetch"] == 1
