@@ -8,10 +8,10 @@ STAMP := $(VENV)/.setup-stamp
 .PHONY: setup demo test test-fast lint protos clean compose-tool
 
 # Idempotent: the venv, the project (editable) and the default model are made once;
-# the stubs are regenerated whenever a .proto is newer; the fused CPU ops (kernels/cpu_ops.cpp) are
+# the stubs are regenerated whenever a .proto is newer; the fused CPU ops (meshkernels/cpu_ops.cpp) are
 # compiled into ~/.cache/infermesh/kernels/ when their source or torch changed.
 setup: $(STAMP) protos
-	@$(BIN)/python -m kernels.cpu_ops || echo "fused CPU ops not built; the engine will use the torch ops"
+	@$(BIN)/python -m meshkernels.cpu_ops || echo "fused CPU ops not built; the engine will use the torch ops"
 	@$(BIN)/infermesh model pull default
 
 $(STAMP): pyproject.toml
@@ -50,8 +50,8 @@ compose-tool:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null 2>&1; } || true
 
 lint:
-	$(BIN)/ruff check mesh services kernels tests bench proto
-	$(BIN)/mypy mesh services kernels
+	$(BIN)/ruff check mesh services meshkernels tests bench proto
+	$(BIN)/mypy mesh services meshkernels
 
 clean:
 	rm -rf $(VENV) meshpb build *.egg-info

@@ -1,4 +1,4 @@
-"""gguf_linear (kernels/cpu_gguf.cpp: GGUF blocks as the file stores them, int8 activations) against
+"""gguf_linear (meshkernels/cpu_gguf.cpp: GGUF blocks as the file stores them, int8 activations) against
 the engine's fp16w (FBGEMM fp16 weights) and bf16w (oneDNN bf16 weights, AMX where the CPU has it) on
 Qwen2.5-0.5B's or SmolLM2-135M's shapes, with the weights streamed from memory as in a decode step.
 
@@ -33,7 +33,7 @@ import torch  # noqa: E402 - after the allocator's setting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
-from kernels import cpu_ops, gguf_blocks  # noqa: E402
+from meshkernels import cpu_ops, gguf_blocks  # noqa: E402
 from services.engine.models.linear import Bf16WeightLinear, Fp16WeightLinear  # noqa: E402
 
 # (K, N) of q/k/v fused, o, gate/up fused, down, and the LM head (a tied embedding: Q8_0 in Qwen2.5's Q4_K_M
@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument("--gguf-only", action="store_true", help="skip fp16w and bf16w (their columns read nan)")
     args = parser.parse_args()
     if not cpu_ops.load():
-        print("the CPU library is not available (see kernels.cpu_ops' warning)", file=sys.stderr)
+        print("the CPU library is not available (see meshkernels.cpu_ops' warning)", file=sys.stderr)
         return 1
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -248,8 +248,8 @@ def check_no_sync(model: Model) -> Verdict:
 # -- 3: the kernel ---------------------------------------------------------------------------------
 @torch.inference_mode()
 def check_kernel(device: torch.device, smoke: bool) -> Verdict:
-    from kernels import paged_attention as pa
-    from kernels import paged_attention_triton as pt
+    from meshkernels import paged_attention as pa
+    from meshkernels import paged_attention_triton as pt
 
     notes, ok = [], True
     shapes = [(3, 9, 64), (4, 32, 64)] if not smoke else [(2, 4, 16), (3, 9, 24)]
@@ -297,8 +297,8 @@ def check_kernel(device: torch.device, smoke: bool) -> Verdict:
 def kernel_speed(device: torch.device) -> str:
     import triton.testing
 
-    from kernels import paged_attention as pa
-    from kernels import paged_attention_triton as pt
+    from meshkernels import paged_attention as pa
+    from meshkernels import paged_attention_triton as pt
 
     kv_heads, heads, d, bs, b, ctx = 4, 32, 64, 16, 64, 1024
     nblocks = b * ctx // bs

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import paged_attention
+from meshkernels import paged_attention
 from services.engine.kv_transfer import int64_parts
 from services.engine.models.attention import AttentionMetadata
 

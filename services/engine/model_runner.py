@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kernels import paged_attention
 from mesh.models import eos_token_ids
+from meshkernels import paged_attention
 from services.engine import kv_transfer
 from services.engine.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.models import ARCHITECTURES

@@ -11,7 +11,7 @@ What `auto` means today:
   batches and `fp16w` or `packed` above `split_rows` rows; for a GGUF folder (`infermesh model register`)
   `gguf`, the file's own blocks, is a candidate too, timed on the file's own layers; without a model to
   measure, `fp16w` with FBGEMM (`packed` with oneDNN only, else `exact`).  Decode attention and the norm/RoPE/SiLU ops
-  are the fused CPU library (kernels/cpu_ops.cpp) when it builds, else torch's; with the fused
+  are the fused CPU library (meshkernels/cpu_ops.cpp) when it builds, else torch's; with the fused
   library (not `exact`) the KV cache holds float16 (half the bytes decode attention streams,
   twice the tokens per GB).  No graphs.
   An explicit --dtype float32 is the bit-exact mode: `exact` matmuls and the torch ops
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_ops
+from meshkernels import cpu_ops
 from services.engine import tune
 from services.engine.config import GRAPHS, EngineConfig
 
@@ -130,7 +130,7 @@ def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matm
         attention = "triton" if device == "cuda" else "fused" if cpu_fusable and cpu_ops.load() else "torch"
     elif attention == "fused" and not (cpu_fusable and cpu_ops.load()):
         raise ValueError("attention 'fused' needs the fused CPU ops: a CPU float32 model, matmul other than "
-                         "'exact', and kernels/cpu_ops built")
+                         "'exact', and meshkernels/cpu_ops built")
     # The norm/RoPE/SiLU ops come with the attention kernels' family; "exact" keeps transformers' torch ops.
     ops = "cpu" if attention == "fused" else "triton" if attention == "triton" and matmul != "exact" else "torch"
     if graphs == "auto":

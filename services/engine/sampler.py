@@ -21,7 +21,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from kernels import cpu_ops
+from meshkernels import cpu_ops
 from services.engine.request import SamplingParams, TokenLogprob
 
 _SEED_MIX = 1_000_003

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_ops
 from mesh.files import exclusive_lock, write_atomic
 from mesh.models import home
+from meshkernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def _multiply(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch
 
     if kind != "q4":
         return LINEARS[kind](weight, None)
-    from kernels import quant
+    from meshkernels import quant
 
     packed = quant.pack_q4(weight)
     return lambda x: torch.ops.infermesh.q4_linear(x, packed.data, packed.out_features)

@@ -98,7 +98,7 @@ def test_kv_blocks_move_through_pinned_memory(tiny: tuple[Path, dict[str, torch.
 
 
 def test_triton_decode_matches_torch_on_cuda() -> None:
-    from kernels import paged_attention, paged_attention_triton
+    from meshkernels import paged_attention, paged_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(64, 16, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)

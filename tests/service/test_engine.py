@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kernels import cpu_ops
 from mesh.errors import InvalidArgument, ResourceExhausted
+from meshkernels import cpu_ops
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.models.linear import native_bf16
@@ -273,7 +273,7 @@ def test_q4_plans_rank_greedy_rows_only_above_their_split(model_dir: Path) -> No
 
 
 def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
-    """The fast modes' fused CPU ops (kernels/cpu_ops.cpp) give the tokens the same mode gives with
+    """The fast modes' fused CPU ops (meshkernels/cpu_ops.cpp) give the tokens the same mode gives with
     the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks
     (chunked prefill and joins mid-run); the exact mode never uses them."""
     assert (runner.plan.attention, runner.plan.ops) == ("torch", "torch")

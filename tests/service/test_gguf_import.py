@@ -136,7 +136,7 @@ def _kernel_has(qtype: str) -> bool:
     """Whether gguf_linear multiplies blocks of this GGUF type (F16 is no block type)."""
     from gguf import GGMLQuantizationType
 
-    from kernels import gguf_blocks
+    from meshkernels import gguf_blocks
 
     try:
         return gguf_blocks.kind_of(GGMLQuantizationType[qtype]) is not None

@@ -1,4 +1,4 @@
-"""The fused CPU ops (kernels/cpu_ops.cpp) against their torch references: kernels/torch_ops.py (the
+"""The fused CPU ops (meshkernels/cpu_ops.cpp) against their torch references: meshkernels/torch_ops.py (the
 engine's torch path) and, for paged decode attention, paged_attention._reference() (float64).
 The KV cache may be float16: attention widens its rows exactly, the write rounds as torch's .half()."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops, torch_ops
-from kernels import paged_attention as pa
+from meshkernels import cpu_ops, torch_ops
+from meshkernels import paged_attention as pa
 
 if not cpu_ops.load():
-    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see kernels.cpu_ops' warning)",
+    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see meshkernels.cpu_ops' warning)",
                 allow_module_level=True)
 
 ops = torch.ops.infermesh
@@ -221,7 +221,7 @@ def test_the_other_instruction_set_paths_attend_alike(isa: str) -> None:
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from kernels import cpu_ops, paged_attention as pa; assert cpu_ops.load();"
+        "import torch; from meshkernels import cpu_ops, paged_attention as pa; assert cpu_ops.load();"
         "g = torch.Generator().manual_seed(0); ops = torch.ops.infermesh;"
         "k = torch.randn(20, 16, 3, 64, generator=g).half(); v = torch.randn(20, 16, 3, 64, generator=g).half();"
         "q = torch.randn(2, 9, 64, generator=g); t = torch.randperm(20, generator=g)[:10].view(2, 5);"

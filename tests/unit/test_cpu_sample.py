@@ -1,4 +1,4 @@
-"""The CPU library's sampling ops (kernels/cpu_sample.cpp) against their torch references in
+"""The CPU library's sampling ops (meshkernels/cpu_sample.cpp) against their torch references in
 services/engine/sampler.py: the candidates (topk + logsumexp) and the whole-vocabulary inverse CDF, on
 the native build and the AVX2 and portable ones."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops
+from meshkernels import cpu_ops
 from services.engine import sampler
 
 if not cpu_ops.load():
-    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see kernels.cpu_ops' warning)",
+    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see meshkernels.cpu_ops' warning)",
                 allow_module_level=True)
 
 ops = torch.ops.infermesh
@@ -79,7 +79,7 @@ def test_the_other_instruction_set_paths_sample_alike(isa: str) -> None:
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from kernels import cpu_ops; from services.engine import sampler; assert cpu_ops.load();"
+        "import torch; from meshkernels import cpu_ops; from services.engine import sampler; assert cpu_ops.load();"
         "g = torch.Generator().manual_seed(5); x = torch.randn(3, 20_000, generator=g) * 3;"
         "t = torch.tensor([0.7, 1.0, 1.4]); v, i, l = sampler.candidates(x, t, 64);"
         "rv, ri, rl = sampler.candidates_reference(x, t, 64);"

@@ -1,5 +1,5 @@
-"""GGUF Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks times int8 activations (kernels/cpu_gguf.cpp, its AMX path
-cpu_gguf_amx.cpp) against gguf-py's layouts and the torch references in kernels/gguf_blocks.py."""
+"""GGUF Q4_1 / Q5_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks times int8 activations (meshkernels/cpu_gguf.cpp, its AMX path
+cpu_gguf_amx.cpp) against gguf-py's layouts and the torch references in meshkernels/gguf_blocks.py."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels import cpu_ops, gguf_blocks
+from meshkernels import cpu_ops, gguf_blocks
 
 if not cpu_ops.load():
-    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see kernels.cpu_ops' warning)",
+    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see meshkernels.cpu_ops' warning)",
                 allow_module_level=True)
 
 ops = torch.ops.infermesh
@@ -56,7 +56,7 @@ def f16(b: np.ndarray) -> np.float32:
 
 
 def spec_block(blk: np.ndarray, kind: int) -> np.ndarray:
-    """One block's weights per the layout as written in kernels/cpu_gguf.cpp, element by element (float32
+    """One block's weights per the layout as written in meshkernels/cpu_gguf.cpp, element by element (float32
     products in gguf-py's order)."""
     if kind == gguf_blocks.Q8_0:
         return f16(blk[:2]) * blk[2:].view(np.int8).astype(np.float32)
@@ -248,7 +248,7 @@ def test_the_other_instruction_set_paths_agree(isa: str) -> None:
     if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
         pytest.skip("this CPU has no AVX-512")
     script = (
-        "import torch; from kernels import cpu_ops, gguf_blocks; assert cpu_ops.load();"
+        "import torch; from meshkernels import cpu_ops, gguf_blocks; assert cpu_ops.load();"
         "from tests.unit.test_gguf_blocks import random_blocks, check_against_references;"
         "[check_against_references(torch.randn(t, k, generator=torch.Generator().manual_seed(t)),"
         " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind)"

@@ -14,7 +14,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from kernels import cpu_ops  # noqa: E402
+from meshkernels import cpu_ops  # noqa: E402
 from services.engine.models.gguf_weights import Blocks, dense, load  # noqa: E402
 from services.engine.models.linear import Concat, Fp16WeightLinear, GgufLinear, linear_kind  # noqa: E402
 
@@ -99,7 +99,7 @@ def test_llama_rows_and_gemma_norms_come_back_as_transformers_reads_them(tmp_pat
     assert torch.allclose(norms["model.norm.weight"], torch.from_numpy(raw["output_norm.weight"]) - 1)
 
 
-@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (kernels/cpu_ops.py) did not build here")
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
 def test_products_over_blocks_of_mixed_types(tmp_path: Path) -> None:
     types = {"blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_k.weight": Q.Q5_0, "blk.0.attn_v.weight": Q.Q8_0,
              "blk.0.ffn_down.weight": Q.Q4_0}
@@ -127,7 +127,7 @@ def test_products_over_blocks_of_mixed_types(tmp_path: Path) -> None:
         assert (split(y) - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
-@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (kernels/cpu_ops.py) did not build here")
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
 def test_tuning_times_the_files_own_blocks(tmp_path: Path) -> None:
     import json
 

@@ -10,9 +10,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mesh", "services", "kernels")
+PACKAGES = ("mesh", "services", "meshkernels")
 MAX_LINES = 350
-EXEMPT = {"kernels/cpu_ops.cpp"}          # the C++ ops file; generated stubs live outside these folders
+EXEMPT = {"meshkernels/cpu_ops.cpp"}          # the C++ ops file; generated stubs live outside these folders
 
 
 def modules() -> dict[str, Path]:

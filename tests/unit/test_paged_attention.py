@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels import paged_attention as pa
+from meshkernels import paged_attention as pa
 
 BS, KH, H, D = 4, 3, 9, 16
 
@@ -28,7 +28,7 @@ LENS = [10, 3, 16]
 def decode_impl(name: str):  # type: ignore[no-untyped-def]
     if name == "triton":
         # Run by Triton's interpreter on this CPU (TRITON_INTERPRET=1 above).
-        from kernels import paged_attention_triton
+        from meshkernels import paged_attention_triton
 
         return paged_attention_triton.decode
     return pa.decode

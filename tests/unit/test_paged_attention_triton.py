@@ -16,8 +16,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels import paged_attention as pa
-from kernels import paged_attention_triton as pat
+from meshkernels import paged_attention as pa
+from meshkernels import paged_attention_triton as pat
 
 NUM_BLOCKS = 14
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
+from meshkernels import cpu_ops
 from services.engine import plan
 from services.engine.config import EngineConfig
 from services.engine.models import attention, linear, ops

@@ -1,4 +1,4 @@
-"""Block-quantized linears (kernels/cpu_gemm.cpp) against their torch reference (kernels/quant.py),
+"""Block-quantized linears (meshkernels/cpu_gemm.cpp) against their torch reference (meshkernels/quant.py),
 the packing's losslessness on block-made weights, and the Linear kinds built on them."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops, quant
+from meshkernels import cpu_ops, quant
 
 if not cpu_ops.load():
-    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see kernels.cpu_ops' warning)",
+    pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see meshkernels.cpu_ops' warning)",
                 allow_module_level=True)
 
 ops = torch.ops.infermesh
@@ -124,7 +124,7 @@ def test_the_other_instruction_set_paths_agree(isa: str) -> None:
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from kernels import cpu_ops, quant; assert cpu_ops.load();"
+        "import torch; from meshkernels import cpu_ops, quant; assert cpu_ops.load();"
         "g = torch.Generator().manual_seed(0); w = torch.randn(37, 96, generator=g);"
         "x = torch.randn(6, 96, generator=g);"
         "[torch.testing.assert_close(getattr(torch.ops.infermesh, f'{k}_linear')(x, p.data, 37),"

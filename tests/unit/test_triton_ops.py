@@ -1,5 +1,5 @@
-"""kernels/triton_ops.py (the CUDA fused forward's norm, RoPE + KV write and SiLU kernels) against the
-torch ops they replace, kernels/torch_ops.py, run by Triton's interpreter on this CPU, in float32 and bfloat16."""
+"""meshkernels/triton_ops.py (the CUDA fused forward's norm, RoPE + KV write and SiLU kernels) against the
+torch ops they replace, meshkernels/torch_ops.py, run by Triton's interpreter on this CPU, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # read when the kernels are def
 import pytest
 import torch
 
-from kernels import torch_ops, triton_ops
+from meshkernels import torch_ops, triton_ops
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 

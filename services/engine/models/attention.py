@@ -6,9 +6,9 @@ the plan's decode kind; each prefill chunk attends its own prefix with torch's S
 when the model soft-caps its scores, Gemma 2: paged_attention.attend()).
 
 Decode kinds (ExecutionPlan.attention), a dict registry:
-- torch: gather the blocks, then SDPA with a length mask (kernels/paged_attention.py);
-- fused: the CPU library's paged_decode_attention, no gathered copies (kernels/cpu_ops.cpp);
-- triton: the Triton paged kernel (kernels/paged_attention_triton.py; on CPU under its interpreter).
+- torch: gather the blocks, then SDPA with a length mask (meshkernels/paged_attention.py);
+- fused: the CPU library's paged_decode_attention, no gathered copies (meshkernels/cpu_ops.cpp);
+- triton: the Triton paged kernel (meshkernels/paged_attention_triton.py; on CPU under its interpreter).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_ops, paged_attention
+from meshkernels import cpu_ops, paged_attention
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,13 @@ def _torch_decode() -> Callable[..., torch.Tensor]:
 
 def _fused_decode() -> Callable[..., torch.Tensor]:
     if not cpu_ops.load():
-        raise ValueError("decode attention 'fused' needs kernels/cpu_ops built")
+        raise ValueError("decode attention 'fused' needs meshkernels/cpu_ops built")
     return torch.ops.infermesh.paged_decode_attention  # type: ignore[no-any-return]
 
 
 def _triton_decode() -> Callable[..., torch.Tensor]:
     # Imported when chosen: Triton is needed only where this kind runs (CUDA, or tests under its interpreter).
-    from kernels import paged_attention_triton
+    from meshkernels import paged_attention_triton
 
     return paged_attention_triton.decode
 

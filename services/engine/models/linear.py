@@ -5,7 +5,7 @@
 - `packed`: oneDNN fp32 with the weight reordered once (the CPU default without FBGEMM).
 - `fp16w` (the CPU default with FBGEMM): fp16-stored weights, fp32 activations and accumulation.
 - `int8`: --dtype int8, weight-only int8 with dynamic int8 activations (a quantized model).
-- `q4`: weights in 4-bit blocks (kernels/quant.py, the CPU library's q4_linear), the output head in
+- `q4`: weights in 4-bit blocks (meshkernels/quant.py, the CPU library's q4_linear), the output head in
   8-bit blocks, only where that packing is lossless (a model converted from a GGUF's Q4_1 / Q8_0
   tensors, as the default model is): the model's own weights in a third of fp16's bytes, for the
   memory-bound decode of a few rows.  A tensor that would change falls back to `fp16w` (the head
@@ -14,7 +14,7 @@
   out (norms, attention and the residual stay float32): about 2x fp16w at 16-256 rows where the
   CPU multiplies bf16 natively (AVX512-BF16, AMX); a candidate for `auto` only there.
 - `gguf`: a GGUF folder's weights as the file stores them (models/gguf_weights.py), multiplied by the CPU
-  library's gguf_linear (kernels/cpu_gguf.cpp) with activations quantized to int8 per 32 inputs, as
+  library's gguf_linear (meshkernels/cpu_gguf.cpp) with activations quantized to int8 per 32 inputs, as
   llama.cpp multiplies them; a tensor of a type the kernel lacks is de-quantized to `fp16w`.
 - `<small>+<kind>` (ExecutionPlan.matmul_large): `<small>` up to a number of rows, `<kind>` above it.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import quant
+from meshkernels import quant
 from services.engine.models.gguf_weights import Blocks, Weight, dense
 
 
@@ -119,7 +119,7 @@ class Int8Linear(Linear):
 
 
 class BlockLinear(Linear):
-    """Weights in 32-weight blocks multiplied by the CPU library (kernels/cpu_gemm.cpp), when packing
+    """Weights in 32-weight blocks multiplied by the CPU library (meshkernels/cpu_gemm.cpp), when packing
     them is lossless; else `fallback`'s kind, so the weights stay the model's own."""
 
     PACK: Callable[[torch.Tensor], quant.Packed] = staticmethod(quant.pack_q4)
@@ -189,7 +189,7 @@ def gguf_kind(weight: Weight) -> int | None:
     """The gguf_linear kind of a weight's blocks, or None (a float weight, or a type the kernel lacks)."""
     if not isinstance(weight, Blocks):
         return None
-    from kernels import gguf_blocks
+    from meshkernels import gguf_blocks
 
     try:
         return gguf_blocks.kind_of(weight.qtype)

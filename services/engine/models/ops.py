@@ -1,11 +1,11 @@
 """The decoder layer's fused-op sets, by ExecutionPlan.ops: a dict registry of namespaces.
 
-Each set has the same three functions with the same signatures (kernels/torch_ops.py documents
+Each set has the same three functions with the same signatures (meshkernels/torch_ops.py documents
 them): add_rms_norm (the residual add rides in the next norm), rope_and_write_kv (RoPE in place
 while k and v go to the paged cache) and silu_and_mul.
-- torch: kernels/torch_ops.py, transformers' own math (the exact mode; the references of the others);
-- cpu: the fused CPU library, `torch.ops.infermesh` (kernels/cpu_ops.cpp), float32 on the CPU;
-- triton: kernels/triton_ops.py, for CUDA (on CPU under Triton's interpreter).
+- torch: meshkernels/torch_ops.py, transformers' own math (the exact mode; the references of the others);
+- cpu: the fused CPU library, `torch.ops.infermesh` (meshkernels/cpu_ops.cpp), float32 on the CPU;
+- triton: meshkernels/triton_ops.py, for CUDA (on CPU under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_ops, torch_ops
+from meshkernels import cpu_ops, torch_ops
 
 
 def _torch() -> Any:
@@ -24,13 +24,13 @@ def _torch() -> Any:
 
 def _cpu() -> Any:
     if not cpu_ops.load():
-        raise ValueError("ops 'cpu' need kernels/cpu_ops built")
+        raise ValueError("ops 'cpu' need meshkernels/cpu_ops built")
     return torch.ops.infermesh
 
 
 def _triton() -> Any:
     # Imported when chosen: Triton is needed only where these ops run (CUDA, or tests under its interpreter).
-    from kernels import triton_ops
+    from meshkernels import triton_ops
 
     return triton_ops
 

@@ -1,4 +1,4 @@
-"""Weights in 32-weight blocks for the CPU library's q4_linear / q8_linear (kernels/cpu_gemm.cpp):
+"""Weights in 32-weight blocks for the CPU library's q4_linear / q8_linear (meshkernels/cpu_gemm.cpp):
 packing, and the torch references the tests hold the kernels to.
 
 - q4: per block an fp16 scale d and an fp16 minimum m, and 4-bit q: weight = d * q + m (20 bytes

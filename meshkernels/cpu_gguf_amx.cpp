@@ -16,7 +16,7 @@
 // just before.  Q4_1 / Q5_0 / Q8_0's fp16 scales (and Q4_1's m) are gathered from the blocks when their group
 // is added.
 //
-// Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
+// Built where the CPU has AMX-TILE and AMX-INT8 (meshkernels/cpu_ops.py adds the flags); used only after
 // Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
 // asked once; else amx_usable() is false and gguf_linear keeps its vector path.
 

@@ -1,6 +1,6 @@
 """The fused ops of the engine's fast forward as Triton kernels, for CUDA (and bf16).
 
-The same three ops, with the same signatures, as the CPU library (kernels/cpu_ops.py), so the
+The same three ops, with the same signatures, as the CPU library (meshkernels/cpu_ops.py), so the
 model's fused forward runs on either:
 
 - `add_rms_norm(x (T, H), residual (T, H) | None, weight (H,), eps)` -> (T, H): `x += residual`
@@ -15,7 +15,7 @@ Per decoder layer that is 3 launches where the torch ops take about 20 elementwi
 GPU, a small model's decode step is launch-bound even inside a CUDA graph.  Every launch takes
 its grid from tensor shapes only (no host sync; capturable).  On CPU they run under
 TRITON_INTERPRET=1, which is how tests/unit/test_triton_ops.py checks them against their torch
-references, kernels/torch_ops.py.
+references, meshkernels/torch_ops.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 // Weight-only quantized linears for the CPU: y = x W^T with W stored in 32-weight blocks, x and y
-// float32; built with cpu_ops.cpp into one library by kernels/cpu_ops.py.
+// float32; built with cpu_ops.cpp into one library by meshkernels/cpu_ops.py.
 //
 // A decode step of a small model reads every weight once per step, so at 1-16 rows its GEMMs are
 // bound by memory, not arithmetic: fewer bytes per weight is the lever.  Each block is dequantized
 // into registers once and multiplied into every row of x (up to kRows at a time), so a weight is
 // read from memory once per step whatever the batch.
 //
-// Block layouts (the packing is kernels/quant.py, the torch references beside it):
+// Block layouts (the packing is meshkernels/quant.py, the torch references beside it):
 //   q4: 20 bytes = fp16 d, fp16 m, 16 bytes of nibbles; weight j (0..15) is d * (byte[j] & 15) + m,
 //       weight j + 16 is d * (byte[j] >> 4) + m.
 //   q8: 34 bytes = fp16 d, 32 int8; weight j is d * q[j].
@@ -15,7 +15,7 @@
 // GGUF's Q4_1 / Q8_0 tensors) is multiplied by exactly its own weights; sums run in another order
 // than MKL's, so results agree with the float32 GEMM to rounding.
 //
-// AVX-512 and AVX2 paths are compiled where the CPU has them (kernels/cpu_ops.py picks the flags);
+// AVX-512 and AVX2 paths are compiled where the CPU has them (meshkernels/cpu_ops.py picks the flags);
 // the scalar loops are the portable path.
 
 #include <torch/csrc/stable/library.h>

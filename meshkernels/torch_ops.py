@@ -1,7 +1,7 @@
 """The decoder layer's fused ops in plain torch: their definition, and the engine's torch path.
 
-The same signatures as the fused CPU library (`torch.ops.infermesh.*`, kernels/cpu_ops.py) and the
-Triton kernels (kernels/triton_ops.py), so the model's one forward runs on any of the three.  Each
+The same signatures as the fused CPU library (`torch.ops.infermesh.*`, meshkernels/cpu_ops.py) and the
+Triton kernels (meshkernels/triton_ops.py), so the model's one forward runs on any of the three.  Each
 is written the way transformers' LlamaForCausalLM computes it, so in the engine's "exact" mode the
 output is bit for bit transformers'.  They are the references the fused kernels' tests compare
 against (tests/unit/test_cpu_ops.py, tests/unit/test_triton_ops.py); paged decode attention's
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention
+from meshkernels import paged_attention
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,12 +1,12 @@
 // GGUF weight blocks, exactly as a GGUF file stores them, times int8-quantized activations (as
-// llama.cpp multiplies them); built with the other CPU sources into one library by kernels/cpu_ops.py.
+// llama.cpp multiplies them); built with the other CPU sources into one library by meshkernels/cpu_ops.py.
 //
 // gguf_linear(x (T, K) float32, blocks (N, K / 32 * bytes) uint8, kind, out (T, N)! float32):
 //   out = x W^T where W's rows are N rows of blocks of `kind`, a GGML type id:
 //   Q4_1 = 3 (20 bytes / 32 weights), Q5_0 = 6 (22 / 32), Q8_0 = 8 (34 / 32), Q4_K = 12 (144 / 256),
 //   Q5_K = 13 (176 / 256), Q6_K = 14 (210 / 256).  K-quants need K a multiple of 256.
 //
-// Block layouts (gguf-py's gguf.quants dequantizes them; kernels/gguf_blocks.py is the torch reference):
+// Block layouts (gguf-py's gguf.quants dequantizes them; meshkernels/gguf_blocks.py is the torch reference):
 //   Q4_1: fp16 d, fp16 m, 16 bytes qs; element j < 16 is qs[j] & 15, element j + 16 is qs[j] >> 4;
 //         weight i is d * q[i] + m.
 //   Q8_0: fp16 d, 32 int8 q; weight j is d * q[j].
@@ -36,7 +36,7 @@
 // holds an exact partial dot product);
 // AVX2 would saturate Q8_0's offset pairs, so there the weight's sign moves onto qx instead (|q| unsigned,
 // sign(qx, q)), as llama.cpp does.  Vector paths: AVX512-VNNI (two blocks per 512-bit vector), VNNI on
-// 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  kernels/cpu_ops.py picks the compiler flags
+// 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  meshkernels/cpu_ops.py picks the compiler flags
 // (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path; avx512 is all but AMX).
 
 #include <torch/csrc/stable/library.h>

@@ -1,5 +1,5 @@
 """GGUF weight blocks, kept exactly as the GGUF stores them, for the CPU library's `gguf_linear`
-(kernels/cpu_gguf.cpp: the op and its vector loops; cpu_gguf_amx.cpp: AMX-INT8 tiles where the CPU has
+(meshkernels/cpu_gguf.cpp: the op and its vector loops; cpu_gguf_amx.cpp: AMX-INT8 tiles where the CPU has
 them): taking them out of a GGUF tensor, the op's Python wrapper, and the torch references the tests
 hold it to.
 
@@ -13,10 +13,10 @@ dot product is exact; the sum over blocks of scale * dx * dot (and Q4_1's / K-qu
 float32.  So the op differs from the float product x @ W^T by the activations' quantization (at most
 dx / 2 per element, relative 2^-8 of the block's largest |x|), and from `gguf_linear_reference`
 (which quantizes x the same way) only by float rounding.  Q4_K and Q6_K at 1-4 rows on AVX512-VNNI CPUs
-(kernels/cpu_gguf_q8k.cpp) quantize x per 256 instead, as llama.cpp's Q8_K activations for K-quants:
+(meshkernels/cpu_gguf_q8k.cpp) quantize x per 256 instead, as llama.cpp's Q8_K activations for K-quants:
 there `gguf_linear_reference(..., block=256)` is the reference.
 
-Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here; kernels/cpu_gguf.cpp's
+Layouts (gguf-py's `gguf.quants` dequantizes them, and is the reference here; meshkernels/cpu_gguf.cpp's
 header comment spells each one out):
 - Q4_1: 20 bytes a block = fp16 d, fp16 m, 16 bytes qs; element j < 16 is qs[j] & 15, element
   j + 16 is qs[j] >> 4; w = d * q + m.
@@ -140,7 +140,7 @@ def float_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuant
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
-    """x (T, K) float32 -> (T, N) by `torch.ops.infermesh.gguf_linear` (load kernels.cpu_ops first)."""
+    """x (T, K) float32 -> (T, N) by `torch.ops.infermesh.gguf_linear` (load meshkernels.cpu_ops first)."""
     check_in_features(x.shape[-1], kind)
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
     torch.ops.infermesh.gguf_linear(x, blocks, kind_of(kind), out)

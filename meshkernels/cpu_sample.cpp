@@ -1,4 +1,4 @@
-// Sampling's passes over the vocabulary, for services/engine/sampler.py; built and loaded by kernels/cpu_ops.py.
+// Sampling's passes over the vocabulary, for services/engine/sampler.py; built and loaded by meshkernels/cpu_ops.py.
 //
 // A sampled row of a 151,936-token vocabulary is 600 KB of logits: torch's topk, logsumexp, division and
 // softmax each read it again (and topk sorts its candidates), ~2-3 ms a row on 2 cores.  These ops read a

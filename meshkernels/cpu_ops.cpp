@@ -1,4 +1,4 @@
-// Fused float32 CPU ops for the engine's fast (non-"exact") forward; built and loaded by kernels/cpu_ops.py.
+// Fused float32 CPU ops for the engine's fast (non-"exact") forward; built and loaded by meshkernels/cpu_ops.py.
 //
 // Each op replaces a run of small torch ops in services/engine/models/llama.py (about 8-10 us of dispatch
 // each), and paged_decode_attention reads K/V rows straight from the paged cache instead of gathering

@@ -16,7 +16,7 @@
 // 16-row tile of x run the units with A/B tiles alternating over two sets and C over four (AMX tiles are
 // not renamed), adding each unit's C kLag units after its product.
 //
-// Built where the CPU has AMX-TILE and AMX-INT8 (kernels/cpu_ops.py adds the flags); used only after
+// Built where the CPU has AMX-TILE and AMX-INT8 (meshkernels/cpu_ops.py adds the flags); used only after
 // Linux grants the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)),
 // asked once; else amx_usable() is false and gguf_linear keeps its vector path.
 

@@ -1,4 +1,4 @@
-"""Fused float32 CPU ops (`kernels/cpu_ops.cpp`), compiled on first use and loaded into torch.
+"""Fused float32 CPU ops (`meshkernels/cpu_ops.cpp`), compiled on first use and loaded into torch.
 
 The engine's fast (non-"exact") forward calls them through `torch.ops.infermesh.*`:
 
@@ -12,7 +12,7 @@ The engine's fast (non-"exact") forward calls them through `torch.ops.infermesh.
   slots (T,), num_heads)`: rotates q and k in place and stores k and v at `slots`.
 - `silu_and_mul(gate_up (T, 2I))` -> (T, I): silu(gate) * up.
 
-Their torch references, with the same signatures, are kernels/torch_ops.py (the norm, RoPE and SiLU
+Their torch references, with the same signatures, are meshkernels/torch_ops.py (the norm, RoPE and SiLU
 ops) and paged_attention.decode() / _reference() (decode attention); tests/unit/test_cpu_ops.py
 compares against them.
 
@@ -23,7 +23,7 @@ the hash covers the source, the flags and the torch version, so an upgrade rebui
 lock keeps two engines that start at once from building over each other.  Without a compiler, or
 if the build fails, `load()` logs one warning and returns False, and the engine keeps its torch
 ops.  `INFERMESH_CPU_OPS=0` turns the library off (to compare against the torch ops).
-`python -m kernels.cpu_ops` builds it ahead of time (`make setup` does).
+`python -m meshkernels.cpu_ops` builds it ahead of time (`make setup` does).
 """
 
 from __future__ import annotations
@@ -167,10 +167,10 @@ def main() -> int:
     try:
         library = build()
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        print(f"kernels.cpu_ops: {exc}", file=sys.stderr)
+        print(f"meshkernels.cpu_ops: {exc}", file=sys.stderr)
         return 1
     torch.ops.load_library(str(library))
-    print(f"kernels.cpu_ops: {library}")
+    print(f"meshkernels.cpu_ops: {library}")
     return 0
 
 
