@@ -7,7 +7,7 @@ difference of the chosen tokens' log-probs over the positions before any diverge
 text, teacher-forced by the shared prefix).  bfloat16 (the model's training dtype, `--dtype
 bfloat16`) is the bar: `auto` must never pick a mode that does worse than it on these.
 
-    .venv/bin/python bench/quality.py [--model NAME] [--prompts 16 --tokens 128] [--modes LABEL ...]
+    .venv/bin/python bench/quality.py [--model NAME] [--prompts 16 --tokens 128] [--modes LABEL ...] [--batch N]
 
 `gguf` (the file's own blocks) runs only for a model registered from a GGUF (`infermesh model register`);
 --modes picks modes by label prefix (`--modes bf16 auto gguf`); float32 always runs, as the reference.
@@ -67,21 +67,25 @@ def prompts(folder: Path, n: int) -> list[list[int]]:
     return [list(tok.encode(str(text), add_special_tokens=False)) for text in texts]
 
 
-def generate(folder: Path, dtype: str, matmul: str, ids: list[list[int]], tokens: int, kv_dtype: str = "auto"
-             ) -> tuple[list[list[int]], list[list[float]], float]:
+def generate(folder: Path, dtype: str, matmul: str, ids: list[list[int]], tokens: int, kv_dtype: str = "auto",
+             batch: int = 0) -> tuple[list[list[int]], list[list[float]], float]:
+    """Greedy continuations of `ids` with their log-probs: all at once, or `batch` prompts at a time (so the
+    kernels of 1-4 row steps are the ones measured)."""
     if dtype == "auto":
         plan = for_config(EngineConfig(model_path=str(folder)))      # tuned here (cached), as an engine runs
     else:
         plan = decide(device="cpu", dtype=dtype, matmul=matmul, kv_dtype=kv_dtype)
     engine = Engine(ModelRunner(folder, plan, kv_cache_bytes=256 << 20))
     started = time.perf_counter()
-    for i, prompt in enumerate(ids):
-        engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=tokens, ignore_eos=True,
-                                                                      logprobs=True)))
     out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(ids))}
-    while engine.has_work():
-        for step in engine.step():
-            out[step.request_id] += [(lp.token_id, lp.logprob) for lp in step.logprobs]
+    size = batch or len(ids)
+    for first in range(0, len(ids), size):
+        for i in range(first, min(first + size, len(ids))):
+            engine.add(engine.make_request(str(i), ids[i], SamplingParams(max_tokens=tokens, ignore_eos=True,
+                                                                          logprobs=True)))
+        while engine.has_work():
+            for step in engine.step():
+                out[step.request_id] += [(lp.token_id, lp.logprob) for lp in step.logprobs]
     seconds = time.perf_counter() - started
     return ([[t for t, _ in out[str(i)]] for i in range(len(ids))],
             [[lp for _, lp in out[str(i)]] for i in range(len(ids))], seconds)
@@ -98,14 +102,14 @@ def compare(label: str, ref: tuple[list[list[int]], list[list[float]], float],
                    statistics.fmean(diffs) if diffs else float("nan"), got[2])
 
 
-def run(folder: Path, n: int = 16, tokens: int = 128, only: tuple[str, ...] = ()) -> list[Quality]:
+def run(folder: Path, n: int = 16, tokens: int = 128, only: tuple[str, ...] = (), batch: int = 0) -> list[Quality]:
     ids = prompts(folder, n)
-    ref = generate(folder, "float32", "auto", ids, tokens)
+    ref = generate(folder, "float32", "auto", ids, tokens, batch=batch)
     results = []
     for label, dtype, matmul, kv_dtype in MODES:
         if only and not label.startswith(("float32", *only)) or matmul == "gguf" and not has_gguf(folder):
             continue
-        got = ref if label.startswith("float32") else generate(folder, dtype, matmul, ids, tokens, kv_dtype)
+        got = ref if label.startswith("float32") else generate(folder, dtype, matmul, ids, tokens, kv_dtype, batch)
         results.append(compare(label, ref, got))
     return results
 
@@ -128,10 +132,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--model", default="default", help="a served model's NAME (`infermesh model list`)")
     parser.add_argument("--modes", nargs="*", default=[], help="only the modes whose labels start so")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="prompts run together (default all): 1-4 measures the small-batch kernels")
     args = parser.parse_args()
     name, folder = served_model(args.model)
-    print(f"{name} on {cpu_name()}")
-    print("\n".join(report(run(Path(folder), args.prompts, args.tokens, tuple(args.modes)), args.tokens)))
+    print(f"{name} on {cpu_name()}, {args.batch or args.prompts} prompts at a time")
+    print("\n".join(report(run(Path(folder), args.prompts, args.tokens, tuple(args.modes), args.batch),
+                            args.tokens)))
     return 0
 
 

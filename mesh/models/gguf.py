@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,29 @@ def _hub_offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = previous
 
 
+@contextlib.contextmanager
+def _alone(gguf: Path) -> Iterator[Path]:
+    """The GGUF in a folder of its own: transformers' `from_pretrained(folder, gguf_file=...)` reads the
+    folder's tokenizer_config.json before the file's metadata (a GGUF inside an infermesh folder then gives a
+    tokenizer without eos, bos or chat template), so a file beside other files is read through a symlink in
+    a temporary folder."""
+    if [p for p in gguf.parent.iterdir() if p.name != gguf.name] == []:
+        yield gguf
+        return
+    with tempfile.TemporaryDirectory(prefix="infermesh-gguf-") as alone:
+        link = Path(alone) / gguf.name
+        link.symlink_to(gguf.resolve())
+        yield link
+
+
 def convert_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Dequantize a GGUF into a plain Hugging Face folder (float32 safetensors, config, tokenizer,
     chat template, generation config) at `out_dir`. Returns facts for the marker."""
-    gguf, out_dir = Path(gguf), Path(out_dir)
+    with _alone(Path(gguf)) as gguf:
+        return _convert(gguf, Path(out_dir))
+
+
+def _convert(gguf: Path, out_dir: Path) -> dict[str, Any]:
     with _hub_offline():
         if importlib.util.find_spec("gguf") is None:
             raise ModelError("converting a GGUF needs the `gguf` package: pip install gguf")
@@ -98,15 +118,19 @@ def keep_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
     from the file (no weight de-quantized), and the file itself as `model.gguf` (a hard link where the
     filesystem allows, else a copy).  The engine reads the weights from it (services/engine/models/
     gguf_weights.py); `AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf")` does too."""
-    gguf, out_dir = Path(gguf), Path(out_dir)
+    with _alone(Path(gguf)) as alone:
+        return _keep(alone, Path(gguf), Path(out_dir))
+
+
+def _keep(alone: Path, gguf: Path, out_dir: Path) -> dict[str, Any]:
     with _hub_offline():
         if importlib.util.find_spec("gguf") is None:
             raise ModelError("reading a GGUF needs the `gguf` package: pip install gguf")
         import transformers
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(alone.parent), gguf_file=alone.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(alone.parent), gguf_file=alone.name, local_files_only=True)
         for attr in ("quantization_config", "_pre_quantization_dtype"):
             if hasattr(config, attr):
                 delattr(config, attr)
