@@ -1,8 +1,9 @@
-"""Every Prometheus metric the mesh exports: the stable names that dashboards, alerts and the README use.
+"""Every Prometheus metric the mesh exports: the stable names that dashboards, alerts and the docs use.
 
 This list is the one source the checks read: tests/e2e/test_observability.py scrapes a running mesh and
 requires each metric here on its service's endpoint, and tests/unit/test_dashboard.py requires every
-metric the Grafana dashboard queries to be here.  `python -m mesh.metric_names` prints the README table.
+metric the Grafana dashboard queries to be here.  `python -m mesh.metric_names` prints the metrics
+table of docs/operations.md ("Observability").
 
 Where each service serves /metrics (`infermesh up`, before --port-offset): the edge on its HTTP port
 (8000), engines on 9100+i, the router on 9180, the tokenizer on 9181, the cache on 9182.

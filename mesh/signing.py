@@ -13,7 +13,7 @@ above (`x-infermesh-replica`, `x-infermesh-model-version`, `x-infermesh-cache`, 
 to a signed request (a session it did not name, a pinned replica) makes the signature fail.
 
 `sign_headers` makes them (tests, clients in Python).  The nonce cache is one edge's: a request replayed
-to another edge replica within the window is not caught there (README).
+to another edge replica within the window is not caught there (docs/operations.md, "Gateway policies").
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def verify(secret: bytes, signer: object, method: str, path: str, headers: dict[
     if not (stamp and nonce and given):
         missing = [h for h, v in ((TIMESTAMP, stamp), (NONCE, nonce), (SIGNATURE, given)) if not v]
         raise BadSignature(f"this API key must sign its requests: missing {', '.join(missing)} "
-                           "(HMAC-SHA256; see the README's 'Signed requests')")
+                           "(HMAC-SHA256; see docs/operations.md, 'Signed requests')")
     if not (stamp.isascii() and stamp.isdigit()):
         raise BadSignature(f"{TIMESTAMP} must be Unix seconds, got {stamp[:32]!r}")
     skew = now - int(stamp)

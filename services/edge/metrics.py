@@ -1,5 +1,5 @@
-"""Prometheus metrics of the edge, served on its HTTP port at GET /metrics (the list and the README's
-table are mesh/metric_names.py)."""
+"""Prometheus metrics of the edge, served on its HTTP port at GET /metrics (the list and the table in
+docs/operations.md, "Observability", are mesh/metric_names.py)."""
 
 from __future__ import annotations
 

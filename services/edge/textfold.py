@@ -11,8 +11,9 @@ Folding, character by character:
 - letters of Cyrillic and Greek that look like Latin ones read as those (`bоmb` with a Cyrillic о);
 - lower case, and any run of white space is one space.
 
-What it cannot do (README "Content safety"): paraphrase, other languages, spelling out (`b-o-m-b`,
-`b o m b`), digits for letters (`b0mb`), or text the model is asked to decode (base64, a cipher).
+What it cannot do (docs/operations.md, "Content safety"): paraphrase, other languages, spelling out
+(`b-o-m-b`, `b o m b`), digits for letters (`b0mb`), or text the model is asked to decode (base64, a
+cipher).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Structured output: a request's constraint compiled to a grammar, and the token masks that hold it.
 
 xgrammar does the work (bench/grammar.py measured it against llguidance on this model's vocabulary:
-filling the masks of 16 constrained rows took about a tenth of the time; the README gives the
-figures).  Compiled grammars are cached by constraint, so the JSON schema an application sends with
-every request is compiled once.  Compiling runs off the step thread (the server calls `matcher`
-in a worker thread before adding the request), and in a child process that is killed when it runs
-too long (services/engine/grammar_worker.py); the step thread only fills and applies masks.
+filling the masks of 16 constrained rows took about a tenth of the time; docs/architecture.md,
+"Structured outputs", gives the figures).  Compiled grammars are cached by constraint, so the JSON
+schema an application sends with every request is compiled once.  Compiling runs off the step thread
+(the server calls `matcher` in a worker thread before adding the request), and in a child process
+that is killed when it runs too long (services/engine/grammar_worker.py); the step thread only fills
+and applies masks.
 
 What grammars may cost is bounded (services/engine/grammar_limits.py, issue 31 finding 4): the cache
 by bytes, compiles per tenant and at once, one compile's time.

@@ -4,8 +4,8 @@
 - Every infermesh container's command and INFERMESH_* variables are checked against the argparse parser
   of the service it runs (captured from the service's own `parse()`), so a flag renamed in code
   cannot leave a deployment file behind; ports, addresses and health checks must agree with
-  mesh/launcher.py and the README, and with each other (router -> tokenizer/cache, edge -> router,
-  Prometheus targets, Services -> container ports, probes -> service ports).
+  mesh/launcher.py and the README (with docs/architecture.md), and with each other (router -> tokenizer/cache,
+  edge -> router, Prometheus targets, Services -> container ports, probes -> service ports).
 - At least two routers and two tokenizers, the edge naming every router and each router every
   tokenizer; the cache's --cold-dir and --sessions-dir on a volume (a PVC on Kubernetes).
 - kubernetes-validate checks every manifest against Kubernetes' own schema (strict: unknown fields
@@ -162,12 +162,13 @@ def test_the_parser_capture_sees_every_service() -> None:
 
 
 def test_the_readme_states_the_launchers_ports() -> None:
-    readme = (ROOT / "README.md").read_text()
+    # The services' table is README.md's "What runs"; the router's metrics port, docs/architecture.md's "Router".
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "architecture.md").read_text()
     for text in (f"TCP {launcher.HTTP_PORT}", f"UDP {launcher.HTTP3_PORT}", f"gRPC {launcher.ROUTER_PORT}",
                  f"gRPC {launcher.TOKENIZER_PORT}", f"gRPC {launcher.CACHE_PORT}",
                  f"gRPC {launcher.ENGINE_BASE_PORT}+N, metrics {launcher.ENGINE_METRICS_BASE_PORT}+N",
                  f"port {launcher.ROUTER_METRICS_PORT}"):
-        assert text in readme, f"README.md does not say {text!r} (mesh/launcher.py's ports)"
+        assert text in readme, f"neither README.md nor docs/architecture.md says {text!r} (mesh/launcher.py's ports)"
 
 
 # --- Dockerfile ----------------------------------------------------------------------------------

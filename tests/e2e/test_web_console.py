@@ -2,7 +2,7 @@
 Debian's chromedriver, against a real mesh with API and admin keys.  The playground sends two turns of one
 session and shows each streamed answer with its metadata line; the console lists every replica, and marks
 an engine killed with SIGKILL down within 5 seconds.  Screenshots of both views go to
-$INFERMESH_SCREENSHOTS (the README's come from here) or the test's temp folder.
+$INFERMESH_SCREENSHOTS (docs/operations.md's come from here) or the test's temp folder.
 
 Chromium is installed with apt-get when missing (as root); where it cannot be, the tests are skipped
 with the reason."""

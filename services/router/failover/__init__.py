@@ -1,4 +1,4 @@
-"""Failover (ARCHITECTURE.md, "Policies"): circuit breakers and the three levels, pure code
+"""Failover (docs/architecture.md, "Failover"): circuit breakers and the three levels, pure code
 that takes `now`, does no I/O and is tested with a fake clock.
 
     breaker.py  Breaker: closed / open / half-open, on failures in a row, error rate, P99

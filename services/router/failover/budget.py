@@ -5,10 +5,10 @@ not counting retries) plus `min_per_s * window_s`, the floor that lets low traff
 
     allowed  <=>  retries in the window + 1 <= ratio * requests in the window + min_per_s * window_s
 
-This is Envoy's retry budget (a share of active requests, with a minimum) expressed over a
-rate, as ARCHITECTURE.md states it.  A window rather than gRPC's token bucket because the
-bound is then exact and easy to state: a burst of failures can retry at most the budget, and
-the budget comes back as old requests and retries leave the window.
+This is Envoy's retry budget (a share of active requests, with a minimum) expressed over a rate,
+as docs/architecture.md ("Failover", level 2) states it.  A window rather than gRPC's token
+bucket because the bound is then exact and easy to state: a burst of failures can retry at most
+the budget, and the budget comes back as old requests and retries leave the window.
 """
 
 from __future__ import annotations

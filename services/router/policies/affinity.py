@@ -16,15 +16,15 @@
     base     the balancing policy decides among the (region-filtered) candidates.
 
 Layers are tried in that order; each either decides or passes.  A session's holder comes first:
-the README promises a session's requests stay on one replica, and the prefix map would otherwise
-send a session wherever another session with the same history was cached (issue 20).  For a
-session new to this router, prefix comes before the ring because a session's earlier turns are
-themselves prefixes of its next prompt: following the
-prefix map lands where the history is cached even when an earlier turn had to spill off the
-ring owner, and session hashing still places what prefix affinity cannot (a prompt this
-router has not seen: after a restart, behind another router, without token ids).  With one
-router and token ids the session layer is redundant, and its load-blind placement of new
-prefixes costs P99 (bench/router_sim.py): prefer "balancing+prefix" there.
+docs/architecture.md ("Router") promises a session's requests stay on one replica, and the
+prefix map would otherwise send a session wherever another session with the same history was
+cached (issue 20).  For a session new to this router, prefix comes before the ring because a
+session's earlier turns are themselves prefixes of its next prompt: following the prefix map
+lands where the history is cached even when an earlier turn had to spill off the ring owner, and
+session hashing still places what prefix affinity cannot (a prompt this router has not seen:
+after a restart, behind another router, without token ids).  With one router and token ids the
+session layer is redundant, and its load-blind placement of new prefixes costs P99
+(bench/router_sim.py): prefer "balancing+prefix" there.
 
 Overloaded (PolicyConfig): Replica.queued > max_queued, or Replica.mem_ratio > max_mem_ratio,
 or its load per unit of weight (Replica.outstanding / weight, weighted.py; just outstanding at the

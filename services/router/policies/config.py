@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class PolicyConfig:
     region: str = "local"                  # the router's own region (requests with region "" mean this)
     entropy_window_s: float = 60.0         # load entropy covers the requests started this recently
-    # Router-Balancing (ARCHITECTURE.md): score = p99_weight * (w_q * (1 - load_ratio) + w_m * (1 - mem_ratio))
+    # Router-Balancing (docs/architecture.md, "Router", its Policies item):
+    # score = p99_weight * (w_q * (1 - load_ratio) + w_m * (1 - mem_ratio))
     queue_weight: float = 0.6
     memory_weight: float = 0.4
     pressure_queue_weight: float = 0.3     # the weights once the candidates' mean mem_ratio > memory_pressure
