@@ -7,15 +7,19 @@ weights of the model's own shapes (8 layers' worth, so they stream from memory a
 and the fastest at 1 row serves small batches, the fastest at 64 rows large ones (if it is worth a
 second copy of the weights: 1.5x faster there), split where the small one stops winning.  The
 answer is cached per CPU, torch version, kernel source and model shape under $INFERMESH_HOME/plans/,
-so only the first start on a machine pays the few seconds.
+so only the first start on a machine pays the few seconds.  An answer measured while other processes kept
+the CPU busy (more than BUSY cores of theirs, from /proc/stat) can be wrong by 10x for one kind: it is
+cached as provisional, and the next start that finds the machine quiet measures again.
 `infermesh tune [MODEL]` measures ahead of time (and prints the table).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -34,6 +38,7 @@ ROWS = (1, 4, 16, 64)
 LAYERS = 8              # distinct weights timed: enough that they stream from memory, not cache
 SECOND_COPY = 1.5       # how much faster a second kind's 64-row step must be to be worth its copy
 VERSION = 3             # bump when the candidates or the method change: old answers are then ignored
+BUSY = 0.25             # other processes' CPU (cores, averaged) above which a measurement is provisional
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Tuned:
     large: str                      # above them ("" or equal to small: one kind)
     rows: int
     ms: dict[str, list[float]]      # kind -> ms per model step (all layers' GEMMs) at ROWS
+    busy: float = 0.0               # cores other processes used while it was measured (> BUSY: provisional)
 
 
 def candidates(folder: Path | None = None) -> list[str]:
@@ -200,15 +206,21 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
     with exclusive_lock(cache.with_suffix(".lock")):
         if use_cache and cache.exists():
             cached_answer = _read(cache)
-            if cached_answer is not None:
+            if cached_answer is not None and not (cached_answer.busy > BUSY and _others(0.2) <= BUSY):
                 return cached_answer
-            log.warning("ignoring an unreadable tuning cache %s", cache)
+            if cached_answer is None:
+                log.warning("ignoring an unreadable tuning cache %s", cache)
         started = time.monotonic()
+        others = _others_since()
         table = measure(layers, gemms, kinds, folder=folder)
         if not table:
             return None
-        tuned = choose(table)
+        tuned = dataclasses.replace(choose(table), busy=round(others(), 2))
         log.info("tuned the CPU matmuls in %.1f s: %s", time.monotonic() - started, describe(tuned))
+        if tuned.busy > BUSY:
+            log.warning("other processes kept %.1f cores busy while the matmuls were timed: the answer is "
+                        "provisional, measured again at the next start on a quiet machine (or run `infermesh "
+                        "tune --again` then)", tuned.busy)
         write_atomic(cache, json.dumps(asdict(tuned), indent=1).encode())
         return tuned
 
@@ -229,6 +241,36 @@ def _keyed(kinds: list[str], folder: Path) -> list[str]:
     return [f"gguf[{_file_key(folder)}]" if kind == "gguf" else kind for kind in kinds]
 
 
+def _others_since() -> Callable[[], float]:
+    """A probe started now: calling it gives the cores other processes kept busy since, on average (every
+    CPU's non-idle time in /proc/stat, steal included, less this process's own); 0.0 without /proc/stat."""
+    def busy_seconds() -> float | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)               # idle + iowait
+        guests = sum(fields[8:10])                                              # already counted in user
+        return (sum(fields) - idle - guests) / os.sysconf("SC_CLK_TCK")
+
+    first, own, started = busy_seconds(), time.process_time(), time.monotonic()
+
+    def since() -> float:
+        last = busy_seconds()
+        elapsed = time.monotonic() - started
+        if first is None or last is None or elapsed <= 0:
+            return 0.0
+        return max(0.0, (last - first - (time.process_time() - own)) / elapsed)
+    return since
+
+
+def _others(seconds: float) -> float:
+    """The cores other processes use now: _others_since over `seconds` of sleep."""
+    probe = _others_since()
+    time.sleep(seconds)
+    return probe()
+
+
 def _read(cache: Path) -> Tuned | None:
     """A cached answer, or None when the file is missing or unreadable."""
     try:
@@ -240,4 +282,5 @@ def _read(cache: Path) -> Tuned | None:
 def describe(tuned: Tuned) -> str:
     head = f"{tuned.small}" + (f" up to {tuned.rows} rows, {tuned.large} above" if tuned.large else " at every size")
     cells = "; ".join(f"{k} " + "/".join(f"{ms:.1f}" for ms in v) for k, v in tuned.ms.items())
-    return f"{head} (ms per step at {'/'.join(map(str, ROWS))} rows: {cells})"
+    busy = f"; provisional: measured while other processes used {tuned.busy:.1f} cores" if tuned.busy > BUSY else ""
+    return f"{head} (ms per step at {'/'.join(map(str, ROWS))} rows: {cells}{busy})"
