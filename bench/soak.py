@@ -41,11 +41,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infermesh.launcher import http_ok  # noqa: E402
 from mesh import credentials  # noqa: E402
 from mesh.clients.http3 import H3Client  # noqa: E402
 from mesh.clients.router import GenerateSpec, Message, Sampling  # noqa: E402
 from mesh.clients.routers import RouterPool  # noqa: E402
-from mesh.launcher import http_ok  # noqa: E402
 from mesh.models import home  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -393,7 +393,7 @@ async def run(a: argparse.Namespace) -> int:
     offset = a.port_offset
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
     log = (workdir / "infermesh-up.log").open("wb")
-    argv = [sys.executable, "-m", "mesh.cli", "up", "--routers", "2", "--tokenizers", "2", "--engines", "2",
+    argv = [sys.executable, "-m", "infermesh.cli", "up", "--routers", "2", "--tokenizers", "2", "--engines", "2",
             "--dtype", "float32", "--kv-cache-mb", "256", "--port-offset", str(offset),
             "--cache-dir", str(workdir / "cache")]
     # The prompts repeat (each is checked against its reference answer): with the edge's response cache on,

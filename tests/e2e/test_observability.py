@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from mesh import metric_names, top
+from infermesh import top
+from mesh import metric_names
 from tests.e2e.conftest import OFFSET, Mesh, running_mesh
 
 pytestmark = pytest.mark.e2e
@@ -175,7 +176,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_infermesh_top_once_shows_the_replicas(traced: Mesh) -> None:
-    out = subprocess.run([sys.executable, "-m", "mesh.cli", "top", "--once", "--router", traced.router],
+    out = subprocess.run([sys.executable, "-m", "infermesh.cli", "top", "--once", "--router", traced.router],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

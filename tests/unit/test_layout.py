@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mesh", "services", "meshkernels")
+PACKAGES = ("infermesh", "mesh", "services", "meshkernels")
 MAX_LINES = 350
 EXEMPT = {"meshkernels/cpu_ops.cpp"}          # the C++ ops file; generated stubs live outside these folders
 
