@@ -23,7 +23,7 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mesh.clients.routers import Routers
-from services.edge import openai, openapi
+from services.edge import openapi, requests
 from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
 from services.edge.completions import Completions
@@ -92,7 +92,7 @@ class EdgeApp:
             await send(message)
 
         try:
-            openai.check_headers(scope.get("headers", []))
+            requests.check_headers(scope.get("headers", []))
             if route is None:
                 if path in ROUTES or admin:
                     raise ApiError(405, f"method {shown(method)} is not allowed on {path}", code="method_not_allowed")
@@ -193,7 +193,7 @@ class EdgeApp:
                 routing = await self.router.model_routing(model)
             else:
                 body = await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s)
-                default, canary, shadow = openai.parse_model_routing(parse_json(body))
+                default, canary, shadow = requests.parse_model_routing(parse_json(body))
                 routing = await self.router.set_model_routing(model, default, canary, shadow=shadow)
                 self.completions.cache.versions.invalidate()     # cached answers of the old default: misses
         except grpc.aio.AioRpcError as err:

@@ -27,7 +27,7 @@ from mesh.clients.router import Delta, GenerateSpec
 from mesh.clients.routers import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
-from services.edge import choices, model_inputs, openai, responses
+from services.edge import choices, model_inputs, requests, responses
 from services.edge.admission import Admission, Charge
 from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, wait_disconnect
 from services.edge.choices import Choice, fan_out
@@ -96,19 +96,19 @@ class Completions:
 
     async def chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         body = await self.read_json(scope, receive, headers)
-        spec = openai.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
+        spec = requests.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
                                  self.config.max_messages)
         return await self.complete(True, body, spec, scope, headers, receive, send)
 
     async def completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         body = await self.read_json(scope, receive, headers)
-        spec = openai.parse_completion(body, headers.get("x-session-id", ""),
+        spec = requests.parse_completion(body, headers.get("x-session-id", ""),
                                        headers.get("x-infermesh-replica", ""))
         return await self.complete(False, body, spec, scope, headers, receive, send)
 
     async def complete(self, chat: bool, body: dict[str, Any], spec: GenerateSpec, scope: Scope,
                        headers: dict[str, str], receive: Receive, send: Send) -> int:
-        stream, include_usage = openai.stream_options(body)
+        stream, include_usage = requests.stream_options(body)
         caller: Caller = scope["infermesh.caller"]
         policy = self.safety.current()
         await self._check_input(policy, body, caller)

@@ -14,7 +14,7 @@ from mesh.apikeys import digest, load_keys
 from mesh.clients.router import GenerateSpec
 from mesh.ratelimit import Rate
 from services.cache.responses import ResponseStore
-from services.edge import openai
+from services.edge import requests
 from services.edge.jwt_auth import JwtRefused, JwtVerifier
 from services.edge.response_cache import cache_key, storable
 from services.edge.safety import OutputGuard, PolicySource, parse_policy
@@ -146,16 +146,16 @@ def test_policy_file_is_validated_and_reloaded(tmp_path: Path) -> None:
 
 def test_response_cache_keys_are_per_tenant_and_ignore_stream_fields() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
-    spec: GenerateSpec = openai.parse_chat(body)
+    spec: GenerateSpec = requests.parse_chat(body)
     a = cache_key(True, "t:acme", body, spec, "")
     assert a is not None and a == cache_key(True, "t:acme", {**body, "stream": True}, spec, "")
     assert a != cache_key(True, "t:globex", body, spec, "")
     assert a != cache_key(False, "t:acme", body, spec, "") and a != cache_key(True, "t:acme", body, spec, "2")
     hot = {**body, "temperature": 0.7}
-    assert cache_key(True, "t:acme", hot, openai.parse_chat(hot), "") is None
+    assert cache_key(True, "t:acme", hot, requests.parse_chat(hot), "") is None
     seeded = {**hot, "seed": 3}
-    assert cache_key(True, "t:acme", seeded, openai.parse_chat(seeded), "") is not None
-    assert cache_key(True, "t:acme", body, openai.parse_chat(body, session_id="s1"), "") is None
+    assert cache_key(True, "t:acme", seeded, requests.parse_chat(seeded), "") is not None
+    assert cache_key(True, "t:acme", body, requests.parse_chat(body, session_id="s1"), "") is None
     assert storable({"choices": [{"finish_reason": "stop"}], "infermesh": {"degraded": False}})
     assert not storable({"choices": [{"finish_reason": "content_filter"}], "infermesh": None})
     assert not storable({"choices": [{"finish_reason": "stop"}], "infermesh": {"degraded": True}})
