@@ -59,7 +59,7 @@ class MeshConfig:
     mesh_tls: bool = True              # mutual TLS between the services; False: plaintext (debugging)
     mesh_ca: str = ""                  # the mesh CA folder; "": <infermesh home>/mesh-ca
     restart: bool = True               # restart a child that dies (infermesh/supervise.py); False: report it
-    routers: int = 1                   # router replicas: the edge spreads over them (mesh/clients/routers.py)
+    routers: int = 1                   # router replicas: the edge spreads over them (mesh/clients/router_pool.py)
     tokenizers: int = 1                # tokenizer replicas: each router balances over them
     cache_dir: str = ""                # the cache service's disk tier and sessions; "": under home; "none": memory
     session_store: str = EMBEDDED      # the cache service's --session-store: embedded (in cache_dir) or redis://...

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from mesh.apikeys import load_keys
-from mesh.clients.routers import RouterPool
+from mesh.clients.router_pool import RouterPool
 from mesh.discovery import BACKENDS, HealthCheck, advertise_address, make_discovery
 from mesh.envargs import apply_env
 from mesh.models import home

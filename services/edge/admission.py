@@ -17,7 +17,7 @@ import time
 
 from mesh import signing
 from mesh.apikeys import ApiKeys
-from mesh.clients.router import GenerateSpec
+from mesh.clients.router_client import GenerateSpec
 from mesh.ratelimit import (
     DEFAULT_COMPLETION_TOKENS,
     InFlight,

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mesh.clients.routers import Routers
+from mesh.clients.router_pool import Routers
 from services.edge import openapi, requests
 from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json

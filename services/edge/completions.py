@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry import trace
 
-from mesh.clients.router import Delta, GenerateSpec
-from mesh.clients.routers import Routers
+from mesh.clients.router_client import Delta, GenerateSpec
+from mesh.clients.router_pool import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
 from services.edge import choices, model_inputs, requests, responses

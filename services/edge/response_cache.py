@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from mesh.clients.router import GenerateSpec, ModelCard
+from mesh.clients.router_client import GenerateSpec, ModelCard
 from mesh.grpcutil import channel
 from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.edge.metrics import RESPONSE_CACHE

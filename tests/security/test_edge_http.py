@@ -16,7 +16,7 @@ import pytest
 
 from mesh.apikeys import digest
 from mesh.clients.http3 import H3Client
-from mesh.clients.router import Delta, RouterClient
+from mesh.clients.router_client import Delta, RouterClient
 from meshpb.v1 import router_pb2_grpc
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig

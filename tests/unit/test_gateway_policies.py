@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from mesh import signing
 from mesh.apikeys import digest, load_keys
-from mesh.clients.router import GenerateSpec
+from mesh.clients.router_client import GenerateSpec
 from mesh.ratelimit import Rate
 from services.cache.responses import ResponseStore
 from services.edge import requests

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from mesh.apikeys import digest
-from mesh.clients.router import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
+from mesh.clients.router_client import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
 from mesh.ratelimit import Rate
 from services.edge import choices, requests, responses
 from services.edge.app import EdgeApp
@@ -32,7 +32,7 @@ def test_penalties_bias_and_the_vllm_extensions_are_carried() -> None:
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.3, 0.05)
     assert s.logit_bias == ((7, 3.5), (42, -100.0)) and s.min_tokens == 2
     assert requests.parse_chat({**CHAT, "stop_token_ids": [13, 2]}).sampling.stop_token_ids == (13, 2)
-    from mesh.clients.router import _to_pb  # what the router is sent, field by field
+    from mesh.clients.router_client import _to_pb  # what the router is sent, field by field
     pb = _to_pb(requests.parse_chat({**body, "stop_token_ids": [13]})).sampling
     assert (pb.presence_penalty, pb.frequency_penalty, pb.min_tokens, list(pb.stop_token_ids)) == (0.5, -0.25, 2, [13])
     assert dict(pb.logit_bias) == {7: 3.5, 42: -100.0} and abs(pb.repetition_penalty - 1.3) < 1e-6
