@@ -22,8 +22,8 @@ from mesh.ratelimit import parse_rate
 from mesh.service import announce_self, run_service, wait_for_signal
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from services.edge.http1 import http_server
 from services.edge.http3 import serve_http3
+from services.edge.http11 import http_server
 from services.edge.metrics import ROUTER_FAILOVERS
 from services.edge.tls import ensure_self_signed_cert
 

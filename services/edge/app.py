@@ -9,7 +9,7 @@ Admission, in order: one Authorization header and bounded session/replica header
 keys per client address (429), API key (401), request rate per caller (429), body size (413) and
 read time (408), parsing (400), requests in flight across all callers (503), token rate per caller
 (429); only then the router (services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1
-request heads are cut off by the protocol (services/edge/http1.py, services/edge/heads.py).
+request heads are cut off by the protocol (services/edge/http11.py, services/edge/heads.py).
 """
 
 from __future__ import annotations
