@@ -189,7 +189,7 @@ def test_infermesh_top_once_shows_the_replicas(traced: Mesh) -> None:
 
 
 def test_top_renders_a_snapshot_without_a_mesh() -> None:
-    snap = top.Snapshot("127.0.0.1:50051", [
+    snap = top.TopSnapshot("127.0.0.1:50051", [
         top.Row("engine-1", "m", "2", "eu", "isolated", "open", 0, 0, 0, -1.0, 0.0, 0.0),
         top.Row("engine-0", "m", "1", "eu", "up", "closed", 3, 2, 1, 0.5, 41.5, 120.0),
     ], 0.75)

@@ -18,7 +18,7 @@ from services.edge import requests
 from services.edge.jwt_auth import JwtRefused, JwtVerifier
 from services.edge.response_cache import cache_key, storable
 from services.edge.safety import OutputGuard, PolicySource, parse_policy
-from services.edge.tenants import STANDARD, Directory, Tier, parse_keys, parse_tiers
+from services.edge.tenants import STANDARD, Directory, TenantTier, parse_keys, parse_tiers
 
 HS = "topsecret-topsecret-topsecret-32b"
 TIERS = {"free": {"requests": "2/m", "tokens": "500/m", "priority": "batch", "cache_class": "batch"},
@@ -29,14 +29,14 @@ def test_keys_file_fields_and_tiers() -> None:
     keys = parse_keys("# comment\nk-free tenant=acme tier=free\n\nk-bare\nk-sign tier=premium signing_secret=s3\n")
     assert keys[digest("k-free")].tenant == "acme" and keys[digest("k-free")].tier == "free"
     assert keys[digest("k-bare")].tier == STANDARD and keys[digest("k-sign")].signing_secret == b"s3"
-    tiers = parse_tiers(json.dumps(TIERS), Tier(STANDARD, Rate(5, 1)))
+    tiers = parse_tiers(json.dumps(TIERS), TenantTier(STANDARD, Rate(5, 1)))
     assert tiers["free"].requests == Rate(2, 60) and tiers["free"].tokens == Rate(500, 60)
     assert tiers["free"].priority == "batch" and tiers["premium"].cache_class == "premium"
     assert tiers[STANDARD].requests == Rate(5, 1)
     for bad in ('{"x": {"priority": "urgent"}}', '{"x": {"cache_class": "gold"}}', '{"x": {"rps": 1}}',
                 '{"bad name": {}}', '[]'):
         with pytest.raises(ValueError):
-            parse_tiers(bad, Tier(STANDARD))
+            parse_tiers(bad, TenantTier(STANDARD))
     with pytest.raises(ValueError, match="line 1"):
         parse_keys("k1 owner=me\n")
     # The router reads only the key of each line.
