@@ -30,7 +30,7 @@ meshpb/v1/.stamp: $(wildcard proto/meshpb/v1/*.proto) proto/generate.py
 	touch $@
 
 demo: setup
-	$(BIN)/python -m mesh.demo
+	$(BIN)/python -m infermesh.demo
 
 # Everything: unit, service, deployment files, GPU checks (skipped without CUDA), end-to-end meshes
 # and the multi-host test (root only). What CI runs.
@@ -50,8 +50,8 @@ compose-tool:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null 2>&1; } || true
 
 lint:
-	$(BIN)/ruff check mesh services meshkernels tests bench proto
-	$(BIN)/mypy mesh services meshkernels
+	$(BIN)/ruff check infermesh mesh services meshkernels tests bench proto
+	$(BIN)/mypy infermesh mesh services meshkernels
 
 clean:
 	rm -rf $(VENV) meshpb build *.egg-info

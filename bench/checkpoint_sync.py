@@ -70,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         publisher = {**os.environ, "INFERMESH_HOME": str(tmp / "publisher")}
-        v1 = Path(subprocess.run([py, "-m", "mesh.cli", "model", "path", "default"], capture_output=True,
+        v1 = Path(subprocess.run([py, "-m", "infermesh.cli", "model", "path", "default"], capture_output=True,
                                  text=True, check=True).stdout.strip())
         if (v1 / "model.gguf").is_file():           # the pulled folder keeps the GGUF: sync its float32 form
             from mesh.models.gguf import convert_gguf
@@ -81,9 +81,9 @@ def main() -> None:
         layers = [round(i * (config["num_hidden_layers"] - 1) / max(1, a.layers - 1)) for i in range(a.layers)]
         changed = perturbed_copy(v1, tmp / "v2", layers)
         store = tmp / "store"
-        run([py, "-m", "mesh.cli", "model", "keygen"], publisher)
+        run([py, "-m", "infermesh.cli", "model", "keygen"], publisher)
         for version, folder in (("1", v1), ("2", tmp / "v2")):
-            run([py, "-m", "mesh.cli", "model", "publish", "smollm2-135m", version, "--folder", str(folder),
+            run([py, "-m", "infermesh.cli", "model", "publish", "smollm2-135m", version, "--folder", str(folder),
                  "--store", str(store)], publisher)
         pub = tmp / "publisher" / "keys" / "signing.pub"
         tag = f"ck{os.getpid() % 100000}"
@@ -109,7 +109,7 @@ def main() -> None:
                 (Path(env["INFERMESH_HOME"]) / "trusted-keys").mkdir(parents=True)
                 shutil.copy(pub, Path(env["INFERMESH_HOME"]) / "trusted-keys" / "publisher.pub")
                 for version in steps:
-                    seconds, line = run([*client, py, "-m", "mesh.cli", "model", "sync", "smollm2-135m", version,
+                    seconds, line = run([*client, py, "-m", "infermesh.cli", "model", "sync", "smollm2-135m", version,
                                          "--from", source], env)
                 moved = int(line.split("chunks, ")[1].split(" bytes")[0].replace(",", ""))
                 results[machine] = {"seconds": round(seconds, 2), "bytes": moved, "line": line}

@@ -9,8 +9,8 @@ handed to transformers and to our engine.  Needs torch, triton, transformers, sa
 (the engine's error types), nothing else; the repository root is put on sys.path.
 
 Each check prints PASS or FAIL (the exit status is 1 if any FAILs).  The checks themselves are in
-bench/gpu_checks.py (fp32 greedy parity, bf16 logits, the Triton kernel, no host sync in a step),
-which tests/gpu/test_gpu_checks.py also runs under pytest; this script adds:
+tests/gpu/checks.py (fp32 greedy parity, bf16 logits, the Triton kernel, no host sync in a step),
+which tests/gpu/test_checks.py also runs under pytest; this script adds:
 - Throughput: P-token prompts, G generated tokens each, 1/16/64/256 concurrent requests; our
    engine (bf16, CUDA graphs) against transformers `generate` as one static batch (bf16); aggregate
    tokens/s, time per output token, peak GPU memory, and the ratio.  Passes when ours is >= 5x at
@@ -36,7 +36,7 @@ if "--smoke" in sys.argv:                      # Triton reads this when kernels 
 
 import torch  # noqa: E402
 
-from bench.gpu_checks import (  # noqa: E402
+from tests.gpu.checks import (  # noqa: E402
     CONFIGS,
     Model,
     Verdict,

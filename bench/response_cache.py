@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mesh.launcher import http_ok  # noqa: E402
+from infermesh.launcher import http_ok  # noqa: E402
 
 OFFSET = 1300
 HTTP = f"http://127.0.0.1:{8000 + OFFSET}"
@@ -80,7 +80,7 @@ def main() -> None:
     a = p.parse_args()
     home = tempfile.mkdtemp(prefix="bench-response-cache-")
     log = Path(home) / "infermesh-up.log"
-    argv = [sys.executable, "-m", "mesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
+    argv = [sys.executable, "-m", "infermesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
             "--cache-dir", str(Path(home) / "cache")]
     with log.open("wb") as sink:
         mesh = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)

@@ -7,7 +7,7 @@ The mesh: `infermesh up --routers 2 --tokenizers 2 --engines 2 --dtype float32` 
 does not depend on the replica or the batch) with the launcher restarting what dies.  First, fault
 free: each prompt's greedy answer (the reference) and the capacity (requests per second, 8 at a
 time).  Then Poisson arrivals at `--load` x capacity, a mix of HTTP/1.1 streamed and not, HTTP/3
-streamed, native gRPC (mesh.clients.routers.RouterPool over both routers) and 3-turn sessions over
+streamed, native gRPC (mesh.clients.router_pool.RouterPool over both routers) and 3-turn sessions over
 HTTP/1.1.  Each request ends as one of:
   completed  its text equals the reference (every token: none lost, none repeated)
   error      a precise retryable answer: HTTP 429/503 (+ Retry-After) or an error event naming the
@@ -41,11 +41,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infermesh.launcher import http_ok  # noqa: E402
 from mesh import credentials  # noqa: E402
 from mesh.clients.http3 import H3Client  # noqa: E402
-from mesh.clients.router import GenerateSpec, Message, Sampling  # noqa: E402
-from mesh.clients.routers import RouterPool  # noqa: E402
-from mesh.launcher import http_ok  # noqa: E402
+from mesh.clients.router_client import GenerateSpec, Message, Sampling  # noqa: E402
+from mesh.clients.router_pool import RouterPool  # noqa: E402
 from mesh.models import home  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -393,7 +393,7 @@ async def run(a: argparse.Namespace) -> int:
     offset = a.port_offset
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
     log = (workdir / "infermesh-up.log").open("wb")
-    argv = [sys.executable, "-m", "mesh.cli", "up", "--routers", "2", "--tokenizers", "2", "--engines", "2",
+    argv = [sys.executable, "-m", "infermesh.cli", "up", "--routers", "2", "--tokenizers", "2", "--engines", "2",
             "--dtype", "float32", "--kv-cache-mb", "256", "--port-offset", str(offset),
             "--cache-dir", str(workdir / "cache")]
     # The prompts repeat (each is checked against its reference answer): with the edge's response cache on,

@@ -1,6 +1,6 @@
 """The limits a generation request must respect, wherever it enters the mesh.
 
-The edge checks them on OpenAI JSON fields (services/edge/openai.py, with the field named in each
+The edge checks them on OpenAI JSON fields (services/edge/requests.py, with the field named in each
 error); the router checks the same limits on every native `Generate` (a gRPC caller skips the edge),
 so a request the edge would refuse is refused there too.  Pure code, no protobuf.
 """

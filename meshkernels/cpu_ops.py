@@ -41,8 +41,6 @@ from pathlib import Path
 
 import torch
 
-from mesh.models import home
-
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -60,7 +58,10 @@ _loaded: bool | None = None
 
 
 def _cache_root() -> Path:
-    return home() / "kernels"
+    # <infermesh home>/kernels: the same home as mesh.models.store.home() ($INFERMESH_HOME, else
+    # ~/.cache/infermesh), read here because meshkernels/ imports nothing from mesh/ (tests/unit/test_layout.py).
+    env = os.environ.get("INFERMESH_HOME")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "infermesh") / "kernels"
 
 
 def _cpu_flags() -> set[str]:

@@ -2,7 +2,7 @@
 
     manifest.py   the store layout, manifests, Ed25519 keys and signatures
     ship.py       publish (folder -> store) and sync (store -> a verified, loadable folder)
-    cli.py        `infermesh model keygen | publish | sync`
 
+The commands `infermesh model keygen | publish | sync` live in infermesh/checkpoints_cli.py.
 Nothing here is imported until a checkpoint command runs (cryptography and zstandard load then).
 """

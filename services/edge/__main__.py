@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from mesh.apikeys import load_keys
-from mesh.clients.routers import RouterPool
+from mesh.clients.router_pool import RouterPool
 from mesh.discovery import BACKENDS, HealthCheck, advertise_address, make_discovery
 from mesh.envargs import apply_env
 from mesh.models import home
@@ -22,8 +22,8 @@ from mesh.ratelimit import parse_rate
 from mesh.service import announce_self, run_service, wait_for_signal
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from services.edge.http1 import http_server
 from services.edge.http3 import serve_http3
+from services.edge.http11 import http_server
 from services.edge.metrics import ROUTER_FAILOVERS
 from services.edge.tls import ensure_self_signed_cert
 

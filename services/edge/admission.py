@@ -17,7 +17,7 @@ import time
 
 from mesh import signing
 from mesh.apikeys import ApiKeys
-from mesh.clients.router import GenerateSpec
+from mesh.clients.router_client import GenerateSpec
 from mesh.ratelimit import (
     DEFAULT_COMPLETION_TOKENS,
     InFlight,
@@ -32,14 +32,14 @@ from services.edge.config import EdgeConfig
 from services.edge.errors import DO_NOT_RETRY, ApiError
 from services.edge.jwt_auth import JwtRefused, JwtVerifier, looks_like_jwt
 from services.edge.metrics import REFUSED
-from services.edge.tenants import STANDARD, Caller, Directory, Tier
+from services.edge.tenants import STANDARD, AuthenticatedCaller, Directory, TenantTier
 
 
 @dataclasses.dataclass
 class Charge:
     """One request's token reservation (all its prompts and choices), settled when it ends."""
 
-    caller: Caller
+    caller: AuthenticatedCaller
     reserved: int
     started: bool = False           # a delta arrived: the router may have generated tokens
     used: int | None = None         # prompt + completion tokens, once the final message told
@@ -48,7 +48,7 @@ class Charge:
 class Admission:
     def __init__(self, config: EdgeConfig):
         self.directory = Directory(config.api_key_digests, config.keys_file, config.tiers_file,
-                                   Tier(STANDARD, config.rate_limit, config.token_limit))
+                                   TenantTier(STANDARD, config.rate_limit, config.token_limit))
         self.jwt = JwtVerifier(config.jwt_secret, config.jwt_jwks_file, config.jwt_audience, config.jwt_issuer) \
             if config.jwt_secret or config.jwt_jwks_file else None
         self.admin_keys = ApiKeys(config.admin_key_digests)
@@ -64,13 +64,13 @@ class Admission:
     def enabled(self) -> bool:
         return self.directory.enabled or self.jwt is not None
 
-    def authenticate(self, scope: Scope, headers: dict[str, str]) -> Caller:
+    def authenticate(self, scope: Scope, headers: dict[str, str]) -> AuthenticatedCaller:
         """The caller: its API key's or JWT's tenant and tier; with neither configured (loopback only) its
         address, in the standard tier."""
         address = _address(scope)
         self.directory.refresh()
         if not self.enabled:
-            return Caller(address, f"addr:{address}", self.directory.tiers[STANDARD], "anonymous")
+            return AuthenticatedCaller(address, f"addr:{address}", self.directory.tiers[STANDARD], "anonymous")
         self._limit_failures(address)
         scheme, _, token = headers.get("authorization", "").partition(" ")
         token = token.strip()
@@ -86,7 +86,7 @@ class Admission:
                            kind="authentication_error", code="invalid_api_key")
         return caller
 
-    def _from_jwt(self, token: str, address: str) -> Caller:
+    def _from_jwt(self, token: str, address: str) -> AuthenticatedCaller:
         assert self.jwt is not None
         try:
             claims = self.jwt.verify(token)
@@ -99,9 +99,9 @@ class Admission:
             raise ApiError(401, f"the JWT's tier {claims.tier!r} is not one this edge defines "
                            f"({', '.join(sorted(self.directory.tiers))})", kind="authentication_error",
                            code="invalid_token")
-        return Caller(("jwt", claims.tenant, claims.subject), f"t:{claims.tenant}", tier, claims.tenant)
+        return AuthenticatedCaller(("jwt", claims.tenant, claims.subject), f"t:{claims.tenant}", tier, claims.tenant)
 
-    def check_signature(self, caller: Caller, scope: Scope, headers: dict[str, str], body: bytes) -> None:
+    def check_signature(self, caller: AuthenticatedCaller, scope: Scope, headers: dict[str, str], body: bytes) -> None:
         """401 unless a caller whose key has a signing secret signed this request (mesh/signing.py)."""
         if caller.signing_secret is None:
             return
@@ -114,7 +114,7 @@ class Admission:
             REFUSED.labels("signature").inc()
             raise ApiError(401, str(exc), kind="authentication_error", code="invalid_signature") from None
 
-    def _limiter(self, tier: Tier, kind: str) -> Limiter | None:
+    def _limiter(self, tier: TenantTier, kind: str) -> Limiter | None:
         rate: Rate | None = tier.requests if kind == "requests" else tier.tokens
         if rate is None:
             return None
@@ -150,7 +150,7 @@ class Admission:
         if self.auth_failures is not None:
             self.auth_failures.take(address, 1, time.monotonic())
 
-    def limit_requests(self, caller: Caller) -> None:
+    def limit_requests(self, caller: AuthenticatedCaller) -> None:
         limit = self._limiter(caller.tier, "requests")
         if limit is None:
             return
@@ -161,7 +161,7 @@ class Admission:
                            f"Please try again in {wait:.3g}s.", kind="requests", code="rate_limit_exceeded",
                            retry_after_s=retry_after_s(wait))
 
-    def enter(self, caller: Caller, spec: GenerateSpec) -> Charge:
+    def enter(self, caller: AuthenticatedCaller, spec: GenerateSpec) -> Charge:
         """Admit a completion: a place among those in flight (503), then its tokens (429).  Every
         Charge returned must be given back to `leave`."""
         if not self.in_flight.enter():
@@ -178,7 +178,7 @@ class Admission:
         self.in_flight.leave()
         self._settle_tokens(charge)
 
-    def _reserve_tokens(self, caller: Caller, spec: GenerateSpec) -> Charge:
+    def _reserve_tokens(self, caller: AuthenticatedCaller, spec: GenerateSpec) -> Charge:
         """Reserve the whole request before any of it reaches the router: every prompt's estimate plus
         max_tokens for each of its prompts x n choices.  Taken here, before the first await, so requests
         arriving together see each other's reservations."""

@@ -9,7 +9,7 @@ Admission, in order: one Authorization header and bounded session/replica header
 keys per client address (429), API key (401), request rate per caller (429), body size (413) and
 read time (408), parsing (400), requests in flight across all callers (503), token rate per caller
 (429); only then the router (services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1
-request heads are cut off by the protocol (services/edge/http1.py, services/edge/heads.py).
+request heads are cut off by the protocol (services/edge/http11.py, services/edge/heads.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mesh.clients.routers import Routers
-from services.edge import openai, openapi
+from mesh.clients.router_pool import Routers
+from services.edge import openapi, requests
 from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
 from services.edge.completions import Completions
@@ -92,7 +92,7 @@ class EdgeApp:
             await send(message)
 
         try:
-            openai.check_headers(scope.get("headers", []))
+            requests.check_headers(scope.get("headers", []))
             if route is None:
                 if path in ROUTES or admin:
                     raise ApiError(405, f"method {shown(method)} is not allowed on {path}", code="method_not_allowed")
@@ -193,7 +193,7 @@ class EdgeApp:
                 routing = await self.router.model_routing(model)
             else:
                 body = await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s)
-                default, canary, shadow = openai.parse_model_routing(parse_json(body))
+                default, canary, shadow = requests.parse_model_routing(parse_json(body))
                 routing = await self.router.set_model_routing(model, default, canary, shadow=shadow)
                 self.completions.cache.versions.invalidate()     # cached answers of the old default: misses
         except grpc.aio.AioRpcError as err:

@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 
 from mesh import tools
-from mesh.clients.router import Delta, GenerateSpec, TokenLogprob
-from mesh.clients.routers import Routers
+from mesh.clients.router_client import Delta, GenerateSpec, TokenLogprob
+from mesh.clients.router_pool import Routers
 from services.edge.responses import LogprobFormatter
 from services.edge.safety import NO_RULES, ContentPolicy, OutputGuard
 

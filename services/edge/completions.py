@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry import trace
 
-from mesh.clients.router import Delta, GenerateSpec
-from mesh.clients.routers import Routers
+from mesh.clients.router_client import Delta, GenerateSpec
+from mesh.clients.router_pool import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
-from services.edge import choices, model_inputs, openai, responses
+from services.edge import choices, model_inputs, requests, responses
 from services.edge.admission import Admission, Charge
 from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, wait_disconnect
 from services.edge.choices import Choice, fan_out
@@ -36,9 +36,9 @@ from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.fields import parse_json
 from services.edge.metrics import COMPLETION_TOKENS, DURATION, RESPONSE_CACHE, SLOW_READERS, TENANT_TOKENS, TTFT
-from services.edge.response_cache import Entry, ResponseCache, Versions, bypassed, cache_key, storable
+from services.edge.response_cache import Entry, ResponseCache, ServedVersions, bypassed, cache_key, storable
 from services.edge.safety import ContentPolicy, PolicySource
-from services.edge.tenants import Caller
+from services.edge.tenants import AuthenticatedCaller
 
 Deltas = AsyncGenerator[tuple[int, Delta], None]     # services/edge/choices.py: fan_out
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -69,14 +69,14 @@ class Completions:
         self.safety = PolicySource(config.content_policy)
         self.classifier = Classifier(config.content_classifier) if config.content_classifier else None
         self.cache = ResponseCache(config.response_cache_ttl_s, config.response_cache_bytes,
-                                   Versions(lambda: router.models()), config.cache_service)
+                                   ServedVersions(lambda: router.models()), config.cache_service)
 
     async def close(self) -> None:
         await self.cache.close()
         if self.classifier is not None:
             await self.classifier.close()
 
-    async def _check_input(self, policy: ContentPolicy, body: dict[str, Any], caller: Caller) -> None:
+    async def _check_input(self, policy: ContentPolicy, body: dict[str, Any], caller: AuthenticatedCaller) -> None:
         """400 `content_filter` for an input the rules or the classifier block: every text of the request
         that reaches the model (services/edge/model_inputs.py)."""
         texts = model_inputs.texts(body)
@@ -96,20 +96,20 @@ class Completions:
 
     async def chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         body = await self.read_json(scope, receive, headers)
-        spec = openai.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
+        spec = requests.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
                                  self.config.max_messages)
         return await self.complete(True, body, spec, scope, headers, receive, send)
 
     async def completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         body = await self.read_json(scope, receive, headers)
-        spec = openai.parse_completion(body, headers.get("x-session-id", ""),
+        spec = requests.parse_completion(body, headers.get("x-session-id", ""),
                                        headers.get("x-infermesh-replica", ""))
         return await self.complete(False, body, spec, scope, headers, receive, send)
 
     async def complete(self, chat: bool, body: dict[str, Any], spec: GenerateSpec, scope: Scope,
                        headers: dict[str, str], receive: Receive, send: Send) -> int:
-        stream, include_usage = openai.stream_options(body)
-        caller: Caller = scope["infermesh.caller"]
+        stream, include_usage = requests.stream_options(body)
+        caller: AuthenticatedCaller = scope["infermesh.caller"]
         policy = self.safety.current()
         await self._check_input(policy, body, caller)
         pinned = headers.get("x-infermesh-model-version", "").strip()

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from mesh.clients.routers import Routers
+from mesh.clients.router_pool import Routers
 from services.edge.asgi import Receive, Scope, Send, send_json
 from services.edge.errors import from_grpc
 

@@ -1,7 +1,7 @@
 """A JSON request body and its typed fields, checked: each rejection is a 400 naming the field.
 
 Pure: bytes or a parsed object in, a value or ApiError out.  The OpenAI request rules built on
-these are in services/edge/openai.py.
+these are in services/edge/requests.py.
 """
 
 from __future__ import annotations

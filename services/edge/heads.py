@@ -1,7 +1,7 @@
 """Request heads: the strict rules both front doors apply before a request reaches the app.
 
 Pure: bytes or header lists in, a refusal (status, message) or None out.  HTTP/1.1
-(services/edge/http1.py) checks the raw head before h11 parses it, so the size bound holds however
+(services/edge/http11.py) checks the raw head before h11 parses it, so the size bound holds however
 the head arrives (h11's own 16 KiB limit applies only to a head still incomplete) and the forms h11
 tolerates but RFC 9112 lets a server refuse never reach it: both Content-Length and
 Transfer-Encoding (a request smuggling vector, 6.1), obs-fold (5.2), bare LF line endings (2.2)

@@ -1,7 +1,7 @@
 """Every text of a request that reaches the model or forces its output: what the input rules read.
 
 One table, `FIELDS`, names them; `texts(body)` walks a request body (already parsed and checked by
-services/edge/openai.py) and returns each text with where it came from, in the order the model sees
+services/edge/requests.py) and returns each text with where it came from, in the order the model sees
 them.  A field added to the API that carries text to the model is added here, or the content rules
 do not see it (tests/security/test_input_fields.py sends a blocked word through each one).
 

@@ -1,6 +1,6 @@
 """The edge's OpenAPI 3.1 document, served at GET /openapi.json without auth.
 
-It states the same rules services/edge/openai.py enforces (required fields, types, ranges, no unknown
+It states the same rules services/edge/requests.py enforces (required fields, types, ranges, no unknown
 fields), so a schema-driven fuzzer can tell a valid request from an invalid one: where the two
 could differ, the schema is the more permissive (the server may still refuse, with a 4xx, what
 only the router can judge: an unknown model, a prompt over the context).
@@ -13,7 +13,7 @@ from typing import Any
 from mesh.chat import ROLES
 from mesh.constraints import MAX_CONSTRAINT_CHARS
 from mesh.tools import MAX_TOOLS
-from services.edge import openai
+from services.edge import requests
 from services.edge.config import EdgeConfig
 from services.edge.fields import MAX_NAME_CHARS
 
@@ -29,8 +29,8 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def _common_fields() -> dict[str, Any]:
-    stop_string = {"type": "string", "maxLength": openai.MAX_STOP_CHARS}
-    lo, hi = openai.SEED_RANGE
+    stop_string = {"type": "string", "maxLength": requests.MAX_STOP_CHARS}
+    lo, hi = requests.SEED_RANGE
     return {
         "model": {"type": "string", "maxLength": MAX_NAME_CHARS,
                   "description": "a served model (GET /v1/models), `NAME@VERSION` to pin a version; '' is the default"},
@@ -40,12 +40,12 @@ def _common_fields() -> dict[str, Any]:
                            "description": "only with stream: true"},
         "temperature": _nullable("number", minimum=0, maximum=2),
         "top_p": _nullable("number", minimum=0, maximum=1),
-        "top_k": _nullable("integer", minimum=0, maximum=openai.MAX_TOKENS, description="0: off (extension)"),
+        "top_k": _nullable("integer", minimum=0, maximum=requests.MAX_TOKENS, description="0: off (extension)"),
         "seed": _nullable("integer", minimum=lo, maximum=hi),
-        "max_tokens": _nullable("integer", minimum=1, maximum=openai.MAX_TOKENS),
+        "max_tokens": _nullable("integer", minimum=1, maximum=requests.MAX_TOKENS),
         "stop": {"anyOf": [{"type": "null"}, stop_string,
-                           {"type": "array", "maxItems": openai.MAX_STOP, "items": stop_string}]},
-        "n": _nullable("integer", minimum=1, maximum=openai.MAX_N,
+                           {"type": "array", "maxItems": requests.MAX_STOP, "items": stop_string}]},
+        "n": _nullable("integer", minimum=1, maximum=requests.MAX_N,
                        description="choices per prompt; the prompt is prefilled once (not with a session)"),
         "user": _nullable("string", maxLength=MAX_NAME_CHARS, description="names a session"),
         "ignore_eos": _nullable("boolean", description="generate to max_tokens (extension)"),
@@ -53,16 +53,16 @@ def _common_fields() -> dict[str, Any]:
         "presence_penalty": _nullable("number", minimum=-2, maximum=2),
         "repetition_penalty": _nullable("number", exclusiveMinimum=0, maximum=10, description="1: off (extension)"),
         "min_p": _nullable("number", minimum=0, maximum=1, description="0: off (extension)"),
-        "min_tokens": _nullable("integer", minimum=0, maximum=openai.MAX_TOKENS,
+        "min_tokens": _nullable("integer", minimum=0, maximum=requests.MAX_TOKENS,
                                 description="no end of sequence before this many tokens (extension)"),
-        "stop_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": openai.MAX_STOP_TOKEN_IDS,
+        "stop_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": requests.MAX_STOP_TOKEN_IDS,
                                                         "items": {"type": "integer", "minimum": 0}}],
                            "description": "token ids that end the answer (extension)"},
         "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 1024,
                                                     "additionalProperties": {"type": "number", "minimum": -100,
                                                                              "maximum": 100}}],
                        "description": "token id -> bias added to its logit; -100 bans it"},
-        **{name: {"description": "accepted and ignored"} for name in openai.IGNORED_FIELDS},
+        **{name: {"description": "accepted and ignored"} for name in requests.IGNORED_FIELDS},
         **_constraint_fields(),
     }
 
@@ -119,7 +119,7 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
               "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "items": call}],
                              "description": "assistant messages only"},
               "tool_call_id": {"type": "string", "description": "tool messages only (required there)"},
-              **{name: empty for name in openai.MESSAGE_EMPTY_FIELDS}}
+              **{name: empty for name in requests.MESSAGE_EMPTY_FIELDS}}
     text = [{"type": "string"}, {"type": "array", "items": text_part}]
     roles = [*(r for r in ROLES if r != "assistant"), "developer"]
     message = {"oneOf": [
@@ -136,7 +136,7 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
             "messages": {"type": "array", "minItems": 1, "maxItems": config.max_messages, "items": message},
             "max_completion_tokens": common["max_tokens"],
             "logprobs": _nullable("boolean"),
-            "top_logprobs": _nullable("integer", minimum=0, maximum=openai.MAX_TOP_LOGPROBS,
+            "top_logprobs": _nullable("integer", minimum=0, maximum=requests.MAX_TOP_LOGPROBS,
                                       description="needs logprobs: true"),
             **_tool_fields(),
         },
@@ -146,13 +146,13 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
         "properties": {
             **common,
             "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                                 {"type": "array", "minItems": 1, "maxItems": openai.MAX_PROMPTS,
+                                 {"type": "array", "minItems": 1, "maxItems": requests.MAX_PROMPTS,
                                   "items": {"type": "string", "minLength": 1}}]},
-            "logprobs": _nullable("integer", minimum=0, maximum=openai.MAX_COMPLETION_LOGPROBS,
+            "logprobs": _nullable("integer", minimum=0, maximum=requests.MAX_COMPLETION_LOGPROBS,
                                   description="top-N alternatives per token"),
             "echo": _nullable("boolean", description="the prompt (with logprobs: and its tokens' logprobs) "
                                                      "before the text"),
-            "max_tokens": _nullable("integer", minimum=0, maximum=openai.MAX_TOKENS,
+            "max_tokens": _nullable("integer", minimum=0, maximum=requests.MAX_TOKENS,
                                     description="0 only with echo: the prompt alone"),
             "suffix": {"enum": ["", None]},
             "best_of": _nullable("integer", minimum=1, maximum=1),

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from mesh.clients.router import GenerateSpec, ModelCard
+from mesh.clients.router_client import GenerateSpec, ModelCard
 from mesh.grpcutil import channel
 from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.edge.metrics import RESPONSE_CACHE
@@ -69,8 +69,9 @@ def storable(body: dict[str, Any]) -> bool:
             and all(c.get("finish_reason") in CACHEABLE_FINISH for c in body["choices"]))
 
 
-class Versions:
-    """Each model's default version, from the router's model list, at most VERSIONS_MAX_AGE_S old."""
+class ServedVersions:
+    """Each model's default version and the versions its replicas serve, from the router's model list,
+    at most VERSIONS_MAX_AGE_S old."""
 
     def __init__(self, fetch: Callable[[], Awaitable[list[ModelCard]]]):
         self.fetch = fetch
@@ -118,7 +119,7 @@ class Versions:
 
 
 class ResponseCache:
-    def __init__(self, ttl_s: float, max_bytes: int, versions: Versions, shared_address: str = ""):
+    def __init__(self, ttl_s: float, max_bytes: int, versions: ServedVersions, shared_address: str = ""):
         self.ttl_s, self.max_bytes = ttl_s, max_bytes
         self.versions = versions
         self._memory: OrderedDict[bytes, tuple[Entry, float, int]] = OrderedDict()

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from mesh.clients.router import Delta, ServedBy, TokenLogprob
+from mesh.clients.router_client import Delta, ServedBy, TokenLogprob
 
 
 def new_id(chat: bool) -> str:

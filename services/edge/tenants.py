@@ -39,7 +39,9 @@ RELOAD_EVERY_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Tier:
+class TenantTier:
+    """A tier of the tiers file (--tiers-file): its request and token rates, scheduling priority and cache class."""
+
     name: str
     requests: Rate | None = None
     tokens: Rate | None = None
@@ -48,13 +50,13 @@ class Tier:
 
 
 @dataclasses.dataclass(frozen=True)
-class Caller:
+class AuthenticatedCaller:
     """An authenticated caller.  `bucket` keys its rate limits; `tenant` is what the router namespaces
     sessions and caches by (never a secret); `label` names it in metrics."""
 
     bucket: Hashable
     tenant: str
-    tier: Tier
+    tier: TenantTier
     label: str
     signing_secret: bytes | None = None
 
@@ -66,7 +68,7 @@ class KeyEntry:
     signing_secret: bytes | None
 
 
-def parse_tiers(text: str, standard: Tier) -> dict[str, Tier]:
+def parse_tiers(text: str, standard: TenantTier) -> dict[str, TenantTier]:
     """The tiers file's JSON; ValueError names what is wrong."""
     raw = json.loads(text) if text.strip() else {}
     if not isinstance(raw, dict):
@@ -85,7 +87,7 @@ def parse_tiers(text: str, standard: Tier) -> dict[str, Tier]:
             raise ValueError(f"tier {name!r}: priority {priority!r} is not one of {', '.join(PRIORITIES)}")
         if cache_class not in CACHE_CLASSES:
             raise ValueError(f"tier {name!r}: cache_class {cache_class!r} is not one of {', '.join(CACHE_CLASSES)}")
-        tiers[name] = Tier(name, parse_rate(str(fields.get("requests", ""))),
+        tiers[name] = TenantTier(name, parse_rate(str(fields.get("requests", ""))),
                            parse_rate(str(fields.get("tokens", "")), default_unit="m"), priority, cache_class)
     return tiers
 
@@ -118,14 +120,14 @@ class Directory:
     """Callers by API key, tiers by name; files reloaded when they change."""
 
     def __init__(self, env_digests: tuple[bytes, ...] = (), keys_file: str = "", tiers_file: str = "",
-                 standard: Tier = Tier(STANDARD)):
+                 standard: TenantTier = TenantTier(STANDARD)):
         self.env_keys = {d: KeyEntry("", STANDARD, None) for d in env_digests}
         self.standard = standard
         self._keys = WatchedFile(keys_file, parse_keys) if keys_file else None
         self._tiers = WatchedFile(tiers_file, lambda text: parse_tiers(text, standard)) if tiers_file else None
         self._checked = time.monotonic()
         self.keys: dict[bytes, KeyEntry] = {}
-        self.tiers: dict[str, Tier] = {}
+        self.tiers: dict[str, TenantTier] = {}
         self._build()
 
     def _build(self) -> None:
@@ -152,10 +154,10 @@ class Directory:
     def enabled(self) -> bool:
         return bool(self.keys) or self._keys is not None
 
-    def tier(self, name: str) -> Tier | None:
+    def tier(self, name: str) -> TenantTier | None:
         return self.tiers.get(name)
 
-    def by_key(self, key: str) -> Caller | None:
+    def by_key(self, key: str) -> AuthenticatedCaller | None:
         """The caller a key names, or None; every configured digest is compared, in constant time."""
         found = find_digest(key, self.keys)
         if found is None:
@@ -163,4 +165,4 @@ class Directory:
         entry = self.keys[found]
         tier = self.tiers[entry.tier]
         tenant = f"t:{entry.tenant}" if entry.tenant else tenant_of(found)
-        return Caller(found, tenant, tier, entry.tenant or tenant, entry.signing_secret)
+        return AuthenticatedCaller(found, tenant, tier, entry.tenant or tenant, entry.signing_secret)

@@ -8,7 +8,7 @@ from mesh.errors import InvalidArgument
 from mesh.models.folder import SAMPLING_DEFAULTS
 from meshpb.v1 import common_pb2, engine_pb2
 from services.engine.grammar import constraint_from_pb
-from services.engine.request import FinishReason, SamplingParams, StepOutput, TokenLogprob
+from services.engine.request import EngineTokenLogprob, FinishReason, SamplingParams, StepOutput
 
 FINISH = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -51,7 +51,7 @@ def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float]
 
 
 def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
-    def entries(logprobs: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
+    def entries(logprobs: tuple[EngineTokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
         return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[
             common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
     reply = engine_pb2.GenerateResponse(ids=out.new_ids, logprobs=entries(out.logprobs),

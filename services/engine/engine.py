@@ -33,11 +33,11 @@ from services.engine.kv_transfer import Outbox
 from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
 from services.engine.request import (
+    EngineTokenLogprob,
     FinishReason,
     Request,
     SamplingParams,
     StepOutput,
-    TokenLogprob,
 )
 from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
 from services.engine.speculate import Lookup, SpeculationConfig
@@ -260,7 +260,7 @@ class Engine:
         for chunk in sampled:
             req, params = chunk.request, chunk.request.sampling
             new: list[int] = []
-            logprobs: list[TokenLogprob] = []
+            logprobs: list[EngineTokenLogprob] = []
             reason = None
             for i in range(1 + chunk.draft):
                 token = tokens[row + i]
@@ -306,7 +306,7 @@ class Engine:
             req.lookup.update(chunk.draft, accepted, self.speculation.max_draft)
 
     def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...],
-                logprobs: tuple[TokenLogprob, ...], prompt: tuple[TokenLogprob, ...] = ()) -> StepOutput:
+                logprobs: tuple[EngineTokenLogprob, ...], prompt: tuple[EngineTokenLogprob, ...] = ()) -> StepOutput:
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         req.finish_reason = reason

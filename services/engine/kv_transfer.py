@@ -152,7 +152,9 @@ def from_bytes(blocks: Sequence[bytes], kv_layout: KVLayout, pin: bool = False) 
     return torch.frombuffer(buffer, dtype=kv_layout.dtype).reshape(len(blocks), *kv_layout.shape)
 
 
-class Published(NamedTuple):
+class PublishedBlocks(NamedTuple):
+    """A batch of exported prompt blocks in the Outbox, by their hashes."""
+
     hashes: list[bytes]
     kv: torch.Tensor                # (n, layers, 2, block_size, kv_heads, head_dim), CPU
     ready: Any = None               # the Exported copy's event: wait for it before reading kv
@@ -169,7 +171,7 @@ class Outbox:
         if max_bytes < 1:
             raise ValueError("the outbox needs a positive byte budget")
         self.max_bytes = max_bytes
-        self._items: deque[Published] = deque()
+        self._items: deque[PublishedBlocks] = deque()
         self._bytes = 0
         self._lock = threading.Lock()
         self.put_blocks = 0         # blocks handed in since start
@@ -181,7 +183,7 @@ class Outbox:
     def put(self, hashes: list[bytes], kv: torch.Tensor, ready: Any = None, version: str = "",
             classes: list[str] | None = None) -> None:
         with self._lock:
-            self._items.append(Published(hashes, kv, ready, version, classes))
+            self._items.append(PublishedBlocks(hashes, kv, ready, version, classes))
             self._bytes += kv.nbytes
             self.put_blocks += len(hashes)
             while self._bytes > self.max_bytes:
@@ -196,7 +198,7 @@ class Outbox:
             self._items.clear()
             self._bytes = 0
 
-    def take(self) -> Published | None:
+    def take(self) -> PublishedBlocks | None:
         with self._lock:
             if not self._items:
                 return None

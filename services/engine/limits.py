@@ -5,7 +5,7 @@ from __future__ import annotations
 from mesh.errors import InvalidArgument
 from services.engine.block_manager import BlockManager
 from services.engine.model_runner import ModelRunner
-from services.engine.request import Request, SamplingParams, TokenLogprob
+from services.engine.request import EngineTokenLogprob, Request, SamplingParams
 
 
 def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, prompt_ids: list[int],
@@ -50,5 +50,5 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
     req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
     req.priority = priority
     if sampling.prompt_logprobs:
-        req.prompt_logprobs.append(TokenLogprob(prompt_ids[0], float("nan")))
+        req.prompt_logprobs.append(EngineTokenLogprob(prompt_ids[0], float("nan")))
     return req

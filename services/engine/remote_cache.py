@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from mesh.grpcutil import channel
 from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.engine import kv_transfer
-from services.engine.kv_transfer import KVLayout, Outbox, Published
+from services.engine.kv_transfer import KVLayout, Outbox, PublishedBlocks
 from services.engine.request import StagedBlock
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class RemoteCache:
         return [StagedBlock(start + i, h, kv[i]) for i, h in enumerate(wanted[:len(data)])]
 
     # -- publish -----------------------------------------------------------------------
-    async def publish(self, batch: Published) -> int:
+    async def publish(self, batch: PublishedBlocks) -> int:
         """Send one batch with one PutBlocks stream; returns the blocks stored.  Raises on failure."""
         lay = self.layout
         if batch.ready is not None:                 # a GPU's copy into pinned memory may still be running

@@ -90,7 +90,10 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class EngineTokenLogprob:
+    """One token's logprob and its top alternatives, by token id (the router client's TokenLogprob,
+    mesh/clients/router_client.py, carries the text too)."""
+
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
@@ -133,7 +136,7 @@ class Request:
     lookup: Lookup | None = None
     matcher: Matcher | None = None        # the grammar's state when sampling.constraint is set (set by the server)
     # With sampling.prompt_logprobs: entry k is prompt token k's (entry 0's logprob is NaN), filled by the runner.
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[EngineTokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.
@@ -153,9 +156,9 @@ class Request:
 class StepOutput:
     request_id: str
     new_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs: tuple[EngineTokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()     # the request's first output only
+    prompt_logprobs: tuple[EngineTokenLogprob, ...] = ()     # the request's first output only

@@ -22,7 +22,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from meshkernels import cpu_ops
-from services.engine.request import SamplingParams, TokenLogprob
+from services.engine.request import EngineTokenLogprob, SamplingParams
 
 _SEED_MIX = 1_000_003
 _SEED_MOD = 2**63 - 1
@@ -218,14 +218,14 @@ def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequen
     return torch.where(decided, tokens, -1).tolist()
 
 
-def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
+def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> EngineTokenLogprob:
     """Logprob of the chosen token under the unmodified distribution, plus the top alternatives."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     alternatives: tuple[tuple[int, float], ...] = ()
     if top:
         values, ids = torch.topk(logprobs, top)
         alternatives = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
-    return TokenLogprob(token_id, float(logprobs[token_id]), alternatives)
+    return EngineTokenLogprob(token_id, float(logprobs[token_id]), alternatives)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:

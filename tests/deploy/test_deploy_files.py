@@ -4,7 +4,7 @@
 - Every infermesh container's command and INFERMESH_* variables are checked against the argparse parser
   of the service it runs (captured from the service's own `parse()`), so a flag renamed in code
   cannot leave a deployment file behind; ports, addresses and health checks must agree with
-  mesh/launcher.py and the README (with docs/architecture.md), and with each other (router -> tokenizer/cache,
+  infermesh/launcher.py and the README (with docs/architecture.md), and with each other (router -> tokenizer/cache,
   edge -> router, Prometheus targets, Services -> container ports, probes -> service ports).
 - At least two routers and two tokenizers, the edge naming every router and each router every
   tokenizer; the cache's --cold-dir and --sessions-dir on a volume (a PVC on Kubernetes).
@@ -28,7 +28,8 @@ from unittest import mock
 
 import pytest
 
-from mesh import envargs, launcher
+from infermesh import launcher
+from mesh import envargs
 from mesh.envargs import apply_env, env_name
 
 yaml = pytest.importorskip("yaml")
@@ -168,7 +169,7 @@ def test_the_readme_states_the_launchers_ports() -> None:
                  f"gRPC {launcher.TOKENIZER_PORT}", f"gRPC {launcher.CACHE_PORT}",
                  f"gRPC {launcher.ENGINE_BASE_PORT}+N, metrics {launcher.ENGINE_METRICS_BASE_PORT}+N",
                  f"port {launcher.ROUTER_METRICS_PORT}"):
-        assert text in readme, f"neither README.md nor docs/architecture.md says {text!r} (mesh/launcher.py's ports)"
+        assert text in readme, f"neither README.md nor docs/architecture.md says {text!r} (infermesh/launcher.py's ports)"
 
 
 # --- Dockerfile ----------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from infermesh.launcher import http_ok
 from mesh.credentials import TLS_CHANNEL_OPTIONS, MeshTLS
 from mesh.grpcutil import channel
-from mesh.launcher import http_ok
 from mesh.models import home
 
 OFFSET = int(os.environ.get("INFERMESH_TEST_PORT_OFFSET", "200"))
@@ -57,7 +57,7 @@ def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | 
     # go through.  tests/e2e/test_gateway_policies.py turns it on.
     env = {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", **(env or {})}
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", *args, "--port-offset", str(offset)],
+        proc = subprocess.Popen([sys.executable, "-m", "infermesh.cli", "up", *args, "--port-offset", str(offset)],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
         try:
             deadline = time.monotonic() + 300

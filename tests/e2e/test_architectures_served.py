@@ -49,7 +49,7 @@ def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, token
         shutil.copy(f, folder / f.name)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": []}))
     env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
-    done = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "register", f"tiny-{name}", str(folder)],
+    done = subprocess.run([sys.executable, "-m", "infermesh.cli", "model", "register", f"tiny-{name}", str(folder)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 

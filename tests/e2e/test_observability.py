@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from mesh import metric_names, top
+from infermesh import top
+from mesh import metric_names
 from tests.e2e.conftest import OFFSET, Mesh, running_mesh
 
 pytestmark = pytest.mark.e2e
@@ -175,7 +176,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_infermesh_top_once_shows_the_replicas(traced: Mesh) -> None:
-    out = subprocess.run([sys.executable, "-m", "mesh.cli", "top", "--once", "--router", traced.router],
+    out = subprocess.run([sys.executable, "-m", "infermesh.cli", "top", "--once", "--router", traced.router],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -188,7 +189,7 @@ def test_infermesh_top_once_shows_the_replicas(traced: Mesh) -> None:
 
 
 def test_top_renders_a_snapshot_without_a_mesh() -> None:
-    snap = top.Snapshot("127.0.0.1:50051", [
+    snap = top.TopSnapshot("127.0.0.1:50051", [
         top.Row("engine-1", "m", "2", "eu", "isolated", "open", 0, 0, 0, -1.0, 0.0, 0.0),
         top.Row("engine-0", "m", "1", "eu", "up", "closed", 3, 2, 1, 0.5, 41.5, 120.0),
     ], 0.75)

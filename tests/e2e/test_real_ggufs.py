@@ -94,7 +94,7 @@ def test_served_greedy_equals_transformers_on_the_same_gguf(name: str, tmp_path:
         pytest.skip(f"no {case.pattern} in {FOLDER}")
     home = tmp_path / "home"
     env = {**os.environ, "INFERMESH_HOME": str(home)}
-    done = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "register", name, str(gguf_file)],
+    done = subprocess.run([sys.executable, "-m", "infermesh.cli", "model", "register", name, str(gguf_file)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     folder = Path(done.stdout.strip().splitlines()[-1])

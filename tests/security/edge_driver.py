@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mesh.clients.router import Delta, GenerateSpec, ServedBy
+from mesh.clients.router_client import Delta, GenerateSpec, ServedBy
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from mesh.clients.router import Delta, GenerateSpec, ModelCard, ServedBy, TokenLogprob, TopLogprob
+from mesh.clients.router_client import Delta, GenerateSpec, ModelCard, ServedBy, TokenLogprob, TopLogprob
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 

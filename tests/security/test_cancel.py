@@ -13,7 +13,7 @@ import grpc
 from mesh.clients.http3 import H3Client
 from meshpb.v1 import engine_pb2
 from services.edge.config import EdgeConfig
-from services.edge.http1 import http_server
+from services.edge.http11 import http_server
 from services.edge.tls import ensure_self_signed_cert
 from tests.security.edge_driver import Client, SlowRouter, edge
 from tests.service.test_http3_server import run_with_server
@@ -125,7 +125,7 @@ def test_cancelling_the_routers_generate_cancels_the_engines() -> None:
 
 
 def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
-    """The same through uvicorn (services/edge/http1.py): the socket's close is the disconnect."""
+    """The same through uvicorn (services/edge/http11.py): the socket's close is the disconnect."""
     async def main() -> None:
         router = SlowRouter()
         app = edge(router, max_concurrent=4)

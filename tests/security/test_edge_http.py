@@ -16,12 +16,12 @@ import pytest
 
 from mesh.apikeys import digest
 from mesh.clients.http3 import H3Client
-from mesh.clients.router import Delta, RouterClient
+from mesh.clients.router_client import Delta, RouterClient
 from meshpb.v1 import router_pb2_grpc
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from services.edge.http1 import http_server
 from services.edge.http3 import serve_http3
+from services.edge.http11 import http_server
 from services.edge.tls import ensure_self_signed_cert
 from tests.service.test_http3_server import _free_udp_port
 from tests.unit.test_openai import CHAT_JSON, FakeRouter

@@ -15,7 +15,7 @@ import jwt
 import pytest
 
 from services.edge.jwt_auth import JwtRefused, JwtVerifier
-from services.edge.tenants import Tier, parse_keys, parse_tiers
+from services.edge.tenants import TenantTier, parse_keys, parse_tiers
 from tests.security.scripted import ScriptedRouter, app, request, tokens
 
 SECRET = "a-secret-of-at-least-32-bytes-for-hs256!"
@@ -48,5 +48,5 @@ def test_the_edge_answers_401_to_such_a_token() -> None:
 
 def test_names_in_the_keys_and_tiers_files_are_matched_whole() -> None:
     with pytest.raises(ValueError):
-        parse_tiers(json.dumps({"gold\n": {}}), Tier("standard"))
+        parse_tiers(json.dumps({"gold\n": {}}), TenantTier("standard"))
     assert parse_keys("k1 tenant=acme")[next(iter(parse_keys("k1 tenant=acme")))].tenant == "acme"

@@ -18,11 +18,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from infermesh.launcher import MeshConfig, plan
 from mesh import credentials
 from mesh.credentials import MeshTLS
 from mesh.grpcutil import Service, channel, check_health
 from mesh.healthcheck import probe_grpc
-from mesh.launcher import MeshConfig, plan
 from mesh.pki import KINDS, ensure_mesh_ca
 
 

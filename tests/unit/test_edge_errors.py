@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from mesh.apikeys import digest
-from mesh.clients.router import Delta, GenerateSpec
+from mesh.clients.router_client import Delta, GenerateSpec
 from services.edge.errors import ApiError, from_grpc
 from tests.unit.test_openai import CHAT_JSON, FakeRouter, _app, asgi
 

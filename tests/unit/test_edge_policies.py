@@ -10,7 +10,7 @@ from typing import Any
 import jwt
 
 from mesh import signing
-from mesh.clients.router import Delta, ModelCard, ServedBy
+from mesh.clients.router_client import Delta, ModelCard, ServedBy
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from tests.unit.test_openai import FakeRouter, asgi
@@ -158,9 +158,9 @@ def test_deterministic_answers_come_from_the_cache_per_tenant(tmp_path: Path) ->
 
 def test_a_streamed_answer_cached_keeps_its_logprob_offsets() -> None:
     """body() after a stream (what the cache stores) counts offsets from the prompt again."""
-    from mesh.clients.router import TokenLogprob
-    from services.edge import choices, openai
-    spec = openai.parse_completion({"model": "m", "prompt": "The sky is", "max_tokens": 2, "logprobs": 1,
+    from mesh.clients.router_client import TokenLogprob
+    from services.edge import choices, requests
+    spec = requests.parse_completion({"model": "m", "prompt": "The sky is", "max_tokens": 2, "logprobs": 1,
                                     "temperature": 0})
     choice = choices.Choice(0, False, spec, "The sky is")
     for d in [Delta(" blue", logprobs=(TokenLogprob(1, " blue", -0.1),)),

@@ -11,14 +11,14 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from mesh import signing
 from mesh.apikeys import digest, load_keys
-from mesh.clients.router import GenerateSpec
+from mesh.clients.router_client import GenerateSpec
 from mesh.ratelimit import Rate
 from services.cache.responses import ResponseStore
-from services.edge import openai
+from services.edge import requests
 from services.edge.jwt_auth import JwtRefused, JwtVerifier
 from services.edge.response_cache import cache_key, storable
 from services.edge.safety import OutputGuard, PolicySource, parse_policy
-from services.edge.tenants import STANDARD, Directory, Tier, parse_keys, parse_tiers
+from services.edge.tenants import STANDARD, Directory, TenantTier, parse_keys, parse_tiers
 
 HS = "topsecret-topsecret-topsecret-32b"
 TIERS = {"free": {"requests": "2/m", "tokens": "500/m", "priority": "batch", "cache_class": "batch"},
@@ -29,14 +29,14 @@ def test_keys_file_fields_and_tiers() -> None:
     keys = parse_keys("# comment\nk-free tenant=acme tier=free\n\nk-bare\nk-sign tier=premium signing_secret=s3\n")
     assert keys[digest("k-free")].tenant == "acme" and keys[digest("k-free")].tier == "free"
     assert keys[digest("k-bare")].tier == STANDARD and keys[digest("k-sign")].signing_secret == b"s3"
-    tiers = parse_tiers(json.dumps(TIERS), Tier(STANDARD, Rate(5, 1)))
+    tiers = parse_tiers(json.dumps(TIERS), TenantTier(STANDARD, Rate(5, 1)))
     assert tiers["free"].requests == Rate(2, 60) and tiers["free"].tokens == Rate(500, 60)
     assert tiers["free"].priority == "batch" and tiers["premium"].cache_class == "premium"
     assert tiers[STANDARD].requests == Rate(5, 1)
     for bad in ('{"x": {"priority": "urgent"}}', '{"x": {"cache_class": "gold"}}', '{"x": {"rps": 1}}',
                 '{"bad name": {}}', '[]'):
         with pytest.raises(ValueError):
-            parse_tiers(bad, Tier(STANDARD))
+            parse_tiers(bad, TenantTier(STANDARD))
     with pytest.raises(ValueError, match="line 1"):
         parse_keys("k1 owner=me\n")
     # The router reads only the key of each line.
@@ -146,16 +146,16 @@ def test_policy_file_is_validated_and_reloaded(tmp_path: Path) -> None:
 
 def test_response_cache_keys_are_per_tenant_and_ignore_stream_fields() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
-    spec: GenerateSpec = openai.parse_chat(body)
+    spec: GenerateSpec = requests.parse_chat(body)
     a = cache_key(True, "t:acme", body, spec, "")
     assert a is not None and a == cache_key(True, "t:acme", {**body, "stream": True}, spec, "")
     assert a != cache_key(True, "t:globex", body, spec, "")
     assert a != cache_key(False, "t:acme", body, spec, "") and a != cache_key(True, "t:acme", body, spec, "2")
     hot = {**body, "temperature": 0.7}
-    assert cache_key(True, "t:acme", hot, openai.parse_chat(hot), "") is None
+    assert cache_key(True, "t:acme", hot, requests.parse_chat(hot), "") is None
     seeded = {**hot, "seed": 3}
-    assert cache_key(True, "t:acme", seeded, openai.parse_chat(seeded), "") is not None
-    assert cache_key(True, "t:acme", body, openai.parse_chat(body, session_id="s1"), "") is None
+    assert cache_key(True, "t:acme", seeded, requests.parse_chat(seeded), "") is not None
+    assert cache_key(True, "t:acme", body, requests.parse_chat(body, session_id="s1"), "") is None
     assert storable({"choices": [{"finish_reason": "stop"}], "infermesh": {"degraded": False}})
     assert not storable({"choices": [{"finish_reason": "content_filter"}], "infermesh": None})
     assert not storable({"choices": [{"finish_reason": "stop"}], "infermesh": {"degraded": True}})

@@ -1,18 +1,24 @@
-"""The code base's shape: no import cycle among the project's modules, no oversized module.
+"""The code base's shape: no import cycle among the project's modules, imports only downwards
+through the layers, no oversized module, no two modules one letter apart, no class name twice.
 
 Imports are read from the source (ast), wherever they sit in a file: an import tucked inside a
-function to dodge a cycle is still a cycle.
+function to dodge a cycle (or a layer) is still a cycle (or crosses the layer).
 """
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mesh", "services", "meshkernels")
+PACKAGES = ("infermesh", "mesh", "services", "meshkernels")
 MAX_LINES = 350
 EXEMPT = {"meshkernels/cpu_ops.cpp"}          # the C++ ops file; generated stubs live outside these folders
+# Each package imports only from its own layer and the ones below: the operator's tools (infermesh/) over
+# the services, the services over the shared library (mesh/), and the kernels (meshkernels/) under all.
+LAYERS = {"meshkernels": 0, "mesh": 1, "services": 2, "infermesh": 3}
+NAMED_APART = ("infermesh", "mesh", "services", "meshkernels", "bench")   # folders whose module names are checked
 
 
 def modules() -> dict[str, Path]:
@@ -105,3 +111,68 @@ def test_no_module_over_the_size_limit():
 
 def test_the_router_servicer_stays_thin():
     assert len((ROOT / "services/router/server.py").read_text().splitlines()) < 200
+
+
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a module imports from a layer above its own."""
+    def layer(module: str) -> int:
+        return LAYERS[module.partition(".")[0]]
+
+    return sorted((name, target) for name, targets in graph.items() for target in targets
+                  if layer(target) > layer(name))
+
+
+def test_imports_only_go_down_the_layers():
+    known = modules()
+    assert set(LAYERS) == set(PACKAGES)
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert upward(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"mesh.a": {"services.b", "meshkernels.c"}, "services.b": {"mesh.a", "infermesh.d"},
+             "meshkernels.c": {"mesh.a"}, "infermesh.d": {"services.b", "mesh.a", "meshkernels.c"}}
+    assert upward(graph) == [("mesh.a", "services.b"), ("meshkernels.c", "mesh.a"), ("services.b", "infermesh.d")]
+
+
+def one_edit_apart(a: str, b: str) -> bool:
+    """Levenshtein distance exactly 1: one letter replaced, added or dropped."""
+    if len(a) > len(b):
+        a, b = b, a
+    if len(b) - len(a) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b, strict=True)) == 1
+    return any(b[:i] + b[i + 1:] == a for i in range(len(b)))
+
+
+def near_names() -> list[tuple[str, str, str]]:
+    """(folder, name, name) for two modules (or subpackages) of one folder whose names are one edit apart."""
+    found = []
+    for top in NAMED_APART:
+        for folder in sorted({p.parent for p in (ROOT / top).rglob("*.py")}):
+            names = sorted({p.stem for p in folder.glob("*.py")} |
+                           {d.name for d in folder.iterdir() if (d / "__init__.py").is_file()})
+            found += [(folder.relative_to(ROOT).as_posix(), a, b)
+                      for i, a in enumerate(names) for b in names[i + 1:] if one_edit_apart(a, b)]
+    return found
+
+
+def test_no_two_module_names_one_letter_apart():
+    assert near_names() == []
+
+
+def test_one_edit_apart():
+    assert one_edit_apart("router", "routers") and one_edit_apart("openai", "openapi")
+    assert one_edit_apart("http1", "http3") and one_edit_apart("gpu_checks", "gpu_check")
+    assert not one_edit_apart("router", "router") and not one_edit_apart("http11", "http3")
+    assert not one_edit_apart("router_client", "router_pool") and not one_edit_apart("ab", "ba")
+
+
+def test_no_class_name_defined_in_two_modules():
+    where: dict[str, list[str]] = defaultdict(list)
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(name)
+    assert {cls: found for cls, found in where.items() if len(found) > 1} == {}

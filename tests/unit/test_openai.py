@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from mesh.apikeys import digest
-from mesh.clients.router import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
+from mesh.clients.router_client import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
 from mesh.ratelimit import Rate
-from services.edge import choices, openai, responses
+from services.edge import choices, requests, responses
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
@@ -20,7 +20,7 @@ CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]
 
 
 def test_chat_defaults_follow_openai() -> None:
-    spec = openai.parse_chat(CHAT)
+    spec = requests.parse_chat(CHAT)
     assert spec.sampling.temperature == 1.0 and spec.sampling.top_p == 1.0
     assert spec.sampling.max_tokens == 0 and spec.messages[0].content == "hi"
 
@@ -28,12 +28,12 @@ def test_chat_defaults_follow_openai() -> None:
 def test_penalties_bias_and_the_vllm_extensions_are_carried() -> None:
     body = {**CHAT, "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.3, "min_p": 0.05,
             "logit_bias": {"42": -100, "7": 3.5}, "min_tokens": 2, "max_tokens": 8}
-    s = openai.parse_chat(body).sampling
+    s = requests.parse_chat(body).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.3, 0.05)
     assert s.logit_bias == ((7, 3.5), (42, -100.0)) and s.min_tokens == 2
-    assert openai.parse_chat({**CHAT, "stop_token_ids": [13, 2]}).sampling.stop_token_ids == (13, 2)
-    from mesh.clients.router import _to_pb  # what the router is sent, field by field
-    pb = _to_pb(openai.parse_chat({**body, "stop_token_ids": [13]})).sampling
+    assert requests.parse_chat({**CHAT, "stop_token_ids": [13, 2]}).sampling.stop_token_ids == (13, 2)
+    from mesh.clients.router_client import _to_pb  # what the router is sent, field by field
+    pb = _to_pb(requests.parse_chat({**body, "stop_token_ids": [13]})).sampling
     assert (pb.presence_penalty, pb.frequency_penalty, pb.min_tokens, list(pb.stop_token_ids)) == (0.5, -0.25, 2, [13])
     assert dict(pb.logit_bias) == {7: 3.5, 42: -100.0} and abs(pb.repetition_penalty - 1.3) < 1e-6
 
@@ -41,10 +41,10 @@ def test_penalties_bias_and_the_vllm_extensions_are_carried() -> None:
 def test_fields_left_out_take_the_models_defaults() -> None:
     """Left out or null, temperature / top_p / top_k are marked for the model's generation_config values
     (the engine applies them where the model has one; else OpenAI's defaults above stand)."""
-    assert openai.parse_chat(CHAT).sampling.model_defaults == ("temperature", "top_p", "top_k")
-    spec = openai.parse_chat({**CHAT, "temperature": 0.5, "top_p": None})
+    assert requests.parse_chat(CHAT).sampling.model_defaults == ("temperature", "top_p", "top_k")
+    spec = requests.parse_chat({**CHAT, "temperature": 0.5, "top_p": None})
     assert spec.sampling.model_defaults == ("top_p", "top_k") and spec.sampling.temperature == 0.5
-    assert openai.parse_completion({"model": "m", "prompt": "x", "temperature": 0, "top_p": 1, "top_k": 3}
+    assert requests.parse_completion({"model": "m", "prompt": "x", "temperature": 0, "top_p": 1, "top_k": 3}
                                    ).sampling.model_defaults == ()
 
 
@@ -52,14 +52,14 @@ def test_chat_fields_are_carried() -> None:
     body = {**CHAT, "temperature": 0, "max_completion_tokens": 7, "stop": "x", "seed": 5, "user": "u1",
             "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                            {"type": "text", "text": "b"}]}]}
-    spec = openai.parse_chat(body, pinned="engine-1")
+    spec = requests.parse_chat(body, pinned="engine-1")
     assert spec.sampling.max_tokens == 7 and spec.sampling.stop == ("x",) and spec.sampling.seed == 5
     assert spec.messages[0].role == "system" and spec.messages[0].content == "ab"
     assert spec.session_id == "u1" and spec.pinned_replica == "engine-1"
 
 
 def test_header_session_wins_over_user() -> None:
-    assert openai.parse_chat({**CHAT, "user": "u1"}, session_id="h").session_id == "h"
+    assert requests.parse_chat({**CHAT, "user": "u1"}, session_id="h").session_id == "h"
 
 
 @pytest.mark.parametrize("patch,param", [
@@ -107,54 +107,54 @@ def test_header_session_wins_over_user() -> None:
 ])
 def test_bad_chat_requests_name_the_field(patch: dict[str, object], param: str) -> None:
     with pytest.raises(ApiError) as err:
-        openai.parse_chat({**CHAT, **patch})
+        requests.parse_chat({**CHAT, **patch})
     assert err.value.status == 400 and err.value.param == param
 
 
 def test_stream_options_need_stream() -> None:
-    assert openai.stream_options({"stream": True, "stream_options": {"include_usage": True}}) == (True, True)
+    assert requests.stream_options({"stream": True, "stream_options": {"include_usage": True}}) == (True, True)
     with pytest.raises(ApiError):
-        openai.stream_options({"stream_options": {"include_usage": True}})
+        requests.stream_options({"stream_options": {"include_usage": True}})
 
 
 def test_completion_prompt() -> None:
-    spec = openai.parse_completion({"model": "m", "prompt": ["once upon"], "max_tokens": 3})
+    spec = requests.parse_completion({"model": "m", "prompt": ["once upon"], "max_tokens": 3})
     assert spec.prompt == "once upon" and spec.sampling.max_tokens == 3
-    spec = openai.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 2, "echo": True})
+    spec = requests.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 2, "echo": True})
     assert spec.prompts == ("a", "b") and spec.n == 2 and spec.echo
     for patch, field in [({"prompt": []}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
                          ({"prompt": ["a"] * 33}, "prompt"), ({"n": 17}, "n"), ({"n": 2, "user": "u"}, "n"),
                          ({"max_tokens": 0}, "max_tokens"), ({"prompt": ["a", "b"], "user": "u"}, "prompt")]:
         with pytest.raises(ApiError) as err:
-            openai.parse_completion({"model": "m", "prompt": "x", **patch})
+            requests.parse_completion({"model": "m", "prompt": "x", **patch})
         assert err.value.param == field, patch
 
 
 def test_structured_outputs_and_tools_parse() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    c = openai.parse_chat({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+    c = requests.parse_chat({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": schema, "strict": True}}}).sampling.constraint
     assert c is not None and c.kind == "json_schema" and json.loads(c.text) == schema
-    assert openai.parse_chat({**CHAT, "response_format": {"type": "text"}}).sampling.constraint is None
-    regex = openai.parse_completion({"model": "m", "prompt": "x", "regex": "[0-9]+"}).sampling.constraint
+    assert requests.parse_chat({**CHAT, "response_format": {"type": "text"}}).sampling.constraint is None
+    regex = requests.parse_completion({"model": "m", "prompt": "x", "regex": "[0-9]+"}).sampling.constraint
     assert regex is not None and regex.kind == "regex"
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}},
              {"type": "function", "function": {"name": "noop"}}]
-    auto = openai.parse_chat({**CHAT, "tools": tools})
+    auto = requests.parse_chat({**CHAT, "tools": tools})
     assert auto.tool_calls == "parallel" and auto.sampling.constraint is not None
     assert auto.sampling.constraint.kind == "tool_calls" and "get_weather" in auto.tools
-    both = openai.parse_chat({**CHAT, "tools": tools, "response_format": {"type": "json_object"}})
+    both = requests.parse_chat({**CHAT, "tools": tools, "response_format": {"type": "json_object"}})
     assert both.sampling.constraint is not None and both.sampling.constraint.kind == "json_object"
-    required = openai.parse_chat({**CHAT, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    required = requests.parse_chat({**CHAT, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
     assert required.tool_calls == "single" and required.sampling.constraint is not None
     assert required.sampling.constraint.prefix == "<tool_call>\n"
-    named = openai.parse_chat({**CHAT, "tools": tools, "tool_choice": {"type": "function",
+    named = requests.parse_chat({**CHAT, "tools": tools, "tool_choice": {"type": "function",
                                                                        "function": {"name": "noop"}}})
     assert named.sampling.constraint is not None and '"const": "noop"' in named.sampling.constraint.text
     assert "get_weather" not in named.sampling.constraint.text
-    none = openai.parse_chat({**CHAT, "tools": tools, "tool_choice": "none"})
+    none = requests.parse_chat({**CHAT, "tools": tools, "tool_choice": "none"})
     assert none.tools == "" and none.tool_calls == "" and none.sampling.constraint is None
-    history = openai.parse_chat({**CHAT, "tools": tools, "messages": [
+    history = requests.parse_chat({**CHAT, "tools": tools, "messages": [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"a": 1}'}}]},
@@ -164,7 +164,7 @@ def test_structured_outputs_and_tools_parse() -> None:
 
 
 def test_choices_fan_out_with_seeds_and_ids() -> None:
-    spec = dataclasses.replace(openai.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 7}),
+    spec = dataclasses.replace(requests.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 7}),
                                request_id="cmpl-1")
     calls = choices.specs(spec)
     assert [c.prompt for c in calls] == ["a"] * 3 + ["b"] * 3
@@ -175,7 +175,7 @@ def test_choices_fan_out_with_seeds_and_ids() -> None:
 
 def test_response_shapes_carry_infermesh_metadata() -> None:
     final = Delta("", "stop", 5, 2, served_by=ServedBy("engine-0", "m", "1", "local", False, 1.0))
-    answer = choices.Choice(0, True, openai.parse_chat(CHAT), "")
+    answer = choices.Choice(0, True, requests.parse_chat(CHAT), "")
     answer.add(Delta("hi"))
     answer.add(final)
     body = responses.whole_body(True, "chatcmpl-1", "m", [answer.body()], choices.usage([answer], 1),
@@ -190,31 +190,31 @@ def test_response_shapes_carry_infermesh_metadata() -> None:
 
 
 def test_model_routing_body_is_checked() -> None:
-    assert openai.parse_model_routing({"default_version": "2"}) == ("2", None, None)
-    assert openai.parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25}, None)
-    assert openai.parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {}, None)
-    assert openai.parse_model_routing({"shadow": {"version": "2", "share": 0.5}}) == ("", None, ("2", 0.5))
-    assert openai.parse_model_routing({"shadow": None}) == ("", None, ("", 0.0))      # ends shadowing
+    assert requests.parse_model_routing({"default_version": "2"}) == ("2", None, None)
+    assert requests.parse_model_routing({"canary": {"3": 0.25}}) == ("", {"3": 0.25}, None)
+    assert requests.parse_model_routing({"default_version": "2", "canary": {}}) == ("2", {}, None)
+    assert requests.parse_model_routing({"shadow": {"version": "2", "share": 0.5}}) == ("", None, ("2", 0.5))
+    assert requests.parse_model_routing({"shadow": None}) == ("", None, ("", 0.0))      # ends shadowing
     for body, match in [({}, "default_version, canary and/or shadow"), ({"canary": [1]}, "object of version"),
                         ({"canary": {"2": 2}}, r"in \[0, 1\]"), ({"canary": {"2": True}}, r"in \[0, 1\]"),
                         ({"weights": {}}, "unrecognized field"), ({"shadow": {"version": "2", "share": 0}}, "shadow"),
                         ({"shadow": {"version": "2", "share": 1, "x": 1}}, "shadow"), ({"shadow": 3}, "shadow")]:
         with pytest.raises(ApiError, match=match):
-            openai.parse_model_routing(body)
+            requests.parse_model_routing(body)
 
 
 # -- logprobs, limits and hostile input -------------------------------------------------
 def test_chat_logprobs_are_carried() -> None:
-    spec = openai.parse_chat({**CHAT, "logprobs": True, "top_logprobs": 20})
+    spec = requests.parse_chat({**CHAT, "logprobs": True, "top_logprobs": 20})
     assert spec.sampling.logprobs and spec.sampling.top_logprobs == 20
-    assert not openai.parse_chat(CHAT).sampling.logprobs
-    assert openai.parse_chat({**CHAT, "logprobs": True}).sampling.top_logprobs == 0
+    assert not requests.parse_chat(CHAT).sampling.logprobs
+    assert requests.parse_chat({**CHAT, "logprobs": True}).sampling.top_logprobs == 0
 
 
 def test_completion_logprobs_is_top_n() -> None:
-    spec = openai.parse_completion({"model": "m", "prompt": "a", "logprobs": 5})
+    spec = requests.parse_completion({"model": "m", "prompt": "a", "logprobs": 5})
     assert spec.sampling.logprobs and spec.sampling.top_logprobs == 5
-    spec = openai.parse_completion({"model": "m", "prompt": "a", "logprobs": 0})
+    spec = requests.parse_completion({"model": "m", "prompt": "a", "logprobs": 0})
     assert spec.sampling.logprobs and spec.sampling.top_logprobs == 0
 
 
@@ -242,26 +242,26 @@ def test_completion_logprobs_is_top_n() -> None:
 def test_bad_fields_get_precise_errors(patch: dict[str, object], param: str, code: str) -> None:
     with pytest.raises(ApiError) as err:
         body = {**CHAT, **patch}
-        openai.parse_chat(body)
-        openai.stream_options(body)
+        requests.parse_chat(body)
+        requests.stream_options(body)
     assert (err.value.status, err.value.param, err.value.code) == (400, param, code)
 
 
 def test_echoed_assistant_messages_and_negative_seeds_are_accepted() -> None:
     echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "audio": None,
               "function_call": None, "annotations": []}
-    spec = openai.parse_chat({**CHAT, "messages": [*CHAT["messages"], echoed], "seed": -1,  # type: ignore[list-item]
+    spec = requests.parse_chat({**CHAT, "messages": [*CHAT["messages"], echoed], "seed": -1,  # type: ignore[list-item]
                               "frequency_penalty": 0.0, "logit_bias": {}})
     assert spec.messages[1].content == "hi"
     assert spec.sampling.seed == (1 << 64) - 1      # the engine's seed is uint64
-    assert openai.parse_chat(CHAT, max_messages=1).messages[0].role == "user"
+    assert requests.parse_chat(CHAT, max_messages=1).messages[0].role == "user"
 
 
 @pytest.mark.parametrize("patch", [{"echo": 0}, {"suffix": "x"}, {"best_of": 2},
                                    {"best_of": True}, {"logprobs": 6}, {"logprobs": True}, {"top_logprobs": 1}])
 def test_bad_completion_fields(patch: dict[str, object]) -> None:
     with pytest.raises(ApiError) as err:
-        openai.parse_completion({"model": "m", "prompt": "a", **patch})
+        requests.parse_completion({"model": "m", "prompt": "a", **patch})
     assert err.value.status == 400 and err.value.param == next(iter(patch))
 
 
@@ -501,10 +501,10 @@ def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
 def test_openapi_schema_lists_the_fields_the_parser_takes() -> None:
     doc = document(EdgeConfig(max_messages=7))
     schemas = doc["components"]["schemas"]
-    assert set(schemas["ChatCompletionRequest"]["properties"]) == openai.CHAT_FIELDS
-    assert set(schemas["CompletionRequest"]["properties"]) == openai.COMPLETION_FIELDS
+    assert set(schemas["ChatCompletionRequest"]["properties"]) == requests.CHAT_FIELDS
+    assert set(schemas["CompletionRequest"]["properties"]) == requests.COMPLETION_FIELDS
     for shape in schemas["ChatMessage"]["oneOf"]:
-        assert set(shape["properties"]) == openai.MESSAGE_FIELDS | set(openai.MESSAGE_EMPTY_FIELDS)
+        assert set(shape["properties"]) == requests.MESSAGE_FIELDS | set(requests.MESSAGE_EMPTY_FIELDS)
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 7
     assert "security" not in doc["paths"]["/v1/models"]["get"]
     assert document(EdgeConfig(api_key_digests=(b"x",)))["paths"]["/v1/models"]["get"]["security"]

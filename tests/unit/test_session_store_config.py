@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.cli import main
-from mesh.launcher import MeshConfig, plan
+from infermesh.cli import main
+from infermesh.launcher import MeshConfig, plan
 from services.cache.__main__ import parse
 from services.cache.config import CacheConfig, RedisAddress, redis_address
 

@@ -1,4 +1,4 @@
-"""The launcher's supervision (mesh/supervise.py): a dead child is started again after a backoff that
+"""The launcher's supervision (infermesh/supervise.py): a dead child is started again after a backoff that
 doubles while it keeps dying, counted by kind; with restart off it is only reported."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mesh import supervise
+from infermesh import supervise
 
 
 @dataclass

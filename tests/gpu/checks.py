@@ -1,5 +1,5 @@
 """The GPU checks, importable: each returns a Verdict.  bench/gpu_check.py runs them as a script (with
-the throughput table) on a lent GPU; tests/gpu/test_gpu_checks.py runs them as pytest tests.
+the throughput table) on a lent GPU; tests/gpu/test_checks.py runs them as pytest tests.
 
 No network and no model files: models are built with random weights from configs (the SmolLM2-135M
 config, a Llama-style 1.1B one shaped like TinyLlama, and a tiny one for the CPU), the same weights

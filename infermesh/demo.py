@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from mesh.launcher import http_ok
+from infermesh.launcher import http_ok
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -20,7 +20,7 @@ def main() -> int:
         print(f"demo: something already answers on {base}; stop it or set INFERMESH_DEMO_PORT_OFFSET",
               file=sys.stderr)
         return 1
-    infermesh = [sys.executable, "-m", "mesh.cli"]
+    infermesh = [sys.executable, "-m", "infermesh.cli"]
     print("demo: starting the mesh (edge, router, tokenizer, cache, 1 engine) ...", flush=True)
     mesh = subprocess.Popen([*infermesh, "up", "--port-offset", str(offset)])
     try:

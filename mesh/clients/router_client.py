@@ -198,7 +198,7 @@ class RouterClient:
                        extra_metadata: Sequence[tuple[str, str]] = (), resume_ids: Sequence[int] = ()
                        ) -> AsyncGenerator[Delta, None]:
         """Stream text deltas (with their token ids); raises grpc.aio.AioRpcError with the router's
-        status on failure.  `resume_ids`: continue a stream after these tokens (mesh/clients/routers.py)."""
+        status on failure.  `resume_ids`: continue a stream after these tokens (mesh/clients/router_pool.py)."""
         call = self._stub.Generate(_to_pb(spec, resume_ids), timeout=timeout,
                                    metadata=outgoing_metadata(tuple(extra_metadata)))
         try:

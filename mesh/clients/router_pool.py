@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh.clients.router import (
+from mesh.clients.router_client import (
     Delta,
     GenerateSpec,
     ModelCard,

@@ -1,4 +1,4 @@
-"""bench/gpu_checks.py's checks as tests: without CUDA on the tiny model through Triton's interpreter and
+"""tests/gpu/checks.py's checks as tests: without CUDA on the tiny model through Triton's interpreter and
 the decode graphs' buffers without capture (what `gpu_check.py --smoke` runs); on a GPU compiled,
 captured and with longer prompts, plus the CUDA-only checks (no host sync, SmolLM2's shapes)."""
 
@@ -15,7 +15,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")   # read when the Triton kernels are defined
 
-from bench import gpu_checks  # noqa: E402
+from tests.gpu import checks  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; none here (bench/gpu_check.py runs these checks "
                                                  "on a lent GPU)")
@@ -37,33 +37,33 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="module")
-def tiny(device: torch.device, tmp_path_factory: pytest.TempPathFactory) -> gpu_checks.Model:
-    return gpu_checks.Model("tiny", device, tmp_path_factory.mktemp("models"))
+def tiny(device: torch.device, tmp_path_factory: pytest.TempPathFactory) -> checks.Model:
+    return checks.Model("tiny", device, tmp_path_factory.mktemp("models"))
 
 
-def passes(verdict: gpu_checks.Verdict) -> None:
+def passes(verdict: checks.Verdict) -> None:
     assert verdict.ok, f"{verdict.check}: {verdict.detail}"
 
 
 def test_triton_decode_kernel_matches_torch_and_float64(device: torch.device) -> None:
-    passes(gpu_checks.check_kernel(device, SMOKE))
+    passes(checks.check_kernel(device, SMOKE))
 
 
-def test_fp32_greedy_parity_with_transformers(tiny: gpu_checks.Model) -> None:
-    passes(gpu_checks.check_fp32_parity(tiny, SMOKE))
+def test_fp32_greedy_parity_with_transformers(tiny: checks.Model) -> None:
+    passes(checks.check_fp32_parity(tiny, SMOKE))
 
 
-def test_bf16_logits_within_transformers_own_bf16_error(tiny: gpu_checks.Model) -> None:
-    passes(gpu_checks.check_bf16_logits(tiny, SMOKE))
+def test_bf16_logits_within_transformers_own_bf16_error(tiny: checks.Model) -> None:
+    passes(checks.check_bf16_logits(tiny, SMOKE))
 
 
 @needs_cuda
-def test_no_host_sync_inside_a_step(tiny: gpu_checks.Model) -> None:
-    passes(gpu_checks.check_no_sync(tiny))
+def test_no_host_sync_inside_a_step(tiny: checks.Model) -> None:
+    passes(checks.check_no_sync(tiny))
 
 
 @needs_cuda
 def test_smollm2_shapes_parity(tmp_path: Path) -> None:
-    model = gpu_checks.Model("smollm2-135m", torch.device("cuda"), tmp_path)
-    passes(gpu_checks.check_fp32_parity(model, smoke=False))
-    passes(gpu_checks.check_bf16_logits(model, smoke=False))
+    model = checks.Model("smollm2-135m", torch.device("cuda"), tmp_path)
+    passes(checks.check_fp32_parity(model, smoke=False))
+    passes(checks.check_bf16_logits(model, smoke=False))

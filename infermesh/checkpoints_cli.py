@@ -1,4 +1,4 @@
-"""`infermesh model keygen | publish | sync` (mesh/cli.py adds these to `infermesh model`)."""
+"""`infermesh model keygen | publish | sync` (infermesh/cli.py adds these to `infermesh model`)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from mesh.chat import ROLES, Message
-from mesh.clients.router import GenerateSpec, Sampling
+from mesh.clients.router_client import GenerateSpec, Sampling
 from mesh.request_limits import (
     BIAS,
     MAX_LOGIT_BIAS,

@@ -22,11 +22,11 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from infermesh.supervise import supervise
 from mesh import credentials
 from mesh.grpcutil import check_health
 from mesh.models import canonical, home, served_model
 from mesh.pki import ensure_mesh_ca
-from mesh.supervise import supervise
 from services.cache.config import EMBEDDED, redis_address
 
 log = logging.getLogger("launcher")
@@ -38,7 +38,7 @@ ENGINE_METRICS_BASE_PORT = 9100
 ROUTER_METRICS_PORT = 9180
 TOKENIZER_METRICS_PORT = 9181
 CACHE_METRICS_PORT = 9182              # the edge serves /metrics on its HTTP port
-LAUNCHER_METRICS_PORT = 9183           # the launcher's own: restarts (mesh/supervise.py)
+LAUNCHER_METRICS_PORT = 9183           # the launcher's own: restarts (infermesh/supervise.py)
 ROUTER_METRICS_BASE_PORT, TOKENIZER_METRICS_BASE_PORT = 9160, 9170   # router-i / tokenizer-i, i >= 1 (+ i)
 FALLBACK_CONFIDENCE = 0.8
 
@@ -58,8 +58,8 @@ class MeshConfig:
     ready_timeout_s: float = 300.0
     mesh_tls: bool = True              # mutual TLS between the services; False: plaintext (debugging)
     mesh_ca: str = ""                  # the mesh CA folder; "": <infermesh home>/mesh-ca
-    restart: bool = True               # restart a child that dies (mesh/supervise.py); False: report it
-    routers: int = 1                   # router replicas: the edge spreads over them (mesh/clients/routers.py)
+    restart: bool = True               # restart a child that dies (infermesh/supervise.py); False: report it
+    routers: int = 1                   # router replicas: the edge spreads over them (mesh/clients/router_pool.py)
     tokenizers: int = 1                # tokenizer replicas: each router balances over them
     cache_dir: str = ""                # the cache service's disk tier and sessions; "": under home; "none": memory
     session_store: str = EMBEDDED      # the cache service's --session-store: embedded (in cache_dir) or redis://...

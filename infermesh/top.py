@@ -39,13 +39,13 @@ class Row(NamedTuple):
     p99_ms: float
 
 
-class Snapshot(NamedTuple):
+class TopSnapshot(NamedTuple):
     router: str
     rows: list[Row]
     load_entropy: float
 
 
-def from_pb(router: str, reply: router_pb2.ListReplicasResponse) -> Snapshot:
+def from_pb(router: str, reply: router_pb2.ListReplicasResponse) -> TopSnapshot:
     rows = []
     for r in reply.replicas:
         load = r.load
@@ -53,10 +53,10 @@ def from_pb(router: str, reply: router_pb2.ListReplicasResponse) -> Snapshot:
         state = "isolated" if r.isolation else "up" if r.healthy else "down"
         rows.append(Row(r.replica_id, r.model, r.model_version, r.region, state, r.breaker or "closed", r.in_flight,
                         load.running, load.waiting, kv, load.tokens_per_second, load.p99_latency_ms))
-    return Snapshot(router, rows, reply.load_entropy)
+    return TopSnapshot(router, rows, reply.load_entropy)
 
 
-async def fetch(router: str, timeout: float = 2.0) -> Snapshot:
+async def fetch(router: str, timeout: float = 2.0) -> TopSnapshot:
     # With API keys configured the router asks a native caller for one: $INFERMESH_API_KEY.
     key = os.environ.get("INFERMESH_API_KEY", "")
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
@@ -78,7 +78,7 @@ def _tone(column: str, value: str) -> str:
     return ""
 
 
-def render(snap: Snapshot, color: bool = False, now: float | None = None) -> str:
+def render(snap: TopSnapshot, color: bool = False, now: float | None = None) -> str:
     """The screen for one snapshot (no clear code: the caller adds it)."""
     def paint(text: str, tone: str) -> str:
         return f"{COLORS[tone]}{text}{RESET}" if color and tone else text

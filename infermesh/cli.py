@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def _cmd_up(a: argparse.Namespace) -> int:
-    from mesh.launcher import MeshConfig, run
+    from infermesh.launcher import MeshConfig, run
 
     try:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
@@ -119,8 +119,8 @@ async def _chat_http3(a: argparse.Namespace, body: dict[str, object], headers: d
 
 
 def _cmd_model(a: argparse.Namespace) -> int:
+    from infermesh import checkpoints_cli as checkpoints
     from mesh import models
-    from mesh.checkpoints import cli as checkpoints
 
     if a.action in checkpoints.ACTIONS:
         return checkpoints.run(a)
@@ -182,7 +182,8 @@ def engine_view(folder: Path) -> str:
 def _cmd_top(a: argparse.Namespace) -> int:
     import os
 
-    from mesh import credentials, top
+    from infermesh import top
+    from mesh import credentials
     from mesh.models import home
 
     # `infermesh up` runs mutual TLS by default: present the mesh's client leaf when there is one.
@@ -215,7 +216,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from mesh.checkpoints import cli as checkpoints  # light: its commands import their libraries when run
+    from infermesh import checkpoints_cli as checkpoints  # light: its commands import their libraries when run
 
     p = argparse.ArgumentParser(prog="infermesh", description="LLM serving as a mesh of gRPC services")
     sub = p.add_subparsers(dest="command", required=True)
