@@ -169,7 +169,7 @@ def test_the_readme_states_the_launchers_ports() -> None:
                  f"gRPC {launcher.TOKENIZER_PORT}", f"gRPC {launcher.CACHE_PORT}",
                  f"gRPC {launcher.ENGINE_BASE_PORT}+N, metrics {launcher.ENGINE_METRICS_BASE_PORT}+N",
                  f"port {launcher.ROUTER_METRICS_PORT}"):
-        assert text in readme, f"neither README.md nor docs/architecture.md says {text!r} (infermesh/launcher.py's ports)"
+        assert text in readme, f"neither README.md nor docs/architecture.md says {text!r} (launcher ports)"
 
 
 # --- Dockerfile ----------------------------------------------------------------------------------
