@@ -7,7 +7,7 @@ parses is logged and the last good one kept, so a typo never locks every caller 
 - INFERMESH_API_KEYS_FILE: a key per line, then optional fields,
   `KEY [tenant=NAME] [tier=NAME] [signing_secret=SECRET]`; keys sharing a tenant share its sessions,
   prefix caches and cached responses; a signing secret makes HMAC-signed requests mandatory for
-  the key (services/edge/signing.py).
+  the key (mesh/signing.py).
 - INFERMESH_TIERS_FILE: JSON, tier name -> {"requests": "60/m", "tokens": "20000/m", "priority":
   "interactive"|"batch", "cache_class": "premium"|"standard"|"batch"}; every field optional.  The tier
   "standard" (any key without one) takes the edge's --rate-limit and --token-limit unless the file
