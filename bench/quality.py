@@ -83,9 +83,8 @@ def generate(folder: Path, dtype: str, matmul: str, ids: list[list[int]], tokens
         for i in range(first, min(first + size, len(ids))):
             engine.add(engine.make_request(str(i), ids[i], SamplingParams(max_tokens=tokens, ignore_eos=True,
                                                                           logprobs=True)))
-        while engine.has_work():
-            for step in engine.step():
-                out[step.request_id] += [(lp.token_id, lp.logprob) for lp in step.logprobs]
+        for rid, outs in engine.run_until_idle().items():
+            out[rid] += [(lp.token_id, lp.logprob) for step in outs for lp in step.logprobs]
     seconds = time.perf_counter() - started
     return ([[t for t, _ in out[str(i)]] for i in range(len(ids))],
             [[lp for _, lp in out[str(i)]] for i in range(len(ids))], seconds)

@@ -9,13 +9,14 @@ exported, the replica is announced to discovery, and on a signal it stops gracef
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from mesh import credentials
-from mesh.discovery import Endpoint, HealthCheck, advertise_address, announce
+from mesh.discovery import BACKENDS, Endpoint, HealthCheck, advertise_address, announce
 from mesh.grpcutil import Service, setup_logging
 from mesh.telemetry import serve_metrics, setup_tracing, shutdown_tracing
 
@@ -33,6 +34,19 @@ class Hosted(Protocol):
     def discovery(self) -> str: ...
     @property
     def tls_dir(self) -> str: ...
+
+
+def add_service_flags(parser: argparse.ArgumentParser, kind: str, port: int | None = None) -> None:
+    """The flags every service takes, declared once: --replica-id (`KIND-0`), --host, --advertise, --port
+    (given the service's default; the edge has its own HTTP ports instead), --discovery and --tls-dir."""
+    parser.add_argument("--replica-id", default=f"{kind}-0")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    parser.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                        help="the address registered for other hosts to reach (default: --host, or this host's name)")
+    if port is not None:
+        parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--discovery", choices=BACKENDS, default="static")
+    parser.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
 
 
 def run_service(kind: str, config: Hosted, serve: Callable[[Any], Coroutine[Any, Any, None]]) -> None:

@@ -8,10 +8,9 @@ import logging
 import time
 from pathlib import Path
 
-from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
 from mesh.grpcutil import MAX_MESSAGE_BYTES, Service
-from mesh.service import run_service, serve_grpc
+from mesh.service import add_service_flags, run_service, serve_grpc
 from services.cache.block_metrics import watch
 from services.cache.config import EMBEDDED, REDIS_FORM, CacheConfig
 from services.cache.eviction import POLICIES
@@ -36,14 +35,8 @@ def parse_weights(text: str) -> tuple[tuple[str, float], ...]:
 
 def parse(argv: list[str] | None = None) -> CacheConfig:
     p = argparse.ArgumentParser(prog="python -m services.cache")
-    p.add_argument("--replica-id", default="cache-0")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
-    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
-    p.add_argument("--port", type=int, default=50053)
+    add_service_flags(p, "cache", port=50053)
     p.add_argument("--session-ttl", type=float, default=CacheConfig.session_ttl_s, help="seconds")
-    p.add_argument("--discovery", choices=BACKENDS, default="static")
-    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--hot-mb", type=int, default=CacheConfig.hot_mb, help="RAM tier budget for KV blocks (MiB)")
     p.add_argument("--cold-dir", default=CacheConfig.cold_dir,
                    help="disk tier folder, kept across restarts (default: no disk tier)")

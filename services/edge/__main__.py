@@ -15,11 +15,11 @@ from pathlib import Path
 
 from mesh.apikeys import load_keys
 from mesh.clients.router_pool import RouterPool
-from mesh.discovery import BACKENDS, HealthCheck, advertise_address, make_discovery
+from mesh.discovery import HealthCheck, advertise_address, make_discovery
 from mesh.envargs import apply_env
 from mesh.models import home
 from mesh.ratelimit import parse_rate
-from mesh.service import announce_self, run_service, wait_for_signal
+from mesh.service import add_service_flags, announce_self, run_service, wait_for_signal
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.http3 import serve_http3
@@ -32,10 +32,7 @@ log = logging.getLogger("edge")
 
 def parse(argv: list[str] | None = None) -> EdgeConfig:
     p = argparse.ArgumentParser(prog="python -m services.edge")
-    p.add_argument("--replica-id", default="edge-0")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
+    add_service_flags(p, "edge")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--http3-port", type=int, default=8443, help="0 disables HTTP/3")
     p.add_argument("--router", action="append", default=[], metavar="HOST:PORT[,HOST:PORT...]",
@@ -43,8 +40,6 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                         "stream whose router dies resumes on another (default 127.0.0.1:50051; with --discovery "
                         "consul, also every router registered there)")
     p.add_argument("--cert-dir", default="", help="default: <infermesh home>/tls")
-    p.add_argument("--discovery", choices=BACKENDS, default="static")
-    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     p.add_argument("--max-messages", type=int, default=1000, help="longer chat `messages` get 400")
     p.add_argument("--rate-limit", default=os.environ.get("INFERMESH_RATE_LIMIT", ""),

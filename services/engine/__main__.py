@@ -15,12 +15,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402 - after the allocator's setting
 
-from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.models import served_model
 from mesh.ratelimit import parse_rate
-from mesh.service import run_service, serve_grpc
+from mesh.service import add_service_flags, run_service, serve_grpc
 from services.engine import kv_transfer, plan, speculate
 from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, KV_DTYPES, EngineConfig
 from services.engine.engine import Engine
@@ -36,11 +35,7 @@ log = logging.getLogger("engine")
 
 def parse(argv: list[str] | None = None) -> EngineConfig:
     p = argparse.ArgumentParser(prog="python -m services.engine")
-    p.add_argument("--replica-id", default="engine-0")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
-    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
-    p.add_argument("--port", type=int, default=50060)
+    add_service_flags(p, "engine", port=50060)
     p.add_argument("--model", default="default", help="NAME or NAME=FOLDER")
     p.add_argument("--model-version", default="1")
     p.add_argument("--region", default="local")
@@ -68,8 +63,6 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                         "--max-running (cuda), else off; off: launch every kernel from Python; eager: the "
                         "graphs' padded buffers without capture")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
-    p.add_argument("--discovery", choices=BACKENDS, default="static")
-    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--cache", default="", metavar="HOST:PORT",
                    help="the shared KV-cache service: load prompt blocks other engines computed (default: none)")
     p.add_argument("--cache-tenant", default=EngineConfig.cache_tenant,

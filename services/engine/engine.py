@@ -109,6 +109,15 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._inbox) or bool(self._aborts) or self.scheduler.has_work()
 
+    def run_until_idle(self) -> dict[str, list[StepOutput]]:
+        """Step until every request has ended, for callers in-process (tests, benches; the server steps in its
+        own loop): each request's outputs in order."""
+        outputs: dict[str, list[StepOutput]] = {}
+        while self.has_work():
+            for out in self.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        return outputs
+
     @property
     def num_waiting(self) -> int:
         return len(self._inbox) + self.scheduler.num_waiting

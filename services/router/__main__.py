@@ -7,11 +7,11 @@ import logging
 import os
 
 from mesh.apikeys import load_keys
-from mesh.discovery import BACKENDS, Endpoint, load_endpoints, parse_endpoint
+from mesh.discovery import Endpoint, load_endpoints, parse_endpoint
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.ratelimit import Rate, parse_rate
-from mesh.service import run_service, serve_grpc
+from mesh.service import add_service_flags, run_service, serve_grpc
 from meshpb.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.failover import Evaluation, load_evaluations
@@ -23,11 +23,7 @@ log = logging.getLogger("router")
 
 def parse(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m services.router")
-    p.add_argument("--replica-id", default="router-0")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
-    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
-    p.add_argument("--port", type=int, default=50051)
+    add_service_flags(p, "router", port=50051)
     p.add_argument("--tokenizer", action="append", default=[], metavar="HOST:PORT[,HOST:PORT...]",
                    help="a tokenizer replica; repeat (or comma-separate) for several: calls go to them in turn, "
                         "each behind its own breaker (default 127.0.0.1:50052)")
@@ -41,8 +37,6 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--region", default="local")
     p.add_argument("--policy", choices=sorted(POLICIES), default=RouterConfig.policy, metavar="POLICY",
                    help="round_robin|least_load|balancing[+region][+prefix][+session] (default %(default)s)")
-    p.add_argument("--discovery", choices=BACKENDS, default="static")
-    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--fallback", action="append", default=[], metavar="MODEL=NEXT:CONFIDENCE",
                    help="level-3 failover: when MODEL has no usable replica, serve NEXT (degraded, with that "

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from mesh.discovery import BACKENDS
 from mesh.envargs import apply_env
 from mesh.grpcutil import REQUEST_MESSAGE_BYTES, Service
 from mesh.models import served_model
-from mesh.service import run_service, serve_grpc
+from mesh.service import add_service_flags, run_service, serve_grpc
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.limits import MAX_INPUT_BYTES, MAX_MESSAGES, InputLimits
 from services.tokenizer.server import TokenizerServicer, add_to
@@ -20,14 +19,8 @@ log = logging.getLogger("tokenizer")
 
 def parse(argv: list[str] | None = None) -> TokenizerConfig:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer")
-    p.add_argument("--replica-id", default="tokenizer-0")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
-    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                   help="the address registered for other hosts to reach (default: --host, or this host's name)")
-    p.add_argument("--port", type=int, default=50052)
+    add_service_flags(p, "tokenizer", port=50052)
     p.add_argument("--model", action="append", default=[], help="NAME or NAME=FOLDER; repeat for more")
-    p.add_argument("--discovery", choices=BACKENDS, default="static")
-    p.add_argument("--tls-dir", default="", help="mutual TLS: folder of ca.crt, tls.crt, tls.key")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     p.add_argument("--max-input-bytes", type=int, default=MAX_INPUT_BYTES,
                    help="larger prompts (or chats, all contents together) are refused before tokenizing")

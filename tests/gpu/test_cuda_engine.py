@@ -48,11 +48,7 @@ def generate(r: ModelRunner, prompts: list[list[int]], n: int) -> dict[str, list
     engine = Engine(r, scheduler=SchedulerConfig(max_batched_tokens=64, max_running=8))
     for i, p in enumerate(prompts):
         engine.add(engine.make_request(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True)))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_ids)
-    return out
+    return {rid: [t for o in outs for t in o.new_ids] for rid, outs in engine.run_until_idle().items()}
 
 
 PROMPTS = [[5, 9, 100], list(range(1, 40)), [7] * 17, list(range(200, 216))]

@@ -18,7 +18,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.plan import decide
-from services.engine.request import SamplingParams, StepOutput
+from services.engine.request import SamplingParams
 from services.router.config import RouterConfig
 from tests.service.test_router import chat, collect, run, running
 
@@ -47,10 +47,7 @@ def test_block_manager_shares_within_a_salt_only() -> None:
 
 def _cached_tokens(engine: Engine, request_id: str, prompt: list[int], salt: bytes) -> int:
     engine.add(engine.make_request(request_id, prompt, SamplingParams(max_tokens=2), cache_salt=salt))
-    outs: list[StepOutput] = []
-    while engine.has_work():
-        outs.extend(engine.step())
-    return outs[-1].cached_tokens
+    return engine.run_until_idle()[request_id][-1].cached_tokens
 
 
 @pytest.fixture(scope="module")

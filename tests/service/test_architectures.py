@@ -96,11 +96,7 @@ def generate(runner: ModelRunner, budget: int = 512) -> dict[str, list[int]]:
     engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=budget))
     for i, prompt in enumerate(PROMPTS):
         engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=NEW, ignore_eos=True)))
-    got: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id] += out.new_ids
-    return got
+    return {rid: [t for out in outs for t in out.new_ids] for rid, outs in engine.run_until_idle().items()}
 
 
 def test_the_config_is_read_as_transformers_reads_it(case: tuple[str, Path, Any]) -> None:
@@ -257,10 +253,7 @@ def test_fast_modes_keep_logprobs_within_a_stated_tolerance(case: tuple[str, Pat
                                 block_size=4))
     for i, prompt in enumerate(PROMPTS):
         engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)))
-    got: dict[str, list[Any]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.logprobs)
+    got = {rid: [lp for out in outs for lp in out.logprobs] for rid, outs in engine.run_until_idle().items()}
     for i, prompt in enumerate(PROMPTS):
         ids = [lp.token_id for lp in got[str(i)]]
         with torch.inference_mode():
@@ -296,10 +289,7 @@ def test_dynamic_ntk_rope_rotates_as_transformers_generate_does(tmp_path: Path) 
     engine = Engine(runner, scheduler=SchedulerConfig(max_batched_tokens=16))
     for i, prompt in enumerate(prompts):
         engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=30, ignore_eos=True, logprobs=True)))
-    got: dict[str, list[Any]] = {"0": [], "1": []}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id] += out.logprobs
+    got = {rid: [lp for out in outs for lp in out.logprobs] for rid, outs in engine.run_until_idle().items()}
     for i in range(2):
         assert [lp.token_id for lp in got[str(i)]] == want[i]
         # The logprobs too: a theta off by a few percent moves them far more than float32 rounding does.

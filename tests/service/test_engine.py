@@ -45,13 +45,9 @@ def chat_ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
 
 def run(engine: Engine, *requests) -> dict[str, list[StepOutput]]:  # type: ignore[no-untyped-def]
     """Add the requests and step until the engine is idle."""
-    outputs: dict[str, list[StepOutput]] = {}
     for r in requests:
         engine.add(r)
-    while engine.has_work():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
+    return engine.run_until_idle()
 
 
 def tokens(outs: list[StepOutput]) -> list[int]:

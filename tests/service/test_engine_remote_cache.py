@@ -45,11 +45,8 @@ def prompt(model_dir: Path) -> list[int]:
 
 
 def run(engine: Engine, request_id: str, ids: list[int]) -> list[StepOutput]:
-    outs: list[StepOutput] = []
     engine.add(engine.make_request(request_id, ids, SamplingParams(max_tokens=12)))
-    while engine.has_work():
-        outs.extend(engine.step())
-    return outs
+    return engine.run_until_idle()[request_id]
 
 
 def remote(address: str, runner: ModelRunner, **kwargs: float) -> RemoteCache:

@@ -89,14 +89,12 @@ def test_a_failed_step_fails_the_requests_it_ran_and_no_others(folder: Path) -> 
     assert engine.num_waiting == 1                      # b was held back, outside the batch
     failed = engine.fail_step()
     assert [(o.request_id, o.finish_reason) for o in failed] == [("a", FinishReason.ERROR)]
-    outs = []
-    while engine.has_work():
-        outs += engine.step()
-    assert [o.request_id for o in outs] == ["b"] * 3 and outs[-1].finish_reason is FinishReason.LENGTH
+    outs = engine.run_until_idle()
+    assert list(outs) == ["b"] and len(outs["b"]) == 3 and outs["b"][-1].finish_reason is FinishReason.LENGTH
     alone = Engine(make_runner(folder))
     alone.add(alone.make_request("b", [5, 6, 7], params))
     ref = [t for _ in range(3) for o in alone.step() for t in o.new_ids]
-    assert [t for o in outs for t in o.new_ids] == ref
+    assert [t for o in outs["b"] for t in o.new_ids] == ref
     assert engine.blocks.num_used_blocks == 0 and not engine.has_work()
 
 

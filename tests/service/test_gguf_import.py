@@ -86,10 +86,7 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch
     engine = Engine(runner)
     for i, prompt in enumerate(prompts):
         engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
-    got: dict[str, list[int]] = {"0": [], "1": []}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id] += out.new_ids
+    got = {rid: [t for out in outs for t in out.new_ids] for rid, outs in engine.run_until_idle().items()}
     converted.generation_config.eos_token_id = None
     for i, prompt in enumerate(prompts):
         with torch.inference_mode():
@@ -149,8 +146,5 @@ def _generate(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, list[t
     engine = Engine(runner)
     for i, prompt in enumerate(prompts):
         engine.add(engine.make_request(str(i), prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)))
-    got: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
-    return got
+    return {rid: [(lp.token_id, lp.logprob) for out in outs for lp in out.logprobs]
+            for rid, outs in engine.run_until_idle().items()}
