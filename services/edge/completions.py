@@ -225,7 +225,7 @@ class Completions:
                             emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Each choice's chunks as its deltas come, then the usage chunk; a router error as an error event
         (emit raises SlowReader for a client that does not take a chunk in time, error event included)."""
-        chat, rid, deltas, answers = hop.chat, hop.rid, hop.deltas, hop.answers
+        chat, deltas, answers, head = hop.chat, hop.deltas, hop.answers, responses.StreamHead(hop.chat, hop.rid, model)
         try:
             while item is not None:
                 index, d = item
@@ -236,12 +236,12 @@ class Completions:
                 pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
                 if not chat and answer.echo and not answer.started:
                     answer.started = True
-                    await emit(responses.chunk_body(chat, rid, model, answer.echo, index=index,
+                    await emit(responses.chunk_body(head, answer.echo, index=index,
                                                     logprobs=answer.echo_logprobs()))
                 # A delta's logprobs ride on its text chunk (the stop matcher may hold text back, so a
                 # chunk can carry tokens and no text yet).
                 if pieces or logprobs or not answer.started:
-                    await emit(responses.chunk_body(chat, rid, model, "".join(p for p in pieces if isinstance(p, str)),
+                    await emit(responses.chunk_body(head, "".join(p for p in pieces if isinstance(p, str)),
                                                     logprobs=logprobs, index=index,
                                                     delta=answer.delta(pieces) if chat else None))
                     answer.started = True
@@ -250,13 +250,13 @@ class Completions:
                     answer.stop_call()
                 if answer.final is not None:
                     answer.cut = True
-                    await emit(responses.chunk_body(chat, rid, model, "", answer.finish_reason, final=answer.final,
+                    await emit(responses.chunk_body(head, "", answer.finish_reason, final=answer.final,
                                                     index=index))
                 item = await anext(deltas, None)
             use = choices.usage(answers, hop.n)
             hop.charge.used = use["total_tokens"]
             if hop.include_usage:
-                await emit(responses.usage_chunk(chat, rid, model, use, choices.meta(answers)))
+                await emit(responses.usage_chunk(head, use, choices.meta(answers)))
             COMPLETION_TOKENS.inc(use["completion_tokens"])
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())
