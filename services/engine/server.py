@@ -133,12 +133,13 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
         waiting for theirs never delay it."""
         grammars = self.engine.grammars
         try:
-            req.matcher = matcher = None if req.resume_ids else grammars.cached_matcher(constraint)
-            if matcher is None:
-                req.matcher = matcher = await asyncio.to_thread(grammars.matcher, constraint, req.resume_ids, tenant)
+            cached = None if req.resume_ids else grammars.cached_matcher(constraint)
+            matcher = cached if cached is not None else \
+                await asyncio.to_thread(grammars.matcher, constraint, req.resume_ids, tenant)
         except (CompileRefused, ConstraintRefused) as exc:
             self.metrics.constrained(exc.reason)
             raise
+        req.matcher = matcher
         self.metrics.constrained("cached" if matcher.cached else "compiled")
 
     @rpc_errors
