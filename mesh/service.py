@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mesh import credentials
@@ -76,18 +77,26 @@ async def wait_for_signal(*also: Awaitable[Any]) -> None:
             waiter.cancel()
 
 
+@dataclass(frozen=True)
+class Advertised:
+    """What discovery tells of a replica beyond its address: the model and version it serves, its region."""
+    model: str = ""
+    model_version: str = ""
+    region: str = "local"
+
+
 async def announce_self(kind: str, config: Hosted, port: int, *, check: HealthCheck | None = None,
-                        model: str = "", model_version: str = "", region: str = "local"
-                        ) -> Callable[[], Awaitable[None]]:
+                        advertised: Advertised = Advertised()) -> Callable[[], Awaitable[None]]:
     """Register this replica with the config's discovery backend; returns the withdraw coroutine."""
     address = advertise_address(config.host, port, config.advertise)
-    endpoint = Endpoint(kind, config.replica_id, address, model=model, model_version=model_version, region=region)
+    endpoint = Endpoint(kind, config.replica_id, address, model=advertised.model,
+                        model_version=advertised.model_version, region=advertised.region)
     return await announce(config.discovery, endpoint, check)
 
 
 async def serve_grpc(kind: str, config: Hosted, service: Service, *, metrics_port: int = 0,
                      ready: bool = True, on_stop: Callable[[], Awaitable[None]] | None = None,
-                     model: str = "", model_version: str = "", region: str = "local",
+                     advertised: Advertised = Advertised(),
                      on_announced: Callable[[Callable[[], Awaitable[None]]], None] | None = None) -> None:
     """Start `service` (its servicers already added), export metrics, report SERVING unless the
     service decides that itself (`ready=False`), announce, and serve until a signal.  Then health
@@ -97,8 +106,7 @@ async def serve_grpc(kind: str, config: Hosted, service: Service, *, metrics_por
     serve_metrics(metrics_port, config.host)
     if ready:
         await service.ready()
-    announced = await announce_self(kind, config, service.port, model=model, model_version=model_version,
-                                    region=region)
+    announced = await announce_self(kind, config, service.port, advertised=advertised)
     withdrawn = False
 
     async def withdraw() -> None:

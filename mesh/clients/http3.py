@@ -165,7 +165,7 @@ class H3Client:
     about one round trip later than a plain full handshake would have answered.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 -- keyword-only connection options, as aioquic's own connect() takes them
         self,
         host: str,
         port: int,

@@ -73,13 +73,7 @@ class EdgeApp:
         scope["infermesh.t0"] = time.perf_counter()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         method, path = scope["method"], scope["path"]
-        route = self.routes.get((method, path))
-        admin = (path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
-                 or path == CONSOLE)
-        if path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
-            route = self.admin
-        elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):
-            route = self.replicas
+        route, admin = self._resolve(method, path)
         status = 500
         started = False
 
@@ -92,18 +86,7 @@ class EdgeApp:
             await send(message)
 
         try:
-            requests.check_headers(scope.get("headers", []))
-            if route is None:
-                if path in ROUTES or admin:
-                    raise ApiError(405, f"method {shown(method)} is not allowed on {path}", code="method_not_allowed")
-                raise ApiError(404, f"no route {shown(method)} {shown(path)}", kind="not_found_error", code=None)
-            if admin:
-                self.admission.check_admin(scope, headers)
-            elif path not in PUBLIC:
-                scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
-                if method == "GET":
-                    self.admission.check_signature(caller, scope, headers, b"")
-                self.admission.limit_requests(caller)
+            route = self._admit(scope, headers, route, admin)
             status = await route(scope, headers, receive, tracked_send)
         except ApiError as exc:
             status = exc.status
@@ -118,6 +101,35 @@ class EdgeApp:
             who = scope.get("infermesh.caller")
             if who is not None:
                 TENANT_REQUESTS.labels(who.label, who.tier.name, str(status)).inc()
+
+    def _resolve(self, method: str, path: str) -> tuple[Route | None, bool]:
+        """The handler of `method path` (None: there is none) and whether the path is an admin one."""
+        route = self.routes.get((method, path))
+        admin = (path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
+                 or path == CONSOLE)
+        if path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
+            route = self.admin
+        elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):
+            route = self.replicas
+        return route, admin
+
+    def _admit(self, scope: Scope, headers: dict[str, str], route: Route | None, admin: bool) -> Route:
+        """`route`, once the request may reach it (raises ApiError): sane headers, a route for it (404,
+        405), the admin token on admin paths, elsewhere (not public) the caller's key, signature and rate."""
+        method, path = scope["method"], scope["path"]
+        requests.check_headers(scope.get("headers", []))
+        if route is None:
+            if path in ROUTES or admin:
+                raise ApiError(405, f"method {shown(method)} is not allowed on {path}", code="method_not_allowed")
+            raise ApiError(404, f"no route {shown(method)} {shown(path)}", kind="not_found_error", code=None)
+        if admin:
+            self.admission.check_admin(scope, headers)
+        elif path not in PUBLIC:
+            scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
+            if method == "GET":
+                self.admission.check_signature(caller, scope, headers, b"")
+            self.admission.limit_requests(caller)
+        return route
 
     # -- simple routes -----------------------------------------------------------------
     async def health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:

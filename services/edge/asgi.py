@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 from services.edge.errors import ApiError
 
@@ -17,6 +17,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+T = TypeVar("T")
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
@@ -64,3 +65,19 @@ async def read_body(receive: Receive, headers: dict[str, str], limit: int, timeo
 async def wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive) -> T | None:
+    """`work`'s result, or None when the client disconnects first: `work` is then cancelled (a
+    router call cancelled is its gRPC stream cancelled, and the engine's work aborted)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    left = True
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        left = not task.done()
+    finally:
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if left else task.result()

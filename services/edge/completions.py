@@ -18,7 +18,8 @@ import functools
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -29,7 +30,7 @@ from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
 from services.edge import choices, model_inputs, requests, responses
 from services.edge.admission import Admission, Charge
-from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, wait_disconnect
+from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, unless_gone, wait_disconnect
 from services.edge.choices import Choice, fan_out
 from services.edge.classifier import Classifier
 from services.edge.config import EdgeConfig
@@ -42,23 +43,20 @@ from services.edge.tenants import AuthenticatedCaller
 
 Deltas = AsyncGenerator[tuple[int, Delta], None]     # services/edge/choices.py: fan_out
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-T = TypeVar("T")
 
 
-async def unless_gone(work: Awaitable[T], receive: Receive) -> T | None:
-    """`work`'s result, or None when the client disconnects first: `work` is then cancelled (a
-    router call cancelled is its gRPC stream cancelled, and the engine's work aborted)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_disconnect(receive))
-    left = True
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        left = not task.done()
-    finally:
-        for t in (task, gone):
-            t.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
-    return None if left else task.result()
+@dataclass(frozen=True)
+class CompletionHop:
+    """What answering one request carries from the router's deltas to the client: chat or completions,
+    the response id, the fanned-out deltas and each choice's answer, `n`, whether a stream ends with a
+    usage chunk (stream_options.include_usage), and the caller's admission charge (its usage settled)."""
+    chat: bool
+    rid: str
+    deltas: Deltas
+    answers: list[Choice]
+    n: int
+    include_usage: bool
+    charge: Charge
 
 
 class Completions:
@@ -136,12 +134,12 @@ class Completions:
                                                 attributes={"request_id": rid, "stream": stream,
                                                             "choices": len(answers)}):
                 deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
+                hop = CompletionHop(chat, rid, deltas, answers, spec.n, include_usage, charge)
                 whole = None
                 if stream:
-                    status = await self._stream(chat, rid, deltas, answers, spec.n, include_usage, charge, receive,
-                                                send)
+                    status = await self._stream(hop, receive, send)
                 else:
-                    status, whole = await self._whole(chat, rid, deltas, answers, spec.n, charge, receive, send)
+                    status, whole = await self._whole(hop, receive, send)
                 # Never cached: an answer cut by the rules, or one whose top_logprobs lost an alternative.
                 if key is not None and status == 200 and all(a.final is not None and not a.blocked
                                                              and not a.filtered for a in answers):
@@ -155,29 +153,27 @@ class Completions:
             if charge.used:
                 TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
-    async def _whole(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
-                     n: int, charge: Charge, receive: Receive, send: Send) -> tuple[int, dict[str, Any] | None]:
+    async def _whole(self, hop: CompletionHop, receive: Receive, send: Send) -> tuple[int, dict[str, Any] | None]:
         """The status and the answer sent (None when the client left)."""
-        started = time.monotonic()
+        answers, charge, started = hop.answers, hop.charge, time.monotonic()
         # The client may leave while the answer is collected, with no write to notice it by:
         # watch for its disconnect, or an abandoned request would run to max_tokens.
-        if await unless_gone(_collect(deltas, answers, charge), receive) is None:
+        if await unless_gone(_collect(hop.deltas, answers, charge), receive) is None:
             return 499, None
-        use = choices.usage(answers, n)
+        use = choices.usage(answers, hop.n)
         charge.used = use["total_tokens"]
         DURATION.observe(time.monotonic() - started)
         COMPLETION_TOKENS.inc(use["completion_tokens"])
-        body = _whole_body(chat, rid, answers, use)
+        body = _whole_body(hop.chat, hop.rid, answers, use)
         await send_json(send, 200, body)
         return 200, body
 
-    async def _stream(self, chat: bool, rid: str, deltas: Deltas, answers: list[Choice],
-                      n: int, include_usage: bool, charge: Charge, receive: Receive, send: Send) -> int:
+    async def _stream(self, hop: CompletionHop, receive: Receive, send: Send) -> int:
         started = time.monotonic()
         # Pull the first delta before answering, so an early error is still a proper 4xx/5xx.
         try:
-            first = await anext(deltas)
-            charge.started = True
+            first = await anext(hop.deltas)
+            hop.charge.started = True
         except grpc.aio.AioRpcError as err:
             raise from_grpc(err) from None
         except StopAsyncIteration:
@@ -187,8 +183,7 @@ class Completions:
         d = first[1]
         model = d.served_by.model if d.served_by else ""
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        relay = asyncio.ensure_future(self._relay(chat, rid, model, first, deltas, answers, n, include_usage, charge,
-                                                  send))
+        relay = asyncio.ensure_future(self._relay(hop, model, first, send))
         gone = asyncio.ensure_future(wait_disconnect(receive))
         done, _ = await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         if relay not in done:
@@ -200,9 +195,7 @@ class Completions:
         DURATION.observe(time.monotonic() - started)
         return 200
 
-    async def _relay(self, chat: bool, rid: str, model: str, first: tuple[int, Delta],
-                     deltas: Deltas, answers: list[Choice], n: int, include_usage: bool,
-                     charge: Charge, send: Send) -> None:
+    async def _relay(self, hop: CompletionHop, model: str, first: tuple[int, Delta], send: Send) -> None:
         async def emit(obj: dict[str, Any]) -> None:
             # A client that does not take a chunk in time (its transport buffer full) is cut off: waiting
             # for it would hold an engine slot, and edge memory, for as long as it cares to read.
@@ -218,21 +211,21 @@ class Completions:
                 raise SlowReader from None
 
         try:
-            await self._relay_deltas(chat, rid, model, first, deltas, answers, n, include_usage, charge, emit)
+            await self._relay_deltas(hop, model, first, emit)
         except SlowReader:
             SLOW_READERS.inc()
             await _last_words(send, error_body(
                 f"the client did not accept the stream's data within {self.config.stream_send_timeout_s:g} s "
                 "(--stream-send-timeout); the generation was stopped", "invalid_request_error", "slow_reader"))
-            await deltas.aclose()            # ends the router calls now: the engines stop generating
+            await hop.deltas.aclose()        # ends the router calls now: the engines stop generating
             return
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    async def _relay_deltas(self, chat: bool, rid: str, model: str, item: tuple[int, Delta] | None, deltas: Deltas,
-                            answers: list[Choice], n: int, include_usage: bool, charge: Charge,
+    async def _relay_deltas(self, hop: CompletionHop, model: str, item: tuple[int, Delta] | None,
                             emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Each choice's chunks as its deltas come, then the usage chunk; a router error as an error event
         (emit raises SlowReader for a client that does not take a chunk in time, error event included)."""
+        chat, deltas, answers, head = hop.chat, hop.deltas, hop.answers, responses.StreamHead(hop.chat, hop.rid, model)
         try:
             while item is not None:
                 index, d = item
@@ -243,12 +236,12 @@ class Completions:
                 pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
                 if not chat and answer.echo and not answer.started:
                     answer.started = True
-                    await emit(responses.chunk_body(chat, rid, model, answer.echo, index=index,
+                    await emit(responses.chunk_body(head, answer.echo, index=index,
                                                     logprobs=answer.echo_logprobs()))
                 # A delta's logprobs ride on its text chunk (the stop matcher may hold text back, so a
                 # chunk can carry tokens and no text yet).
                 if pieces or logprobs or not answer.started:
-                    await emit(responses.chunk_body(chat, rid, model, "".join(p for p in pieces if isinstance(p, str)),
+                    await emit(responses.chunk_body(head, "".join(p for p in pieces if isinstance(p, str)),
                                                     logprobs=logprobs, index=index,
                                                     delta=answer.delta(pieces) if chat else None))
                     answer.started = True
@@ -257,13 +250,13 @@ class Completions:
                     answer.stop_call()
                 if answer.final is not None:
                     answer.cut = True
-                    await emit(responses.chunk_body(chat, rid, model, "", answer.finish_reason, final=answer.final,
+                    await emit(responses.chunk_body(head, "", answer.finish_reason, final=answer.final,
                                                     index=index))
                 item = await anext(deltas, None)
-            use = choices.usage(answers, n)
-            charge.used = use["total_tokens"]
-            if include_usage:
-                await emit(responses.usage_chunk(chat, rid, model, use, choices.meta(answers)))
+            use = choices.usage(answers, hop.n)
+            hop.charge.used = use["total_tokens"]
+            if hop.include_usage:
+                await emit(responses.usage_chunk(head, use, choices.meta(answers)))
             COMPLETION_TOKENS.inc(use["completion_tokens"])
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())

@@ -10,9 +10,18 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mesh.clients.router_client import Delta, ServedBy, TokenLogprob
+
+
+@dataclass(frozen=True)
+class StreamHead:
+    """What every chunk of one stream repeats: chat or completions, the response id, the model."""
+    chat: bool
+    rid: str
+    model: str
 
 
 def new_id(chat: bool) -> str:
@@ -69,26 +78,26 @@ def whole_body(chat: bool, rid: str, model: str, choices: list[dict[str, Any]], 
             "model": model, "choices": choices, "usage": use, "infermesh": meta}
 
 
-def chunk_body(chat: bool, rid: str, model: str, text: str, finish: str | None = None,
-               final: Delta | None = None, logprobs: dict[str, Any] | None = None,
-               index: int = 0, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+def chunk_body(head: StreamHead, text: str, finish: str | None = None, final: Delta | None = None,
+               logprobs: dict[str, Any] | None = None, index: int = 0, delta: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     """One streamed chunk of choice `index`; chat: `delta` (services/edge/choices.py) or one made of `text`."""
+    chat = head.chat
     choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     if chat:
         choice["delta"] = delta if delta is not None else {"content": text} if text or finish is None else {}
     else:
         choice["text"] = text
-    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": int(time.time()), "model": model, "choices": [choice]}
+    body: dict[str, Any] = {"id": head.rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": int(time.time()), "model": head.model, "choices": [choice]}
     if final is not None:
         body["infermesh"] = _meta(final.served_by)
     return body
 
 
-def usage_chunk(chat: bool, rid: str, model: str, use: dict[str, Any], meta: dict[str, Any] | None
-                ) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [], "usage": use, "infermesh": meta}
+def usage_chunk(head: StreamHead, use: dict[str, Any], meta: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
+            "created": int(time.time()), "model": head.model, "choices": [], "usage": use, "infermesh": meta}
 
 
 def replay_chunks(chat: bool, body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.models import served_model
 from mesh.ratelimit import parse_rate
-from mesh.service import add_service_flags, run_service, serve_grpc
+from mesh.service import Advertised, add_service_flags, run_service, serve_grpc
 from services.engine import kv_transfer, plan, speculate
 from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, KV_DTYPES, EngineConfig
 from services.engine.engine import Engine
@@ -126,8 +126,8 @@ async def serve(config: EngineConfig) -> None:
              if speculation.max_draft else "", service.address,
              f"; shared KV cache {remote.address} as {config.model}@{remote.version}" if remote is not None else "")
     await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
-                     on_stop=servicer.close, model=config.model, model_version=config.model_version,
-                     region=config.region, on_announced=lambda withdraw: setattr(servicer, "withdraw", withdraw))
+                     on_stop=servicer.close, advertised=Advertised(config.model, config.model_version, config.region),
+                     on_announced=lambda withdraw: setattr(servicer, "withdraw", withdraw))
 
 
 def grammar_limits(config: EngineConfig) -> GrammarLimits:

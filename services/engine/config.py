@@ -76,12 +76,18 @@ class EngineConfig:
             raise ValueError("threads must be >= 0")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
+        self._check_shared_cache()
+        self._check_grammars()
+
+    def _check_shared_cache(self) -> None:
         if self.cache and not self.cache.rpartition(":")[2].isdigit():
             raise ValueError(f"--cache {self.cache!r} is not HOST:PORT")
         if not 0 < len(self.cache_tenant) <= 64:
             raise ValueError("--cache-tenant must be 1 to 64 characters")
         if self.cache_timeout_s <= 0 or self.cache_outbox_mb < 1 or self.cache_staging_mb < 1:
             raise ValueError("cache_timeout_s, cache_outbox_mb and cache_staging_mb must be positive")
+
+    def _check_grammars(self) -> None:
         if self.grammar_cache_mb < 0:
             raise ValueError("--grammar-cache-mb must be 0 (auto) or more")
         if self.grammar_compiles < 1:

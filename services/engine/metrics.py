@@ -112,7 +112,8 @@ class ReplicaMetrics:
         """One constrained request: its grammar's GRAMMAR_OUTCOMES value."""
         self._constrained[grammar].inc()
 
-    def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,
+    # One argument per series it sets (the scheduler's and block manager's numbers after a step): flat on purpose.
+    def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,  # noqa: PLR0913
                      preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0, drafted: int = 0,
                      accepted: int = 0) -> None:
         self.running.set(running)

@@ -47,9 +47,10 @@ class RemoteStats:
 
 
 class RemoteCache:
+    publish_timeout_s = 30.0                        # one PutBlocks call
+
     def __init__(self, address: str, model: str, version: str, kv_layout: KVLayout, tenant: str = "standard",
-                 timeout_s: float = 2.0, publish_timeout_s: float = 30.0, retry_after_s: float = 5.0,
-                 pin: bool = False):
+                 timeout_s: float = 2.0, retry_after_s: float = 5.0, pin: bool = False):
         self.address = address
         self.pin = pin                              # fetched blocks in pinned memory (an engine on a GPU)
         self.model = model
@@ -57,7 +58,6 @@ class RemoteCache:
         self.layout = kv_layout
         self.tenant = tenant
         self.timeout_s = timeout_s                  # MatchPrefix + GetBlocks together, per request
-        self.publish_timeout_s = publish_timeout_s
         self.retry_after_s = retry_after_s
         self.stats = RemoteStats()
         self._channel = channel(address)

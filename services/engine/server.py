@@ -25,6 +25,7 @@ import grpc
 from opentelemetry import trace
 
 from mesh import peers
+from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from mesh.grpcutil import Service, rpc_errors
 from mesh.models.folder import sampling_defaults
@@ -127,6 +128,20 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
                                   stats.last_step_s, stats.last_step_tokens, stats.last_batch_size,
                                   stats.draft_tokens, stats.accepted_tokens)
 
+    async def _match(self, req: Request, constraint: Constraint, tenant: bytes) -> None:
+        """`req`'s grammar matcher, counted by outcome; a cache hit on the loop: no thread, so compiles
+        waiting for theirs never delay it."""
+        grammars = self.engine.grammars
+        try:
+            cached = None if req.resume_ids else grammars.cached_matcher(constraint)
+            matcher = cached if cached is not None else \
+                await asyncio.to_thread(grammars.matcher, constraint, req.resume_ids, tenant)
+        except (CompileRefused, ConstraintRefused) as exc:
+            self.metrics.constrained(exc.reason)
+            raise
+        req.matcher = matcher
+        self.metrics.constrained("cached" if matcher.cached else "compiled")
+
     @rpc_errors
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -150,20 +165,13 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             outcome = "cancelled"           # until the engine says otherwise: the caller went away
             try:
                 if req.sampling.constraint is not None:   # compiled off the event loop and the step thread
-                    grammars, constraint = self.engine.grammars, req.sampling.constraint
                     try:
-                        # A cache hit on the loop: no thread, so compiles waiting for theirs never delay it.
                         # The raw cache_salt (req's has the model version's salt added) is the tenant whose
                         # compile rate a miss spends.
-                        req.matcher = None if req.resume_ids else grammars.cached_matcher(constraint)
-                        if req.matcher is None:
-                            req.matcher = await asyncio.to_thread(grammars.matcher, constraint, req.resume_ids,
-                                                                  request.cache_salt)
-                    except (CompileRefused, ConstraintRefused) as exc:
+                        await self._match(req, req.sampling.constraint, request.cache_salt)
+                    except (CompileRefused, ConstraintRefused):
                         outcome = "rejected"                # rpc_errors sends its retry-after and caller mark
-                        self.metrics.constrained(exc.reason)
                         raise
-                    self.metrics.constrained("cached" if req.matcher.cached else "compiled")
                 if self.remote is not None:
                     await self._fetch_prefix(req, span)
                 try:

@@ -11,7 +11,7 @@ from mesh.discovery import Endpoint, load_endpoints, parse_endpoint
 from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.ratelimit import Rate, parse_rate
-from mesh.service import add_service_flags, run_service, serve_grpc
+from mesh.service import Advertised, add_service_flags, run_service, serve_grpc
 from meshpb.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.failover import Evaluation, load_evaluations
@@ -159,7 +159,7 @@ async def serve(config: RouterConfig) -> None:
     log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,
              len(config.engines), config.policy)
     await serve_grpc("router", config, service, metrics_port=config.metrics_port, ready=False,
-                     on_stop=servicer.close, region=config.region)
+                     on_stop=servicer.close, advertised=Advertised(region=config.region))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,11 +32,12 @@ from services.router.config import RouterConfig
 from services.router.engines import Engines
 from services.router.events import RECENT
 from services.router.failover import Call, Failover, Plan
+from services.router.hop import Hop, Prompt, mirror_hop
 from services.router.policies import AffinityRouter, RouteRequest
-from services.router.relay import EngineFailed, Stream, attempt
+from services.router.relay import EngineCall, EngineFailed, Stream, attempt
 from services.router.replicas import Replica, ReplicaTable
 from services.router.sessions import merge, session_key
-from services.router.shadow import FALLBACK, Deadline, Shadows
+from services.router.shadow import FALLBACK, Shadows
 from services.router.upstream import Sessions, Tokenizer, relay_error
 from services.router.versions import ModelVersions, resolve_model, unit_interval
 
@@ -69,15 +70,14 @@ class Dispatcher:
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
-        mirrors = [m for m in (self._mirror(request, request_id, model, version, pinned_version, conversation, key,
-                                            context),
-                               self._mirror_fallback(request, request_id, model, pinned_version, conversation,
-                                                     context)) if m is not None]
-        started = time.monotonic()
         answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
+        hop = Hop(request, request_id, model, version, conversation, key, context, answer,
+                  request.priority == common_pb2.PRIORITY_INTERACTIVE, admit)
+        mirrors = [m for m in (self._mirror(hop, pinned_version), self._mirror_fallback(hop, pinned_version))
+                   if m is not None]
+        started = time.monotonic()
         try:
-            async for reply in self._attempts(request, request_id, model, version, conversation, key, context,
-                                              answer, request.priority == common_pb2.PRIORITY_INTERACTIVE, admit):
+            async for reply in self._attempts(hop):
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
@@ -92,47 +92,37 @@ class Dispatcher:
                 if not mirror.done():
                     mirror.set_result(None)       # failed or left: nothing to compare the mirror with
 
-    def _mirror(self, request: Request, request_id: str, model: str, version: str, pinned_version: str,
-                conversation: list[Message], key: str, context: grpc.aio.ServicerContext
-                ) -> asyncio.Future[tuple[str, float] | None] | None:
+    def _mirror(self, hop: Hop, pinned_version: str) -> asyncio.Future[tuple[str, float] | None] | None:
         """Shadow traffic (shadow.py): start the mirror of an unpinned request picked by the model's
         shadow share; its outcome is compared, never sent.  None when this request is not mirrored."""
+        request, model, version = hop.request, hop.model, hop.version
         if pinned_version or request.pinned_replica or request.resume_ids or not version:
             return None
         shadow = self.versions.mirror(model, version, {r.model_version for r in self.table.serving(model)},
-                                      key or request_id)
+                                      hop.key or hop.request_id)
         if not shadow:
             return None
-        copy = Request()
-        copy.CopyFrom(request)
-        copy.session_id = ""                    # the mirror stores nothing and follows no session
-        deadline = Deadline(context.time_remaining())
-        return self.shadows.start(model, shadow, lambda: self._attempts(
-            copy, f"{request_id}~shadow", model, shadow, conversation, "", deadline, [], False))  # type: ignore[arg-type]
+        mirror = mirror_hop(hop, f"{hop.request_id}~shadow", model, shadow)
+        return self.shadows.start(model, shadow, lambda: self._attempts(mirror))
 
-    def _mirror_fallback(self, request: Request, request_id: str, model: str, pinned_version: str,
-                         conversation: list[Message], context: grpc.aio.ServicerContext
-                         ) -> asyncio.Future[tuple[str, float] | None] | None:
+    def _mirror_fallback(self, hop: Hop, pinned_version: str) -> asyncio.Future[tuple[str, float] | None] | None:
         """--fallback-shadow-share: mirror this share of the model's unpinned requests to its fallback
         model, whose agreement with the answer is the shadow evidence of failover/agreement.py."""
-        steps = self.failover.chain.steps(model)
+        request, steps = hop.request, self.failover.chain.steps(hop.model)
         share = self.config.fallback_shadow_share
         if not share or len(steps) < 2 or pinned_version or request.pinned_replica or request.resume_ids \
-                or unit_interval("fallback-shadow:" + request_id) >= share:
+                or unit_interval("fallback-shadow:" + hop.request_id) >= share:
             return None
-        fallback, copy = steps[1].model, Request()
-        copy.CopyFrom(request)
-        copy.session_id = ""
-        deadline = Deadline(context.time_remaining())
+        fallback = steps[1].model
+        mirror = mirror_hop(hop, f"{hop.request_id}~fallback", fallback, "")
 
         async def run() -> AsyncIterator[Reply]:
-            async for reply in self._attempts(copy, f"{request_id}~fallback", fallback, "", conversation, "",
-                                              deadline, [], False):  # type: ignore[arg-type]
+            async for reply in self._attempts(mirror):
                 if reply.served_by.model and reply.served_by.model != fallback:
                     raise Unavailable(f"{fallback!r} had no replica for the mirror")   # its own fallback's: no evidence
                 yield reply
 
-        return self.shadows.start(model, FALLBACK + fallback, run)
+        return self.shadows.start(hop.model, FALLBACK + fallback, run)
 
     def choose_version(self, model: str, pinned_version: str, request: Request, key: str) -> str:
         """The version this request runs on; "" when any will do (a pinned replica, or none serving:
@@ -164,84 +154,62 @@ class Dispatcher:
             raise Unavailable(f"replica {pinned!r} is {why}; retry shortly or drop the pin")
         return replica
 
-    async def _prepare(self, request: Request, model: str, conversation: list[Message], key: str,
-                       deadline_s: float | None = None, sent: list[str] | None = None
-                       ) -> tuple[list[int], Stream, RouteRequest]:
+    async def _prepare(self, hop: Hop, model: str, sent: list[str] | None = None) -> Prompt:
         """Token ids, a client stream and the routing request, for `model`'s tokenizer; the stream
         starts after the request's `resume_ids` (their text appended to `sent`)."""
-        prompt_ids = await self.tokenizer.tokenize(request, model, conversation, deadline_s)
+        request = hop.request
+        prompt_ids = await self.tokenizer.tokenize(request, model, hop.conversation, hop.context.time_remaining())
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
                         request.include_token_ids)
         if request.resume_ids:
             text = stream.resume(request.resume_ids)
             if sent is not None:
                 sent.append(text)
-        route = RouteRequest(model, session_key=key, region=request.region,
+        route = RouteRequest(model, session_key=hop.key, region=request.region,
                              prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size,
                                                               salt=self.cache_salt(request))))
-        return prompt_ids, stream, route
+        return Prompt(prompt_ids, stream, route)
 
-    async def _attempts(self, request: Request, request_id: str, model: str, version: str,
-                        conversation: list[Message], key: str, context: grpc.aio.ServicerContext,
-                        sent: list[str], interactive: bool = True, admit: Callable[[int], None] | None = None
-                        ) -> AsyncIterator[Reply]:
-        """Attempts until the stream finishes, within the call's attempts and the retry budget.
-        interactive: an interactive-priority request, not a mirror (level 3 by latency: failover/latency.py).
-        admit: see `generate` (a fallback model's own tokenization later does not admit again: the
-        settlement goes by the real usage)."""
+    async def _attempts(self, hop: Hop) -> AsyncIterator[Reply]:
+        """Attempts until the stream finishes, within the call's attempts and the retry budget
+        (`hop.admit`: see `generate`; a fallback model's own tokenization later does not admit again:
+        the settlement goes by the real usage)."""
         root = trace.get_current_span()                # router.generate: it carries the final decision
-        prompt_ids, stream, route = await self._prepare(request, model, conversation, key, context.time_remaining(),
-                                                        sent)
-        if admit is not None:
-            admit(len(prompt_ids))
-        if request.pinned_replica:                     # operators and tests: exactly there, or an error
-            replica = self.pinned(model, request.pinned_replica)
-            pinned = Plan(model, [replica], False, 1.0)
-            root.set_attributes(_decision(replica, pinned, "pinned", 0))
-            try:
-                async for reply in self._attempt(replica, pinned, "pinned", request, request_id, prompt_ids, stream,
-                                                 route, context):
-                    yield reply
-            except EngineFailed as exc:
-                raise Unavailable(f"{exc} (the request is pinned to it)") from None
+        prompt = await self._prepare(hop, hop.model, hop.sent)
+        if hop.admit is not None:
+            hop.admit(len(prompt.ids))
+        if hop.request.pinned_replica:                 # operators and tests: exactly there, or an error
+            async for reply in self._pinned_attempt(hop, prompt, root):
+                yield reply
             return
-        now = time.monotonic
-        call = Call(self.failover, model, now(), interactive)
+        model, now = hop.model, time.monotonic
+        call = Call(self.failover, model, now(), hop.interactive)
         for event in self.failover.latency.take_events():
             log.warning("%s", event)
-        streamed = model                               # the model whose tokens `stream` holds
+        streamed = model                               # the model whose tokens `prompt.stream` holds
         try:
             for _ in range(4 * self.failover.config.max_attempts):
-                pool = [r for r in self.table.all() if not r.draining and
-                        (r.model != model or not version or r.model_version == version)]
-                if stream.ids:                         # a stream continues on the model it started with
-                    pool = [r for r in pool if r.model == streamed]
-                plan = call.plan(pool, now(), context.time_remaining())
+                plan = call.plan(self._pool(hop, streamed if prompt.stream.ids else None), now(),
+                                 hop.context.time_remaining())
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
-                    if plan.degraded:
-                        metrics.FAILOVER.labels("3").inc()
-                        RECENT.record("degraded", model, "", f"to {plan.model} ({plan.degraded_by}): {plan.why}")
-                    prompt_ids, stream, route = await self._prepare(request, plan.model, conversation, key,
-                                                                    context.time_remaining())
+                    _record_fallback(model, plan)
+                    prompt = await self._prepare(hop, plan.model)
                     streamed = plan.model
-                decision = self.policy.pick(plan.candidates, route, now())
+                decision = self.policy.pick(plan.candidates, prompt.route, now())
                 started_attempt = call.start(decision.replica, now())
                 if started_attempt is None:            # its last probe slot went meanwhile: plan again
                     continue
                 reason = "fallback" if plan.degraded else "failover" if call.attempts > 1 else decision.reason
                 root.set_attributes(_decision(decision.replica, plan, reason, call.attempts - 1))
                 started, first_token_s = now(), None
+                stream = prompt.stream
                 try:
-                    async for reply in self._attempt(decision.replica, plan, reason, request, request_id, prompt_ids,
-                                                     stream, route, context):
+                    async for reply in self._attempt(hop, prompt, decision.replica, plan, reason):
                         first_token_s = now() - started if first_token_s is None else first_token_s
                         yield reply
                 except EngineFailed as exc:
-                    if exc.isolate:
-                        self.failover.isolate(exc.replica_id, now(), exc.reason)
-                        metrics.FAILOVER.labels("1").inc()
-                        RECENT.record("isolated", model, exc.replica_id, exc.reason)
-                    limit = request.sampling.max_tokens
+                    self._isolate(model, exc)
+                    limit = hop.request.sampling.max_tokens
                     if limit and len(stream.ids) >= limit:     # died after the last token, before its final message
                         call.succeeded(started_attempt, now(), first_token_s)
                         _count_degraded(model, plan)
@@ -253,7 +221,7 @@ class Dispatcher:
                     RECENT.record("failover", model, decision.replica.replica_id,
                                   f"{exc} after {len(stream.ids)} token(s)")
                     log.warning("request %s: %s after %d token(s); trying another replica",
-                                request_id, exc, len(stream.ids))
+                                hop.request_id, exc, len(stream.ids))
                     continue
                 except BaseException:                   # the client left, or a request error: no replica's fault
                     call.cancelled(started_attempt, now())
@@ -266,17 +234,41 @@ class Dispatcher:
         finally:
             call.close(now())
 
-    async def _attempt(self, replica: Replica, plan: Plan, reason: str, request: Request, request_id: str,
-                       prompt_ids: list[int], stream: Stream, route: RouteRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[Reply]:
+    def _pool(self, hop: Hop, streamed: str | None) -> list[Replica]:
+        """The replicas the next attempt may go to: not draining, of the hop's version (for its own
+        model), and of `streamed`'s model when given (a stream continues on the model it started with)."""
+        pool = [r for r in self.table.all() if not r.draining and
+                (r.model != hop.model or not hop.version or r.model_version == hop.version)]
+        return pool if streamed is None else [r for r in pool if r.model == streamed]
+
+    def _isolate(self, model: str, exc: EngineFailed) -> None:
+        if exc.isolate:
+            self.failover.isolate(exc.replica_id, time.monotonic(), exc.reason)
+            metrics.FAILOVER.labels("1").inc()
+            RECENT.record("isolated", model, exc.replica_id, exc.reason)
+
+    async def _pinned_attempt(self, hop: Hop, prompt: Prompt, root: trace.Span) -> AsyncIterator[Reply]:
+        """The one attempt of a request pinned to a replica: exactly there, or an error."""
+        replica = self.pinned(hop.model, hop.request.pinned_replica)
+        pinned = Plan(hop.model, [replica], False, 1.0)
+        root.set_attributes(_decision(replica, pinned, "pinned", 0))
+        try:
+            async for reply in self._attempt(hop, prompt, replica, pinned, "pinned"):
+                yield reply
+        except EngineFailed as exc:
+            raise Unavailable(f"{exc} (the request is pinned to it)") from None
+
+    async def _attempt(self, hop: Hop, prompt: Prompt, replica: Replica, plan: Plan, reason: str
+                       ) -> AsyncIterator[Reply]:
         """One engine call for the stream (resuming from its tokens), with the replica's bookkeeping."""
+        request, stream, route = hop.request, prompt.stream, prompt.route
         metrics.ROUTED.labels(plan.model, replica.model_version, replica.replica_id, reason).inc()
         # Not made current: this generator is suspended at every yield, and its caller's code
         # runs meanwhile; the engine learns its parent from the metadata instead.
         span = tracer().start_span("router.attempt", kind=trace.SpanKind.CLIENT, attributes={
             **_decision(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
         engine_request = engine_pb2.GenerateRequest(
-            request_id=request_id, model=plan.model, prompt_ids=prompt_ids, sampling=request.sampling,
+            request_id=hop.request_id, model=plan.model, prompt_ids=prompt.ids, sampling=request.sampling,
             priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request),
             cache_class=request.cache_class)
         if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message
@@ -289,11 +281,12 @@ class Dispatcher:
         def admitted() -> bool:
             return replica.healthy and self.failover.isolation(replica.replica_id) is None
 
+        engine_call = EngineCall(self.engines.stub(replica.address), replica.replica_id, engine_request,
+                                 served_by(replica, plan), outgoing_metadata(context=span_context(span)),
+                                 hop.context.time_remaining(), self.config.first_token_timeout_s,
+                                 self.config.stall_timeout_s, relay_error, admitted)
         try:
-            async for reply in attempt(self.engines.stub(replica.address), replica.replica_id, engine_request,
-                                       stream, served_by(replica, plan), outgoing_metadata(context=span_context(span)),
-                                       context.time_remaining(), self.config.first_token_timeout_s,
-                                       self.config.stall_timeout_s, relay_error, admitted):
+            async for reply in attempt(engine_call, stream):
                 yield reply
         except EngineFailed as exc:
             ok = False
@@ -328,6 +321,12 @@ def _decision(replica: Replica, plan: Plan, reason: str, failover_attempts: int 
     if failover_attempts is not None:
         attrs["failover_attempts"] = failover_attempts
     return attrs
+
+
+def _record_fallback(model: str, plan: Plan) -> None:
+    if plan.degraded:
+        metrics.FAILOVER.labels("3").inc()
+        RECENT.record("degraded", model, "", f"to {plan.model} ({plan.degraded_by}): {plan.why}")
 
 
 def _count_degraded(model: str, plan: Plan) -> None:

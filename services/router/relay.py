@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -105,22 +106,37 @@ class Stream:
                                                  usage=self.usage(), served_by=served_by)
 
 
-async def attempt(stub: engine_pb2_grpc.EngineStub, replica_id: str, request: engine_pb2.GenerateRequest,
-                  stream: Stream, served_by: common_pb2.ServedBy, metadata: Sequence[tuple[str, str]],
-                  deadline_s: float | None, first_token_timeout_s: float, stall_timeout_s: float,
-                  relay_error: Callable[[str, grpc.aio.AioRpcError], Exception], healthy: Callable[[], bool]
-                  ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+@dataclass(frozen=True)
+class EngineCall:
+    """One attempt's engine call: the engine's stub and replica id, the request, what the client's
+    messages name as served_by, the call's metadata and deadline (None: none), the timeouts before the
+    first message and between messages, how an engine's request error is relayed, and the replica's
+    health (polled while waiting)."""
+    stub: engine_pb2_grpc.EngineStub
+    replica_id: str
+    request: engine_pb2.GenerateRequest
+    served_by: common_pb2.ServedBy
+    metadata: Sequence[tuple[str, str]]
+    deadline_s: float | None
+    first_token_timeout_s: float
+    stall_timeout_s: float
+    relay_error: Callable[[str, grpc.aio.AioRpcError], Exception]
+    healthy: Callable[[], bool]
+
+
+async def attempt(engine: EngineCall, stream: Stream) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
     """Relay one engine call into `stream` until it finishes; raise EngineFailed if the engine fails:
     an error it answers, silence past the timeout, or its health check failing while we wait
     (a hung process is caught by the prober within seconds, well before a stall timeout)."""
-    call = stub.Generate(request, metadata=tuple(metadata), timeout=deadline_s)
+    replica_id, relay_error = engine.replica_id, engine.relay_error
+    call = engine.stub.Generate(engine.request, metadata=tuple(engine.metadata), timeout=engine.deadline_s)
     messages = call.__aiter__()
     waited_for_first = True
     try:
         while not stream.finished:
-            limit = first_token_timeout_s if waited_for_first else stall_timeout_s
+            limit = engine.first_token_timeout_s if waited_for_first else engine.stall_timeout_s
             try:
-                chunk = await _next(messages, limit, healthy)
+                chunk = await _next(messages, limit, engine.healthy)
             except StopAsyncIteration:
                 raise EngineFailed(replica_id, "ended the stream without finishing it", isolate=True) from None
             except TimeoutError:
@@ -135,7 +151,7 @@ async def attempt(stub: engine_pb2_grpc.EngineStub, replica_id: str, request: en
                                        isolate=err.code() == grpc.StatusCode.UNAVAILABLE) from None
                 raise relay_error(f"engine {replica_id}", err) from None
             waited_for_first = False
-            yield stream.push(chunk, served_by)
+            yield stream.push(chunk, engine.served_by)
     finally:
         call.cancel()
 

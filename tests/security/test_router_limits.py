@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from mesh.request_limits import MAX_NAME_CHARS, MAX_STOP, sampling_problem
+from mesh.request_limits import MAX_NAME_CHARS, MAX_STOP, SamplingSettings, sampling_problem
 from tests.service.test_router import chat, collect, ids_of, run, running
 
 
@@ -38,7 +38,7 @@ def test_the_router_refuses_what_the_edge_would(change, says) -> None:  # type: 
 
 
 def test_the_limits_themselves() -> None:
-    assert sampling_problem(2.0, 1.0, 0, 0, ["a"] * MAX_STOP, 20) is None
-    assert sampling_problem(2.01, 1.0, 0, 0, [], 0) is not None
-    assert sampling_problem(0.0, 0.0, 0, 0, [], 21) is not None
+    assert sampling_problem(SamplingSettings(2.0, 1.0, 0, 0, ["a"] * MAX_STOP, 20)) is None
+    assert sampling_problem(SamplingSettings(2.01, 1.0, 0, 0, [], 0)) is not None
+    assert sampling_problem(SamplingSettings(0.0, 0.0, 0, 0, [], 21)) is not None
     assert MAX_NAME_CHARS == 256

@@ -185,7 +185,7 @@ def test_response_shapes_carry_infermesh_metadata() -> None:
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["infermesh"] == {"replica": "engine-0", "model_version": "1", "region": "local",
                                  "degraded": False, "confidence": 1.0}
-    chunk = responses.chunk_body(True, "chatcmpl-1", "m", "", "stop", final=final)
+    chunk = responses.chunk_body(responses.StreamHead(True, "chatcmpl-1", "m"), "", "stop", final=final)
     assert chunk["choices"][0]["delta"] == {} and chunk["infermesh"]["replica"] == "engine-0"
 
 

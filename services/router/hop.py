@@ -1,0 +1,53 @@
+"""What one request carries through the router's dispatcher (dispatch.py), from attempt to attempt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from mesh.chat import Message
+from meshpb.v1 import router_pb2
+from services.router.policies import RouteRequest
+from services.router.relay import Stream
+from services.router.shadow import Deadline
+
+Request = router_pb2.RouterGenerateRequest
+
+
+@dataclass(frozen=True)
+class Hop:
+    """What a request carries through the dispatcher, attempt after attempt: the request and its chat
+    (session history merged), the model and version it runs on ("": any), its session key ("" for a
+    mirror), the call (a mirror's Deadline: only the time left is read of it), the text already sent
+    (a resumed stream's: _prepare), whether it is interactive, not a mirror (level 3 by latency:
+    failover/latency.py), and `admit` (see `Dispatcher.generate`)."""
+    request: Request
+    request_id: str
+    model: str
+    version: str
+    conversation: list[Message]
+    key: str
+    context: grpc.aio.ServicerContext | Deadline
+    sent: list[str] = field(default_factory=list)
+    interactive: bool = True
+    admit: Callable[[int], None] | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt for one model: its token ids, the client stream and the routing request."""
+    ids: list[int]
+    stream: Stream
+    route: RouteRequest
+
+
+def mirror_hop(hop: Hop, request_id: str, model: str, version: str) -> Hop:
+    """A mirror's own hop: a copy of the request that stores nothing and follows no session, with the
+    served call's time left, not interactive and admitted already."""
+    copy = Request()
+    copy.CopyFrom(hop.request)
+    copy.session_id = ""
+    return Hop(copy, request_id, model, version, hop.conversation, "", Deadline(hop.context.time_remaining()),
+               [], False)
