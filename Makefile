@@ -35,11 +35,12 @@ demo: setup
 # Everything: unit, service, deployment files, GPU checks (skipped without CUDA), end-to-end meshes
 # and the multi-host test (root only). What CI runs.
 test: setup compose-tool lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q
 
-# Pure code (tests/unit) and in-process services (tests/service): no meshes, no root; a few minutes.
-test-fast: setup lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/service
+# Pure code (tests/unit) and in-process services (tests/service) but the `slow` ones: no meshes, no root, no
+# lint (`make lint`). pytest's cache is on: `make test-fast` then `.venv/bin/python -m pytest --lf` reruns failures.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit tests/service
 
 # Debian's docker-compose (1.29) lets tests/deploy/test_deploy_files.py parse compose/docker-compose.yml.
 # Installed only when missing and only as root with apt-get; otherwise that one check is skipped.

@@ -43,6 +43,7 @@ def tiny() -> Any:
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", sorted(TOLERANCE))
 def test_register_a_gguf_file(qtype: str, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_0 goes through the CLI (`register`, then `inspect`); the others through the same function in

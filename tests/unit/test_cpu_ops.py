@@ -215,6 +215,7 @@ def test_rope_and_write_kv_into_a_float16_cache(t: int, heads: int, kh: int, d: 
     assert torch.equal(v_cache.view(-1, kh, d)[slots], qkv[:, heads + kh:].half())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_the_other_instruction_set_paths_attend_alike(isa: str) -> None:
     """The AVX2 and portable builds read and write float16 caches (and soft-cap) as the native one does."""

@@ -74,6 +74,7 @@ def test_the_ops_refuse_bad_temperatures_and_shapes() -> None:
         fused(logits, torch.tensor([1.0]), 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_the_other_instruction_set_paths_sample_alike(isa: str) -> None:
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():

@@ -236,6 +236,7 @@ def test_bad_arguments_get_precise_errors() -> None:
         gguf_blocks.gguf_linear(torch.randn(2, 896), k_blocks, GGMLQuantizationType.Q4_K)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512", "avxvnni", "avx2", "portable"])
 def test_the_other_instruction_set_paths_agree(isa: str) -> None:
     """The AVX-512 without AMX, AVX-VNNI (256-bit, no AVX-512), AVX2 and portable builds (a separate library

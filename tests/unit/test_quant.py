@@ -118,6 +118,7 @@ def test_block_linear_kinds_fall_back_where_packing_would_change_weights() -> No
     assert Q8Linear(q8_made(16, 64, 10), None).lossless
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_the_other_instruction_set_paths_agree(isa: str) -> None:
     """The AVX2 and portable builds (a separate library each) give the same products."""
