@@ -15,7 +15,6 @@ cached as provisional, and the next start that finds the machine quiet measures 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -23,7 +22,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -215,7 +214,7 @@ def tune(folder: Path, use_cache: bool = True) -> Tuned | None:
         table = measure(layers, gemms, kinds, folder=folder)
         if not table:
             return None
-        tuned = dataclasses.replace(choose(table), busy=round(others(), 2))
+        tuned = replace(choose(table), busy=round(others(), 2))
         log.info("tuned the CPU matmuls in %.1f s: %s", time.monotonic() - started, describe(tuned))
         if tuned.busy > BUSY:
             log.warning("other processes kept %.1f cores busy while the matmuls were timed: the answer is "
