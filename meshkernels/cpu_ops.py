@@ -58,10 +58,11 @@ _loaded: bool | None = None
 
 
 def _cache_root() -> Path:
-    # <infermesh home>/kernels: the same home as mesh.models.store.home() ($INFERMESH_HOME, else
-    # ~/.cache/infermesh), read here because meshkernels/ imports nothing from mesh/ (tests/unit/test_layout.py).
-    env = os.environ.get("INFERMESH_HOME")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "infermesh") / "kernels"
+    """$INFERMESH_KERNEL_CACHE, else ~/.cache/infermesh/kernels: a build cache of the machine, keyed by source,
+    flags and torch, apart from $INFERMESH_HOME (a process given a fresh home for its models, as tests and
+    `model register` checks are, must not compile the library again: ~30 s on 2 cores)."""
+    env = os.environ.get("INFERMESH_KERNEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "infermesh" / "kernels"
 
 
 def _cpu_flags() -> set[str]:
@@ -111,7 +112,10 @@ def _build_folder(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    key.update(" ".join(_command(compiler, Path(LIBRARY))).encode())
+    # torch's folder named by its version, not its path: every clone's venv with this torch shares one build
+    # (the headers are the wheel's; libtorch_cpu is found by its name, already loaded by then).
+    command = " ".join(_command(compiler, Path(LIBRARY))).replace(str(Path(torch.__file__).parent), "<torch>")
+    key.update(command.encode())
     key.update(torch.__version__.encode())
     return _cache_root() / key.hexdigest()[:16]
 

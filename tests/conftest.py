@@ -1,5 +1,5 @@
-"""Shared fixtures: the default model's folder (pulled by `make setup`); and, as root, the meshes'
-fixed gRPC ports kept out of Linux's ephemeral range for the session."""
+"""Shared fixtures: the default model's folder (pulled by `make setup`) and its transformers reference; and,
+as root, the meshes' fixed gRPC ports kept out of Linux's ephemeral range for the session."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def model_dir() -> Path:
         return models.path("default")
     except models.ModelError as exc:
         pytest.fail(f"{exc} (run `make setup`)")
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir: Path):  # type: ignore[no-untyped-def]
+    """(transformers' float32 model, tokenizer) of the default model: the reference (tests/reference.py)."""
+    from transformers import AutoTokenizer
+
+    from tests.reference import load_model
+
+    return load_model(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="session")

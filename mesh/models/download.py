@@ -190,7 +190,9 @@ def _tensor_types(gguf_file: Path) -> str:
     """'Q4_0 x14, F32 x5': how many tensors of each GGUF type the file holds."""
     from collections import Counter
 
-    import gguf
+    from gguf import GGMLQuantizationType
 
-    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(gguf_file)).tensors)
+    from mesh.models.gguf_header import read_header
+
+    counts = Counter(GGMLQuantizationType(t.qtype).name for t in read_header(gguf_file).tensors)
     return ", ".join(f"{kind} x{n}" for kind, n in counts.most_common())

@@ -102,12 +102,14 @@ def write_marker(folder: Path, spec: ModelSpec | tuple[str, str], sha256: str, e
 
 
 def _gguf_parameters(file: Path) -> tuple[int, set[str]]:
-    """(weights, tensor types) of a GGUF file, from its header (the `gguf` package reads it: imported here
-    only, as `model inspect` is its one caller)."""
-    import gguf
+    """(weights, tensor types) of a GGUF file, from its header (imported here only, as `model inspect` is
+    its one caller)."""
+    from gguf import GGMLQuantizationType
 
-    tensors = gguf.GGUFReader(str(file)).tensors
-    return sum(int(t.n_elements) for t in tensors), {t.tensor_type.name for t in tensors}
+    from mesh.models.gguf_header import read_header
+
+    tensors = read_header(file).tensors
+    return sum(t.n_elements for t in tensors), {GGMLQuantizationType(t.qtype).name for t in tensors}
 
 
 def describe_folder(folder: str | Path) -> dict[str, Any]:

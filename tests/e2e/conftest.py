@@ -92,9 +92,9 @@ def reference(model_dir: Path):  # type: ignore[no-untyped-def]
     import torch
     from transformers import AutoTokenizer
 
-    from mesh.models.gguf import load_float32
+    from tests.reference import load_model
 
-    model = load_float32(model_dir)
+    model = load_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
     def generate(max_new_tokens: int, messages: list[dict[str, str]] | None = None, prompt: str | None = None

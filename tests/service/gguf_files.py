@@ -1,6 +1,8 @@
 """Test helper: write a Llama-architecture GGUF of a transformers model, as llama.cpp's converter lays one
 out (tensor names, q/k rows permuted for its RoPE, hyperparameters), quantized with the `gguf` package;
-the tokenizer metadata is copied from another GGUF (the default model's)."""
+the tokenizer metadata is copied from another GGUF (the default model's), its vocabulary cut to the first
+tokens (`tokenizer_fields`): a real BPE tokenizer, small enough that transformers' GGUF reader takes
+milliseconds instead of seconds."""
 
 from __future__ import annotations
 
@@ -46,7 +48,31 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(w.shape[0], -1)
 
 
-def write_llama_gguf(model: Any, path: Path, qtype: str, tokenizer_gguf: Path, embed_qtype: str = "F16") -> None:
+Field = tuple[str, Any, Any, Any]          # key, value, GGUF value type, sub-type of an array
+
+
+def tokenizer_fields(source: Path, vocab: int) -> list[Field]:
+    """The `tokenizer.*` metadata of the GGUF `source`, its token arrays cut to the first `vocab` tokens and
+    its merges to those among them (pieces and result kept)."""
+    import gguf
+
+    fields: list[Field] = []
+    reader = gguf.GGUFReader(str(source))
+    kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:vocab])
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = value[:vocab]
+        elif key == "tokenizer.ggml.merges":
+            value = [m for m in value if all(p in kept for p in m.split(" ")) and m.replace(" ", "") in kept]
+        fields.append((key, value, field.types[0], field.types[1] if len(field.types) > 1 else None))
+    return fields
+
+
+def write_llama_gguf(model: Any, path: Path, qtype: str, tokenizer: list[Field], embed_qtype: str = "F16") -> None:
+    """`model` (a transformers Llama whose vocabulary is the tokenizer's) as a GGUF of `qtype` weights."""
     import gguf
 
     c = model.config
@@ -62,12 +88,8 @@ def write_llama_gguf(model: Any, path: Path, qtype: str, tokenizer_gguf: Path, e
     writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     writer.add_vocab_size(c.vocab_size)
     writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            value = field.contents()
-            sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for key, value, kind, sub in tokenizer:
+        writer.add_key_value(key, value, kind, sub_type=sub)
 
     def tensor(name: str, w: np.ndarray, kind: str) -> None:
         if kind in ("F32", "F16"):

@@ -90,7 +90,6 @@ async def round_trip(stub: cache_pb2_grpc.CacheStub, hashes: list[bytes], blocks
     print(f"\n{label}: 94 blocks, {mb:.1f} MB: PutBlocks {t_put * 1000:.0f} ms ({mb / t_put:.0f} MB/s), "
           f"then cold writes {t_flush * 1000:.0f} ms, MatchPrefix {t_match * 1000:.1f} ms, "
           f"GetBlocks {t_get * 1000:.0f} ms ({mb / t_get:.0f} MB/s)")
-    assert t_put + t_get < 5.0                # generous for a loaded 2-core CI machine; see the printed time
 
 
 def test_a_prefix_round_trip_in_ram() -> None:

@@ -28,15 +28,6 @@ def runner(model_dir: Path) -> ModelRunner:
     return ModelRunner(model_dir, EXACT)
 
 
-@pytest.fixture(scope="module")
-def hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    from mesh.models.gguf import load_float32
-
-    return load_float32(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def chat_ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)

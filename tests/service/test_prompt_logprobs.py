@@ -15,13 +15,8 @@ from services.engine.scheduler import SchedulerConfig
 from tests.service.test_engine import run, tokens
 
 
-def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_dir: Path) -> None:
-    from transformers import AutoTokenizer
-
-    from mesh.models.gguf import load_float32
-
-    model = load_float32(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = hf
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs into the forest to "
                            "find its friends, who are waiting by the old oak tree near the river.")
     with torch.inference_mode():

@@ -1,7 +1,7 @@
 """A model folder whose weights are a GGUF file (`model.gguf`, as `infermesh model register` keeps it): the
 tensors by their Hugging Face names, the quantized ones as the file stores them.
 
-`load(folder, config)` reads the file through gguf-py's reader (memory-mapped), copies each tensor into
+`load(folder, config)` reads the file's header (mesh/models/gguf_header.py), maps the file, copies each tensor into
 torch's memory (2 MB pages in the engine, see _tensor; the mapping is gone when load returns), and returns a dict of
 Hugging Face name -> float32 tensor (norms, biases, F32/F16 weights) or `Blocks` (a quantized weight, not
 de-quantized: the `gguf` matmul kind multiplies by its blocks; every other kind asks for `dense()`).
@@ -33,6 +33,7 @@ _LAYER = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 # general.architecture values whose converter permutes q/k rows, and those that store norms as 1 + w.
 _PERMUTED = ("llama",)
 _NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+_FLOAT_TYPES = (0, 1, 30)          # gguf.GGMLQuantizationType F32, F16, BF16
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,10 @@ def load(folder: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> di
     """The weights of `folder`/model.gguf by Hugging Face name (see the module's docstring)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(Path(folder) / FILE), "c")
-    field = reader.fields["general.architecture"]
-    arch_name = bytes(field.parts[field.data[0]]).decode()
+    from mesh.models.gguf_header import read_header, tensor_data
+
+    header = read_header(Path(folder) / FILE)
+    arch_name = header.string("general.architecture")
     arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name), None)
     if arch is None:
         raise ValueError(f"{FILE}: gguf-py does not know the architecture {arch_name!r}")
@@ -114,34 +116,38 @@ def load(folder: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> di
         if found is not None:
             hf_names.setdefault(found + ".weight", base + ".weight")
             hf_names.setdefault(found + ".bias", base + ".bias")
+    mapped = np.memmap(header.path, np.uint8, "c")
     weights: dict[str, Weight] = {}
-    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
-    for t in reader.tensors:
+    for t in header.tensors:
         name = hf_names.get(t.name)
         if name is None:
             continue                          # e.g. rope_freqs: derived from the config, as transformers does
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))            # GGUF lists dims innermost first
+        qtype = gguf.GGMLQuantizationType(t.qtype)
+        data = tensor_data(mapped, t)
         weight: Weight
-        if t.tensor_type in float_types:
-            weight = _float_tensor(t, gguf).reshape(shape)
+        if qtype in _FLOAT_TYPES:
+            weight = _float_tensor(data, qtype, t.dims[0]).reshape(t.shape)
             if arch_name in _NORM_PLUS_ONE and name.endswith("norm.weight"):
                 weight = weight - 1
         else:
-            data = np.asarray(t.data).reshape(shape[0] if len(shape) == 2 else 1, -1)
-            weight = Blocks(_tensor(data), t.tensor_type, (shape[0], shape[-1]))
+            weight = Blocks(_tensor(data.reshape(t.shape[0] if len(t.shape) == 2 else 1, -1)), qtype,
+                            (t.shape[0], t.shape[-1]))
         if arch_name in _PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = num_heads if ".q_proj." in name else num_kv_heads
             weight = _unpermute(weight, heads)
         weights[name] = weight
+    del mapped
     return weights
 
 
-def _float_tensor(t: Any, gguf: Any) -> torch.Tensor:
-    if t.tensor_type == gguf.GGMLQuantizationType.F32:
-        return _tensor(np.asarray(t.data))
-    if t.tensor_type == gguf.GGMLQuantizationType.F16:
-        return torch.from_numpy(np.asarray(t.data, dtype=np.float32))     # the widening is the copy
-    return _dequantize(np.asarray(t.data), t.tensor_type, int(t.shape[0])).flatten()       # BF16
+def _float_tensor(data: np.ndarray[Any, Any], qtype: Any, width: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType as T
+
+    if qtype == T.F32:
+        return _tensor(np.asarray(data))
+    if qtype == T.F16:
+        return torch.from_numpy(np.asarray(data, dtype=np.float32))     # the widening is the copy
+    return _dequantize(np.asarray(data), qtype, width).flatten()       # BF16
 
 
 def _unpermute(weight: Weight, heads: int) -> Weight:
