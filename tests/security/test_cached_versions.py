@@ -13,7 +13,7 @@ import json
 import pytest
 
 from services.edge import response_cache
-from tests.security.scripted import ScriptedRouter, app, request, tokens
+from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 PINNED = {"x-infermesh-model-version": "2"}

@@ -15,9 +15,9 @@ from meshpb.v1 import engine_pb2
 from services.edge.config import EdgeConfig
 from services.edge.http11 import http_server
 from services.edge.tls import ensure_self_signed_cert
+from tests.fakes.router_mesh import FakeEngine, chat, run, running, until
 from tests.security.edge_driver import Client, SlowRouter, edge
 from tests.service.test_http3_server import run_with_server
-from tests.service.test_router import FakeEngine, _until, chat, run, running
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500})
 
@@ -63,14 +63,14 @@ def test_four_abandoned_requests_do_not_lock_out_other_callers() -> None:
         app = edge(router, max_concurrent=4)
         clients = [Client(app, "/v1/chat/completions", CHAT.encode()) for _ in range(4)]
         tasks = [asyncio.create_task(c.run()) for c in clients]
-        await _until(lambda: len(router.calls) == 4, "four requests in flight", 5)
+        await until(lambda: len(router.calls) == 4, "four requests in flight", 5)
         for c in clients:
             c.leave()
         await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
         assert router.cancelled == 4 and app.admission.in_flight.count == 0
         late = Client(app, "/v1/chat/completions", CHAT.encode())      # another caller: admitted, not 503
         task = asyncio.create_task(late.run())
-        await _until(lambda: len(router.calls) == 5, "the fifth request admitted", 5)
+        await until(lambda: len(router.calls) == 5, "the fifth request admitted", 5)
         late.leave()
         await asyncio.wait_for(task, 10.0)
         assert late.status is None and app.admission.in_flight.count == 0
@@ -119,7 +119,7 @@ def test_cancelling_the_routers_generate_cancels_the_engines() -> None:
             assert replica.in_flight == 1
             call.cancel()
             await asyncio.wait_for(HangingEngine.cancelled.wait(), 10.0)       # it would hang forever otherwise
-            await _until(lambda: replica.in_flight == 0, "the router's attempt to end", 10.0)
+            await until(lambda: replica.in_flight == 0, "the router's attempt to end", 10.0)
 
     run(scenario)
 
@@ -132,7 +132,7 @@ def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
         server = http_server(app, EdgeConfig(host="127.0.0.1", http_port=0))
         serving = asyncio.create_task(server.serve())
         try:
-            await _until(lambda: server.started, "the HTTP/1.1 server", 5)
+            await until(lambda: server.started, "the HTTP/1.1 server", 5)
             port = server.servers[0].sockets[0].getsockname()[1]
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -140,8 +140,8 @@ def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
             await writer.drain()
             await asyncio.wait_for(router.started.wait(), 5)
             writer.close()                             # fire and forget
-            await _until(lambda: router.cancelled == 1 and app.admission.in_flight.count == 0,
-                         "the request to be cancelled", 10.0)
+            await until(lambda: router.cancelled == 1 and app.admission.in_flight.count == 0,
+                        "the request to be cancelled", 10.0)
         finally:
             server.should_exit = server.force_exit = True     # force: do not wait for a request left running
             await asyncio.wait_for(serving, 5)
@@ -162,7 +162,7 @@ def test_over_http3_a_closed_connection_cancels_a_whole_answer(tmp_path: Path) -
             assert app.admission.in_flight.count == 1
             request.cancel()                               # fire and forget: then the connection closes
             await asyncio.gather(request, return_exceptions=True)
-        await _until(lambda: router.cancelled == 1 and app.admission.in_flight.count == 0,
-                     "the request to be cancelled", 10.0)
+        await until(lambda: router.cancelled == 1 and app.admission.in_flight.count == 0,
+                    "the request to be cancelled", 10.0)
 
     run_with_server(ensure_self_signed_cert(str(tmp_path)), check, app)

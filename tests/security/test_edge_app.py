@@ -13,7 +13,7 @@ from mesh.apikeys import digest
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.errors import from_grpc
-from tests.unit.test_openai import CHAT, CHAT_JSON, FakeRouter, asgi
+from tests.fakes.edge_router import CHAT, CHAT_JSON, FakeRouter, asgi
 
 KEY = {"authorization": "Bearer k1"}
 LONG = "z" * 10_000

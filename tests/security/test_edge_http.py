@@ -23,8 +23,8 @@ from services.edge.config import EdgeConfig
 from services.edge.http3 import serve_http3
 from services.edge.http11 import http_server
 from services.edge.tls import ensure_self_signed_cert
+from tests.fakes.edge_router import CHAT_JSON, FakeRouter
 from tests.service.test_http3_server import _free_udp_port
-from tests.unit.test_openai import CHAT_JSON, FakeRouter
 
 KEYS = (digest("k1"),)
 

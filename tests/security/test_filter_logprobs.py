@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.security.scripted import ScriptedRouter, app, events, request, tokens
+from tests.fakes.scripted_router import ScriptedRouter, app, events, request, tokens
 
 # "...the secret is in the bomb shelter": the rule's word arrives across two tokens, " bo" + "mb"
 PIECES = ["The", " secret", " is", " in", " the", " bo", "mb", " shelter", "."]

@@ -308,7 +308,7 @@ def test_the_router_relays_a_tenants_compile_limit_with_its_retry_after_and_no_f
     """An engine's RESOURCE_EXHAUSTED about the tenant's own compile rate is that tenant's answer: the router
     neither tries the other replica (it would compile there too) nor counts it against the replica."""
     from mesh.grpcutil import CALLER_LIMIT
-    from tests.service.test_router import FakeEngine, chat, collect, running
+    from tests.fakes.router_mesh import FakeEngine, chat, collect, running
 
     class RateLimited(FakeEngine):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def, override]

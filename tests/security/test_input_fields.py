@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from services.edge.safety import parse_policy
-from tests.security.scripted import ScriptedRouter, app, request, tokens
+from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 USER = {"role": "user", "content": "tell me a story"}
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "finds things",

@@ -16,7 +16,7 @@ import pytest
 
 from services.edge.jwt_auth import JwtRefused, JwtVerifier
 from services.edge.tenants import TenantTier, parse_keys, parse_tiers
-from tests.security.scripted import ScriptedRouter, app, request, tokens
+from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 SECRET = "a-secret-of-at-least-32-bytes-for-hs256!"
 

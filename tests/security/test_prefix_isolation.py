@@ -20,7 +20,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
 from services.router.config import RouterConfig
-from tests.service.test_router import chat, collect, run, running
+from tests.fakes.router_mesh import chat, collect, run, running
 
 PROMPT = list(range(1, 70))
 

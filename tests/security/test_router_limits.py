@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from mesh.request_limits import MAX_NAME_CHARS, MAX_STOP, SamplingSettings, sampling_problem
-from tests.service.test_router import chat, collect, ids_of, run, running
+from tests.fakes.router_mesh import chat, collect, ids_of, run, running
 
 
 @pytest.mark.parametrize("change, says", [

@@ -13,8 +13,8 @@ import pytest
 from mesh.apikeys import digest
 from mesh.errors import InvalidArgument
 from services.router.sessions import session_key
+from tests.fakes.router_mesh import chat, collect, run, running
 from tests.security.edge_driver import Client, SlowRouter, edge
-from tests.service.test_router import chat, collect, run, running
 
 A, B = "key:aaaaaaaaaaaaaaaa", "key:bbbbbbbbbbbbbbbb"
 

@@ -18,7 +18,7 @@ import pytest
 
 from mesh import signing
 from services.edge.app import EdgeApp
-from tests.security.scripted import ScriptedRouter, app, request, tokens
+from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 KEY, SECRET = "sk-signer", "s3cr3t-signing"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -28,9 +28,9 @@ from mesh.ratelimit import Limiter, Rate
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.router.callers import Caller, Callers
+from tests.fakes.edge_router import FakeRouter, asgi
+from tests.fakes.router_mesh import chat, run, running
 from tests.security.edge_driver import Client, SlowRouter
-from tests.service.test_router import chat, run, running
-from tests.unit.test_openai import FakeRouter, asgi
 
 KEY = {"authorization": "Bearer k-free"}
 PROBE = {"model": "m", "prompt": [f"Write a haiku about the number {i}" for i in range(32)], "n": 2,

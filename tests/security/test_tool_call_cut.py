@@ -12,7 +12,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from tests.security.scripted import ScriptedRouter, app, events, request, tokens
+from tests.fakes.scripted_router import ScriptedRouter, app, events, request, tokens
 
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "finds things",
                                          "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}

@@ -1,7 +1,7 @@
 """Level 3 by latency and the measured confidence of degraded answers, through the real router.
 
 engine-0 serves the primary model and can be made slow to its first token; engine-1 serves the
-fallback (the fake engines of test_router.py answer the same tokens, so a mirror agrees)."""
+fallback (the fake engines of tests/fakes/router_mesh.py answer the same tokens, so a mirror agrees)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from meshpb.v1 import common_pb2, engine_pb2
 from services.router.failover import Evaluation
-from tests.service.test_router import MODEL, FakeEngine, Mesh, _until, chat, collect, run, running
+from tests.fakes.router_mesh import MODEL, FakeEngine, Mesh, chat, collect, run, running, until
 
 FALLBACK = "m-fb"
 DELAY = [0.0]                  # seconds engine-0 waits before its first token
@@ -81,7 +81,7 @@ def test_mirrors_to_the_fallback_measure_the_confidence_of_degraded_answers() ->
                 served = await ask(mesh)
                 assert (served.model, served.degraded, served.confidence) == (MODEL, False, 1.0)
             shadows = mesh.servicer.dispatcher.shadows
-            await _until(lambda: shadows.agreement(MODEL, FALLBACK) == (3, 3), "three mirrors compared")
+            await until(lambda: shadows.agreement(MODEL, FALLBACK) == (3, 3), "three mirrors compared")
             mirrored = [r for replica, r in mesh.script.calls if replica == "engine-1"]
             assert len(mirrored) == 3 and all(r.request_id.endswith("~fallback") and r.model == FALLBACK
                                               for r in mirrored)
@@ -93,7 +93,7 @@ def test_mirrors_to_the_fallback_measure_the_confidence_of_degraded_answers() ->
             assert (served.model, served.degraded) == (FALLBACK, True)
             assert served.confidence == pytest.approx((20 * 0.8 + 3) / 23, rel=1e-6)
             # Its own mirror compared with a degraded answer: no evidence either way.
-            await _until(lambda: shadows.of(MODEL, "fallback:" + FALLBACK).failed == 1, "the mirror discarded")
+            await until(lambda: shadows.of(MODEL, "fallback:" + FALLBACK).failed == 1, "the mirror discarded")
             assert shadows.agreement(MODEL, FALLBACK) == (3, 3)
 
     run(scenario)

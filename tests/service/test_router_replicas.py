@@ -1,5 +1,5 @@
 """Issue 20: no single router or tokenizer.  Routers in-process against the fake engines, tokenizer
-and cache of test_router.py: a stream resumed on another router from the token ids already sent
+and cache of tests/fakes/router_mesh.py: a stream resumed on another router from the token ids already sent
 (`resume_ids`), the edge's RouterPool moving a stream whose router died, and a router balancing
 over tokenizer replicas."""
 
@@ -19,19 +19,19 @@ from mesh.clients.router_pool import RouterPool, router_failed
 from mesh.grpcutil import Service, answered
 from meshpb.v1 import engine_pb2, router_pb2_grpc
 from services.router.server import RouterServicer
-from tests.service.test_router import (
+from tests.fakes.router_mesh import (
     FIRST,
     LENGTH,
     MODEL,
     Behaviour,
     FakeEngine,
     Script,
-    _until,
     chat,
     collect,
     ids_of,
     run,
     running,
+    until,
     words,
 )
 
@@ -45,7 +45,7 @@ async def second_router(servicer: RouterServicer) -> AsyncIterator[tuple[Service
     await service.start()
     await other.start(report_ready=service.ready)
     try:
-        await _until(other.ready, "second router ready")
+        await until(other.ready, "second router ready")
         yield service, other
     finally:
         await other.close()
@@ -103,7 +103,7 @@ _SERVERS: dict[str, Service] = {}
 
 @pytest.fixture(autouse=True)
 def _track_router_services(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Remember each Service by address, so a test can stop one that test_router.running made."""
+    """Remember each Service by address, so a test can stop one that router_mesh.running made."""
     original = Service.start
 
     async def start(self: Service) -> None:
@@ -148,7 +148,7 @@ def test_a_router_balances_over_tokenizer_replicas_and_skips_a_dead_one() -> Non
             await service.start()
             await router.start(report_ready=service.ready)
             try:
-                await _until(router.ready, "ready with one tokenizer replica of two up")
+                await until(router.ready, "ready with one tokenizer replica of two up")
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as ch:
                     stub = router_pb2_grpc.RouterStub(ch)
                     for _ in range(6):                 # every call, whichever replica its turn starts at
@@ -237,14 +237,14 @@ def test_shadow_traffic_mirrors_compares_and_never_serves_the_shadow() -> None:
     the comparison counts each mirror as diverged (at the fourth token) in the admin API and the metric."""
     async def scenario() -> None:
         async with running(engine=TwoVersions) as mesh:
-            await _until(lambda: {r.model_version for r in mesh.servicer.table.all()} == {"1", "2"}, "versions")
+            await until(lambda: {r.model_version for r in mesh.servicer.table.all()} == {"1", "2"}, "versions")
             mesh.servicer.admin.set_routing(MODEL, "1", None, ("2", 1.0))
             for i in range(4):
                 replies = await collect(mesh, chat(("user", f"hi {i}"), max_tokens=6, session=f"s-{i}"))
                 assert ids_of(replies) == [FIRST + p for p in range(6)]       # version 1's, never the shadow's
                 assert replies[-1].served_by.replica == "engine-0" and replies[-1].served_by.model_version == "1"
             shadows = mesh.servicer.dispatcher.shadows
-            await _until(lambda: shadows.of(MODEL, "2").diverged == 4, "four mirrors compared")
+            await until(lambda: shadows.of(MODEL, "2").diverged == 4, "four mirrors compared")
             stats = mesh.servicer.admin.routing(MODEL).shadow_stats
             assert stats is not None and stats["mirrored"] == 4 and stats["matched"] == 0 and stats["failed"] == 0
             # "t100 t101 t102 t103" against "t100 t101 t102 t153": they part at the "0" of "t103".

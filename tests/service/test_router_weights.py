@@ -1,4 +1,5 @@
-"""Replica weights through the real router (fake engines of test_router.py) and through Consul (its double)."""
+"""Replica weights through the real router (the fake engines of tests/fakes/router_mesh.py) and through Consul
+(its double)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from collections import Counter
 
 from mesh.discovery import Endpoint, HealthCheck
 from services.router.replicas import ReplicaTable
+from tests.fakes.router_mesh import Mesh, chat, collect, run, running
 from tests.service.test_consul import FAST, _double, _engines, _Follower
 from tests.service.test_consul import _discovery as consul_discovery
-from tests.service.test_router import Mesh, chat, collect, run, running
 
 
 async def served_by(mesh: Mesh, n: int) -> Counter[str]:

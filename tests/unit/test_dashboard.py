@@ -1,4 +1,4 @@
-"""The observability files in compose/ against the metrics the code exports (mesh/metric_names.py)."""
+"""The observability files in deploy/ against the metrics the code exports (mesh/metric_names.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from infermesh import launcher
 from mesh import metric_names
 
-COMPOSE = Path(__file__).resolve().parents[2] / "compose"
-DASHBOARD = COMPOSE / "grafana" / "dashboards" / "infermesh.json"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "infermesh.json"
 METRIC = re.compile(r"\binfermesh_[a-z0-9_]+\b")
 
 
@@ -94,7 +94,7 @@ def test_every_metric_the_code_registers_is_listed_and_typed_as_listed() -> None
 
 
 def test_prometheus_scrapes_every_service_on_the_launchers_ports() -> None:
-    config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
             for job in config["scrape_configs"]}
     assert set(jobs) == set(metric_names.SERVICES)
@@ -112,21 +112,21 @@ def test_prometheus_scrapes_every_service_on_the_launchers_ports() -> None:
 
 
 def test_grafana_is_provisioned_with_the_dashboard_and_its_data_source() -> None:
-    sources = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" / "datasources.yml").read_text())
+    sources = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "datasources.yml").read_text())
     assert {"prometheus", "jaeger"} <= {s["uid"] for s in sources["datasources"]}
-    providers = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "dashboards" / "infermesh.yml").read_text())
-    stack = yaml.safe_load((COMPOSE / "observability.yml").read_text())
+    providers = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "infermesh.yml").read_text())
+    stack = yaml.safe_load((DEPLOY / "observability.yml").read_text())
     mounts = stack["services"]["grafana"]["volumes"]
     path = providers["providers"][0]["options"]["path"]
     assert f"./grafana/dashboards:{path}:ro" in mounts
 
 
 def test_the_collector_sends_traces_to_jaeger() -> None:
-    config = yaml.safe_load((COMPOSE / "otel-collector.yaml").read_text())
+    config = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
     pipeline = config["service"]["pipelines"]["traces"]
     assert pipeline["receivers"] == ["otlp"]
     exporters = pipeline["exporters"]
     assert any(e.endswith("jaeger") for e in exporters)
     jaeger_endpoint = config["exporters"][exporters[0]]["endpoint"]
-    stack = yaml.safe_load((COMPOSE / "observability.yml").read_text())
+    stack = yaml.safe_load((DEPLOY / "observability.yml").read_text())
     assert any(jaeger_endpoint in arg for arg in stack["services"]["jaeger"]["command"])

@@ -1,6 +1,6 @@
 """Every repository path a docstring or a Markdown page names exists: a file moved or renamed cannot leave
 a pointer to nowhere behind (docstrings under the packages, bench/ and tests/; README.md, docs/, the
-compose and bench READMEs).  A path counts when it starts at a top-level folder (`services/edge/app.py`,
+deploy and bench READMEs).  A path counts when it starts at a top-level folder (`services/edge/app.py`,
 `docs/operations.md`, `meshkernels/`)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("infermesh", "mesh", "services", "meshkernels", "bench", "tests", "docs", "compose", "proto", ".ci")
+TOP = ("infermesh", "mesh", "services", "meshkernels", "bench", "tests", "docs", "deploy", "proto", ".ci")
 FOLDERS = "|".join(re.escape(t) for t in TOP)
 PATH = re.compile(rf"(?<![\w./~-])((?:{FOLDERS})/[\w./-]*[\w/])")
 # Paths the docs tell a person to create (not in the repository until then).
-CREATED = {"compose/mesh-ca"}
+CREATED = {"deploy/mesh-ca"}
 
 
 def docstrings(file: Path) -> Iterator[str]:
@@ -39,7 +39,7 @@ def test_paths_named_in_docstrings_exist() -> None:
 
 
 def test_paths_named_in_the_docs_exist() -> None:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "compose" / "README.md",
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md",
              ROOT / "bench" / "README.md"]
     missing = sorted(f"{page.relative_to(ROOT)}: {path}" for page in pages for path in named(page.read_text())
                      if not (ROOT / path).exists())

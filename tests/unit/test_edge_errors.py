@@ -10,7 +10,7 @@ import pytest
 from mesh.apikeys import digest
 from mesh.clients.router_client import Delta, GenerateSpec
 from services.edge.errors import ApiError, from_grpc
-from tests.unit.test_openai import CHAT_JSON, FakeRouter, _app, asgi
+from tests.fakes.edge_router import CHAT_JSON, FakeRouter, asgi, edge_app
 
 
 def _rpc_error(code: grpc.StatusCode, details: str, retry_after: str | None = None) -> grpc.aio.AioRpcError:
@@ -45,13 +45,13 @@ def _error(body: bytes) -> dict[str, object]:
 ])
 def test_routes_and_admin_refusals(method: str, path: str, headers: dict[str, str], status: int, kind: str,
                                    code: str | None) -> None:
-    got, _, body = asyncio.run(asgi(_app(), method, path, b"", headers))
+    got, _, body = asyncio.run(asgi(edge_app(), method, path, b"", headers))
     error = _error(body)
     assert (got, error["type"], error["code"]) == (status, kind, code)
 
 
 def test_admin_keys_are_checked_and_admin_paths_are_exact() -> None:
-    app = _app(admin_key_digests=(digest("admin"),))
+    app = edge_app(admin_key_digests=(digest("admin"),))
     status, _, body = asyncio.run(asgi(app, "GET", "/admin/models/m/routing", b"", {"authorization": "Bearer no"}))
     assert status == 401 and _error(body)["code"] == "invalid_admin_key"
     status, _, body = asyncio.run(asgi(app, "GET", "/admin/models/m/other", b"", {"authorization": "Bearer admin"}))
@@ -71,7 +71,7 @@ def test_router_errors_become_http_statuses(code: grpc.StatusCode, status: int, 
                                             retry_after: str | None) -> None:
     for stream in (False, True):
         body = json.dumps({**json.loads(CHAT_JSON), "stream": stream}).encode()
-        got, headers, raw = asyncio.run(asgi(_app(FailingRouter(_rpc_error(code, "why"))), "POST",
+        got, headers, raw = asyncio.run(asgi(edge_app(FailingRouter(_rpc_error(code, "why"))), "POST",
                                              "/v1/chat/completions", body))
         error = _error(raw)
         assert (got, error["type"], error["code"], error["message"]) == (status, kind, code.name.lower(), "why")
@@ -84,7 +84,7 @@ def test_router_retry_after_is_kept() -> None:
 
 
 def test_a_stream_without_a_final_message_is_a_502() -> None:
-    got, _, raw = asyncio.run(asgi(_app(FailingRouter(None)), "POST", "/v1/chat/completions", CHAT_JSON))
+    got, _, raw = asyncio.run(asgi(edge_app(FailingRouter(None)), "POST", "/v1/chat/completions", CHAT_JSON))
     assert got == 502 and _error(raw)["type"] == "server_error"
 
 

@@ -6,7 +6,7 @@ import json
 from mesh.apikeys import digest
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from tests.unit.test_openai import FakeRouter, asgi
+from tests.fakes.edge_router import FakeRouter, asgi
 
 
 def _app(**config: object) -> EdgeApp:

@@ -13,7 +13,7 @@ from mesh import signing
 from mesh.clients.router_client import Delta, ModelCard, ServedBy
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from tests.unit.test_openai import FakeRouter, asgi
+from tests.fakes.edge_router import FakeRouter, asgi
 
 SECRET = "hs256-secret-of-at-least-32-bytes!"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

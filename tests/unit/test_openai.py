@@ -1,13 +1,11 @@
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
 from mesh.apikeys import digest
-from mesh.clients.router_client import Delta, GenerateSpec, ServedBy, TokenLogprob, TopLogprob
+from mesh.clients.router_client import Delta, ServedBy, TokenLogprob, TopLogprob
 from mesh.ratelimit import Rate
 from services.edge import choices, requests, responses
 from services.edge.app import EdgeApp
@@ -15,8 +13,7 @@ from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
 from services.edge.fields import parse_json
 from services.edge.openapi import document
-
-CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}
+from tests.fakes.edge_router import CHAT, CHAT_JSON, FakeRouter, asgi, edge_app
 
 
 def test_chat_defaults_follow_openai() -> None:
@@ -310,71 +307,14 @@ def test_paired_surrogate_escapes_are_fine() -> None:
 
 
 # -- the ASGI app, with a fake router ---------------------------------------------------------
-class FakeRouter:
-    """Counts what reaches it; answers with canned deltas, or blocks until released."""
-
-    def __init__(self, deltas: list[Delta] | None = None):
-        self.calls: list[GenerateSpec] = []
-        served = ServedBy("engine-0", "m", "1", "local", False, 1.0)
-        self.deltas = deltas or [Delta("Hi"), Delta("!", "stop", 7, 2, served_by=served)]
-        self.release: asyncio.Event | None = None
-
-    address = "127.0.0.1:1"
-
-    async def healthy(self) -> bool:
-        return True
-
-    async def state(self) -> dict[str, Any]:
-        return {"ready": True, "tokenizer": "serving", "expected_engines": 1, "load_entropy": 1.0,
-                "engines": [{"replica": "engine-0", "healthy": True, "breaker": "closed"}]}
-
-    async def generate(self, spec: GenerateSpec, timeout: float | None = None) -> AsyncIterator[Delta]:
-        self.calls.append(spec)
-        if self.release is not None:
-            await self.release.wait()
-        for d in self.deltas:
-            yield d
-
-
-async def asgi(app: EdgeApp, method: str, path: str, body: bytes | None = b"", headers: dict[str, str] | None = None,
-               ) -> tuple[int, dict[str, str], bytes]:
-    """One request; body None sends nothing and never finishes (a stalled client)."""
-    hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    path, _, query = path.partition("?")
-    scope = {"type": "http", "method": method, "path": path, "headers": hdrs, "client": ("127.0.0.1", 5000),
-             "query_string": query.encode()}
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if body is None or delivered:
-            await asyncio.Event().wait()
-        delivered = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    start = sent[0]
-    return (start["status"], {k.decode(): v.decode() for k, v in start["headers"]},
-            b"".join(m.get("body", b"") for m in sent[1:]))
-
-
-def _app(router: FakeRouter | None = None, **config: Any) -> EdgeApp:
-    return EdgeApp(EdgeConfig(**config), router or FakeRouter())  # type: ignore[arg-type]
-
-
 KEY = {"authorization": "Bearer k1"}
-CHAT_JSON = json.dumps({**CHAT, "max_tokens": 4}).encode()
 
 
 def test_keys_rates_and_limits_answer_before_the_router() -> None:
     async def main() -> None:
         router = FakeRouter()
-        app = _app(router, api_key_digests=(digest("k1"),), rate_limit=Rate(2, 1), max_body_bytes=1024,
-                   body_timeout_s=0.05)
+        app = edge_app(router, api_key_digests=(digest("k1"),), rate_limit=Rate(2, 1), max_body_bytes=1024,
+                      body_timeout_s=0.05)
         status, _, body = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON)
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON,
@@ -406,7 +346,7 @@ def test_requests_in_flight_are_bounded() -> None:
     async def main() -> None:
         router = FakeRouter()
         router.release = asyncio.Event()
-        app = _app(router, max_concurrent=1)
+        app = edge_app(router, max_concurrent=1)
         first = asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON))
         while not router.calls:
             await asyncio.sleep(0)
@@ -422,7 +362,7 @@ def test_requests_in_flight_are_bounded() -> None:
 
 def test_tokens_are_reserved_then_settled() -> None:
     async def main() -> None:
-        app = _app(token_limit=Rate(100, 60))
+        app = edge_app(token_limit=Rate(100, 60))
         limit = app.admission._limiter(app.admission.directory.tiers["standard"], "tokens")
         assert limit is not None
         big = json.dumps({**CHAT, "max_tokens": 90}).encode()
@@ -446,7 +386,7 @@ def test_logprobs_reach_the_client() -> None:
               Delta("", "length", 3, 2, served_by=served)]
 
     async def main() -> None:
-        app = _app(FakeRouter(deltas))
+        app = edge_app(FakeRouter(deltas))
         body = {**CHAT, "logprobs": True, "top_logprobs": 1, "max_tokens": 2}
         status, _, raw = await asgi(app, "POST", "/v1/chat/completions", json.dumps(body).encode())
         content = json.loads(raw)["choices"][0]["logprobs"]["content"]
@@ -474,7 +414,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first() -> None:
 
     async def main() -> None:
         router = FakeRouter(deltas)
-        app = _app(router)
+        app = edge_app(router)
         body = {"model": "m", "prompt": "Say", "logprobs": 1, "max_tokens": 2, "echo": True}
         status, _, raw = await asgi(app, "POST", "/v1/completions", json.dumps(body).encode())
         choice = json.loads(raw)["choices"][0]
@@ -512,7 +452,7 @@ def test_openapi_schema_lists_the_fields_the_parser_takes() -> None:
 
 def test_verbose_health_lists_each_service_and_needs_a_key_when_keys_are_set() -> None:
     async def main() -> None:
-        app = _app(FakeRouter())
+        app = edge_app(FakeRouter())
         status, _, raw = await asgi(app, "GET", "/health?verbose=1")
         body = json.loads(raw)
         assert status == 200 and body["status"] == "ok" and body["tokenizer"] == "serving"

@@ -1,8 +1,8 @@
 """Scheduler: continuous batching, chunked prefill, priorities, preemption, prefix reuse.
 
-No model runs: a fake model writes each chunk's tokens into a simulated paged KV cache and
-"samples" the next token from what it reads back through the request's block table, so a
-block that is shared, evicted or reused wrongly changes the output.
+No model runs: the fake model of tests/fakes/model.py writes each chunk's tokens into a simulated
+paged KV cache and "samples" the next token from what it reads back through the request's block table,
+so a block that is shared, evicted or reused wrongly changes the output.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from mesh.prefix import block_hashes
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus, SamplingParams, StagedBlock
 from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
+from tests.fakes.model import FakeModel
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Request:
@@ -27,38 +28,6 @@ def sched(num_blocks: int = 16, block_size: int = 4, **config: int) -> Scheduler
 
 def spans(batch: Batch) -> list[tuple[str, int, int, bool]]:
     return [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in batch.chunks]
-
-
-class FakeModel:
-    """Paged KV cache simulation: next token = sum of the tokens read back from the cache % 100."""
-
-    def __init__(self, s: Scheduler):
-        self.s = s
-        self.bs = s.blocks.block_size
-        self.kv: dict[int, list[int | None]] = {}
-
-    def _slot(self, r: Request, pos: int) -> tuple[int, int]:
-        return r.table.blocks[pos // self.bs], pos % self.bs
-
-    def step(self) -> Batch:
-        """One engine step: schedule, run, commit, sample, finish the requests that are done."""
-        batch = self.s.schedule()
-        for block, kv in batch.imports:             # staged "KV" here is the block's tokens
-            self.kv[block] = list(kv)  # type: ignore[call-overload]
-        for c in batch.chunks:
-            for pos in range(c.start, c.start + c.num_tokens):
-                block, off = self._slot(c.request, pos)
-                self.kv.setdefault(block, [None] * self.bs)[off] = c.request.all_ids[pos]
-        self.s.commit(batch)
-        for c in batch.chunks:
-            if c.sample:
-                end = c.start + c.num_tokens
-                seen = [self.kv[b][o] for b, o in (self._slot(c.request, p) for p in range(end))]
-                assert None not in seen, f"{c.request.request_id} reads KV that was never written"
-                c.request.append(sum(t or 0 for t in seen) % 100)
-                if len(c.request.output_ids) == c.request.max_tokens:
-                    self.s.finish(c.request)
-        return batch
 
 
 def step(s: Scheduler) -> Batch:
