@@ -21,6 +21,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     reserve_mesh_ports()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker, torch's threads are the worker's share of the cores: N workers each
+    spinning N OpenMP threads on N cores would wait on each other (the meshes' processes set their own)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that starts meshes (marker e2e) goes to one xdist group, so that under `-n N --dist
+    loadgroup` they run on one worker, in file order, as they do without xdist: their fixed ports
+    (tests/e2e/conftest.py) never meet and no two meshes share the cores; the rest spread over the others."""
+    for item in items:
+        if item.get_closest_marker("e2e") is not None:
+            item.add_marker(pytest.mark.xdist_group("meshes"))
+
+
 def reserve_mesh_ports() -> None:
     """As root, add MESH_PORTS to net.ipv4.ip_local_reserved_ports (they are then never handed out
     as ephemeral ports; listening on them explicitly still works).  Without root, leave it."""

@@ -246,52 +246,57 @@ class Engine:
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy; a chunk with drafts has
         1 + draft rows.  Row i of a chunk is sampled as the token at its own position would be without
-        drafts; drafts are kept while they equal what was sampled (speculate.py)."""
+        drafts (_sample); drafts are kept while they equal what was sampled (_accept, speculate.py)."""
         sampled = [c for c in batch.chunks if c.sample]
-        rows = [(c.request, i) for c in sampled for i in range(1 + c.draft)]
-        if logits.dim() == 1:
-            tokens = logits.tolist()
-        else:
-            scores = logits
-            if any(r.sampling.processed for r, _ in rows):
-                scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
-                for row, (req, _) in enumerate(rows):
-                    if req.sampling.penalized:   # (rows with drafts never are: _propose skips them)
-                        scores[row] = sampler.process(logits[row], req.sampling, req.prompt_ids,
-                                                      req.resume_ids + req.output_ids,
-                                                      self.runner.eos_token_ids | set(req.sampling.stop_token_ids))
-                grammar.apply_masks(scores, logits, [(row, r.matcher) for row, (r, _) in enumerate(rows)
-                                                     if r.matcher is not None])
-            tokens = sampler.sample_batch(scores, [r.sampling for r, _ in rows],
-                                          [r.num_generated + i for r, i in rows])
+        tokens = self._sample([(c.request, i) for c in sampled for i in range(1 + c.draft)], logits)
         outputs = []
         row = 0
         for chunk in sampled:
-            req, params = chunk.request, chunk.request.sampling
-            new: list[int] = []
-            logprobs: list[EngineTokenLogprob] = []
-            reason = None
-            for i in range(1 + chunk.draft):
-                token = tokens[row + i]
-                if params.logprobs:
-                    logprobs.append(sampler.token_logprob(logits[row + i], token, params.top_logprobs))
-                req.append(token)
-                new.append(token)
-                if req.matcher is not None and not req.matcher.accept(token):
-                    reason = FinishReason.ERROR      # (cannot happen: the mask allowed it) fail this one only
-                    break
-                reason = self._finish_reason(req, token)
-                if reason is not None or i == chunk.draft or token != req.draft[i]:
-                    break
+            outputs.append(self._accept(chunk, tokens[row:row + 1 + chunk.draft], logits, row))
             row += 1 + chunk.draft
-            if chunk.draft:
-                self._verified(chunk, new)
-            prompt = tuple(req.prompt_logprobs) if req.prompt_logprobs and len(req.output_ids) == len(new) else ()
-            if reason is not None:
-                outputs.append(self._finish(req, reason, tuple(new), tuple(logprobs), prompt))
-            else:
-                outputs.append(StepOutput(req.request_id, tuple(new), tuple(logprobs), prompt_logprobs=prompt))
         return outputs
+
+    def _sample(self, rows: list[tuple[Request, int]], logits: torch.Tensor) -> list[int]:
+        """One token per row ((request, draft index)): penalties and logit bias, grammar masks, then each
+        request's sampler (temperature, top-k/p, its seeded stream at that position)."""
+        if logits.dim() == 1:
+            return list(logits.tolist())
+        scores = logits
+        if any(r.sampling.processed for r, _ in rows):
+            scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
+            for row, (req, _) in enumerate(rows):
+                if req.sampling.penalized:   # (rows with drafts never are: _propose skips them)
+                    scores[row] = sampler.process(logits[row], req.sampling, req.prompt_ids,
+                                                  req.resume_ids + req.output_ids,
+                                                  self.runner.eos_token_ids | set(req.sampling.stop_token_ids))
+            grammar.apply_masks(scores, logits, [(row, r.matcher) for row, (r, _) in enumerate(rows)
+                                                 if r.matcher is not None])
+        return list(sampler.sample_batch(scores, [r.sampling for r, _ in rows], [r.num_generated + i for r, i in rows]))
+
+    def _accept(self, chunk: Chunk, tokens: list[int], logits: torch.Tensor, first_row: int) -> StepOutput:
+        """A chunk's sampled tokens (1 + its drafts) taken in order until one finishes the request or differs
+        from the draft it verified; the grammar advanced, log-probs read, the accepted drafts' KV kept."""
+        req, params = chunk.request, chunk.request.sampling
+        new: list[int] = []
+        logprobs: list[EngineTokenLogprob] = []
+        reason = None
+        for i, token in enumerate(tokens):
+            if params.logprobs:
+                logprobs.append(sampler.token_logprob(logits[first_row + i], token, params.top_logprobs))
+            req.append(token)
+            new.append(token)
+            if req.matcher is not None and not req.matcher.accept(token):
+                reason = FinishReason.ERROR      # (cannot happen: the mask allowed it) fail this one only
+                break
+            reason = self._finish_reason(req, token)
+            if reason is not None or i == chunk.draft or token != req.draft[i]:
+                break
+        if chunk.draft:
+            self._verified(chunk, new)
+        prompt = tuple(req.prompt_logprobs) if req.prompt_logprobs and len(req.output_ids) == len(new) else ()
+        if reason is not None:
+            return self._finish(req, reason, tuple(new), tuple(logprobs), prompt)
+        return StepOutput(req.request_id, tuple(new), tuple(logprobs), prompt_logprobs=prompt)
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling
