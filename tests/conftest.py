@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mesh import models
 
-# The end-to-end meshes listen on 50051 + offset (offsets up to ~1,900): inside Linux's ephemeral
+# The end-to-end meshes listen on 50051 + offset (offsets up to ~2,400): inside Linux's ephemeral
 # range (32768-60999), so any outgoing connection that happens to take one of them as its local
 # port makes a later mesh fail to bind it ("Address already in use").
-MESH_PORTS = (50000, 51999)
+MESH_PORTS = (50000, 52999)
+# Under pytest-xdist the end-to-end modules run in two groups side by side, each group on one worker in file
+# order (MeshGroups below): the modules on the session-long mesh (tests/e2e/conftest.py `mesh`) plus
+# BESIDE_THE_SESSION_MESH, and every other module (each with a mesh of its own): about 5 minutes each on 2
+# cores.  Two meshes running at once must not share a port: a mesh takes 8000, 8443 (UDP), 9100-9199 and
+# 50030-50099, each + its offset, so offsets of meshes that may run at once differ by at least 100 and never
+# by 1100-1199 (one's edge on the other's metrics ports).  tests/unit/test_mesh_groups.py checks both lists
+# and the offsets.
+SESSION_MESH_MODULES = ("test_edge_fuzz.py", "test_grpc.py", "test_http3.py", "test_openai_api.py",
+                        "test_routing.py", "test_structured_outputs.py", "test_supervision.py")
+BESIDE_THE_SESSION_MESH = ("test_architectures_served.py",)
 RESERVED = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 
 
@@ -22,22 +33,43 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In a pytest-xdist worker, torch's threads are the worker's share of the cores: N workers each
-    spinning N OpenMP threads on N cores would wait on each other (the meshes' processes set their own)."""
+    """The engines the suite starts (some 30 meshes' worth) keep torch's allocator off 2 MB pages
+    (services/engine/__main__.py turns them on unless THP_MEM_ALLOC_ENABLE is set): a speed setting for
+    steps, whose first touch costs ~5 s of CPU per GiB (weights and KV cache) on these VMs; an engine
+    starts in ~3 s of CPU instead of ~8.
+
+    In a pytest-xdist worker, torch's threads are the worker's share of the cores, and OpenMP threads
+    (the worker's, and those of the meshes it starts) sleep when they wait instead of spinning: with a
+    worker per core, a mesh's 2-thread engine otherwise spins against the other worker (a 4 s test took
+    48 s)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # read when libgomp loads: before torch
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test that starts meshes (marker e2e) goes to one xdist group, so that under `-n N --dist
-    loadgroup` they run on one worker, in file order, as they do without xdist: their fixed ports
-    (tests/e2e/conftest.py) never meet and no two meshes share the cores; the rest spread over the others."""
-    for item in items:
-        if item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group("meshes"))
+def mesh_group(nodeid: str) -> str | None:
+    """The xdist group of an end-to-end test ("session-mesh" or "own-meshes"), None for any other test."""
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent.name not in ("e2e", "multihost"):
+        return None
+    return "session-mesh" if path.name in SESSION_MESH_MODULES + BESIDE_THE_SESSION_MESH else "own-meshes"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduler, each mesh group one unit of work (the two largest, so they start first, one
+    per worker) and every other test a unit of its own, handed to whichever worker is free."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MeshGroups(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return mesh_group(nodeid) or nodeid
+
+    return MeshGroups(config, log)
 
 
 def reserve_mesh_ports() -> None:

@@ -1,12 +1,12 @@
-"""transformers' float32 model of a model folder, the independent reference that the engine's `--dtype
-float32` equals token for token, loaded in about a second instead of ~10.
+"""transformers' float32 model of a model folder, the independent reference that the engine's `--dtype float32`
+equals token for token, loaded in about a second instead of ~10.
 
-`mesh.models.gguf.load_float32` de-quantizes model.gguf through transformers' GGUF reader at every call.
-Here that is done once per GGUF and transformers release: `convert_gguf` (the same reader, saved as
-float32 safetensors) into `<infermesh home>/test-references/<key>/`, where key hashes the file's sha256
-and transformers' version; later loads (other tests, other pytest processes, other clones) read that
-folder.  A file lock lets parallel workers (pytest-xdist) share one conversion.
-"""
+`mesh.models.gguf.load_float32` de-quantizes model.gguf through transformers' GGUF reader at every call. Here
+that is done once per GGUF and transformers release: `convert_gguf` (the same reader, saved as float32
+safetensors) into `~/.cache/infermesh/test-references/<key>/` (not under $INFERMESH_HOME, which tests point at
+temporary folders), where key hashes the file's sha256 and transformers' version; later loads (other tests,
+other pytest processes, other clones) read that folder. A file lock lets parallel workers (pytest-xdist) share
+one conversion."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def float32_folder(folder: str | Path) -> Path:
     marker = models.read_marker(folder) if (folder / models.MARKER).is_file() else {}
     sha = marker.get("sha256") or sha256_file(gguf)
     key = hashlib.sha256(f"{sha} {transformers.__version__}".encode()).hexdigest()[:16]
-    root = models.home() / "test-references"
+    root = Path.home() / ".cache" / "infermesh" / "test-references"
     target = root / key
     if (target / "config.json").is_file():
         return target

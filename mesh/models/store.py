@@ -28,8 +28,8 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def home() -> Path:
-    """`$INFERMESH_HOME`, else `~/.cache/infermesh`: models, registry, TLS certificates, built kernels
-    (meshkernels/cpu_ops.py reads the same variable itself: meshkernels/ does not import mesh/)."""
+    """`$INFERMESH_HOME`, else `~/.cache/infermesh`: models, registry, TLS certificates, tuned plans (the
+    built kernels are kept apart: meshkernels/cpu_ops.py)."""
     env = os.environ.get("INFERMESH_HOME")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "infermesh"
 

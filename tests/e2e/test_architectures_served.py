@@ -1,18 +1,15 @@
-"""Bring your own model, end to end: a tiny random-weight model of each architecture (transformers
-builds it from a config, offline; the SmolLM2 tokenizer and chat template stand in for its own),
-registered with `infermesh model register`, served by `infermesh up --model NAME --dtype float32`, and
-asked with the `openai` package for chat completions of mixed lengths at once: each answer equals
-transformers' greedy `generate` on the same chat.  The requests leave temperature out: the model's
+"""Bring your own model, end to end: a tiny random-weight model of each architecture (transformers builds it from
+a config, offline; the SmolLM2 tokenizer and chat template stand in for its own), registered with `infermesh
+model register` (its code run in the test's process), served by `infermesh up --model NAME --dtype float32`,
+and asked with the `openai` package for chat completions of mixed lengths at once: each answer equals
+transformers' greedy `generate` on the same chat. The requests leave temperature out: the model's
 generation_config.json (`do_sample: false`) makes them greedy, where OpenAI's default (1.0) would sample."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +17,11 @@ import openai
 import pytest
 import torch
 
+from infermesh import cli
 from tests.e2e.conftest import OFFSET, running_mesh
 from tests.service.test_architectures import CASES, build
 
+pytestmark = pytest.mark.e2e
 ARCHITECTURES = ["llama3", "llama-yarn", "mistral-window", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 CHATS = [[{"role": "user", "content": "Hi"}],
          [{"role": "system", "content": "You answer in French."},
@@ -38,7 +37,8 @@ def tokenizer_files(model_dir: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, tokenizer_files: list[Path]) -> None:
+def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, tokenizer_files: list[Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoTokenizer
 
     kind, extra = CASES[name]
@@ -48,10 +48,8 @@ def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, token
     for f in tokenizer_files:
         shutil.copy(f, folder / f.name)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": []}))
-    env = {**os.environ, "INFERMESH_HOME": str(tmp_path / "home")}
-    done = subprocess.run([sys.executable, "-m", "infermesh.cli", "model", "register", f"tiny-{name}", str(folder)],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    monkeypatch.setenv("INFERMESH_HOME", str(tmp_path / "home"))
+    assert cli.main(["model", "register", f"tiny-{name}", str(folder)]) == 0     # the CLI's code, in process
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     want = []
@@ -63,8 +61,9 @@ def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, token
         want.append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
     assert sum(len(w) for w in want) > 3 * NEW           # real text to compare, not empty strings
 
-    offset = OFFSET + 300
-    with running_mesh(["--model", f"tiny-{name}", "--dtype", "float32", "--engines", "1", "--insecure-mesh"],
+    offset = OFFSET + 2200         # apart from every other mesh's ports: under xdist it runs beside them
+    with running_mesh(["--model", f"tiny-{name}", "--dtype", "float32", "--engines", "1", "--insecure-mesh",
+                       "--kv-cache-mb", "64"],
                       offset, tmp_path / "up.log", env={"INFERMESH_HOME": str(tmp_path / "home")}) as mesh:
         client = openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key="unused", max_retries=0, timeout=120)
 

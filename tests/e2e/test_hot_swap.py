@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -39,15 +40,15 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def v2_folder(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model (de-quantized into a float32 folder) with every tensor of layers 9 and 20 scaled by
-    (1 + 50% noise): answers change."""
+    """The default model (de-quantized into a float32 folder: a copy of tests/reference.py's) with every
+    tensor of layers 9 and 20 scaled by (1 + 50% noise): answers change."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from mesh.models.gguf import convert_gguf
+    from tests.reference import float32_folder
 
     folder = tmp_path_factory.mktemp("v2") / "smollm2-v2"
-    convert_gguf(model_dir / "model.gguf", folder)
+    shutil.copytree(float32_folder(model_dir), folder)
     weights = load_file(str(folder / "model.safetensors"))
     generator = torch.Generator().manual_seed(2)
     for name, tensor in weights.items():

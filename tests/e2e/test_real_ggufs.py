@@ -25,6 +25,7 @@ import torch
 
 from tests.e2e.conftest import OFFSET, running_mesh
 
+pytestmark = pytest.mark.e2e
 FOLDER = os.environ.get("INFERMESH_REAL_GGUFS", "")
 if not FOLDER or not Path(FOLDER).is_dir() or not list(Path(FOLDER).glob("*.gguf")):
     pytest.skip(f"INFERMESH_REAL_GGUFS={FOLDER!r} is no folder of GGUF files; point it at one holding "

@@ -83,9 +83,14 @@ def _check_call(call, tools) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_tool_choice_gives_valid_calls_streamed_and_not(client: openai.OpenAI, choice) -> None:  # type: ignore[no-untyped-def]
     tools = [WEATHER, CLOCK]
-    for seed in range(3):
-        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
-                                               temperature=0.7, seed=seed, max_tokens=200)
+
+    def ask(seed: int):  # type: ignore[no-untyped-def]
+        return client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                              temperature=0.7, seed=seed, max_tokens=200)
+
+    with ThreadPoolExecutor(3) as pool:            # batched together in the engines, as users' requests are
+        replies = list(pool.map(ask, range(3)))
+    for reply in replies:
         message = reply.choices[0].message
         assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
         assert len(message.tool_calls) == 1
@@ -106,9 +111,14 @@ def test_auto_tool_choice_calls_are_valid_and_text_stays_free(client: openai.Ope
     """tool_choice auto (the default with tools): whatever the model writes, any call it makes validates."""
     tools = [WEATHER, CLOCK]
     made = 0
-    for seed in range(6):
-        reply = client.chat.completions.create(model=MODEL, messages=CALL_IT, tools=tools, temperature=1.0, seed=seed,
-                                               max_tokens=120)
+
+    def ask(seed: int):  # type: ignore[no-untyped-def]
+        return client.chat.completions.create(model=MODEL, messages=CALL_IT, tools=tools, temperature=1.0, seed=seed,
+                                              max_tokens=120)
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(ask, range(6)))
+    for reply in replies:
         message = reply.choices[0].message
         for call in message.tool_calls or []:
             _check_call(call, tools)

