@@ -112,9 +112,11 @@ def _build_folder(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    # torch's folder named by its version, not its path: every clone's venv with this torch shares one build
-    # (the headers are the wheel's; libtorch_cpu is found by its name, already loaded by then).
-    command = " ".join(_command(compiler, Path(LIBRARY))).replace(str(Path(torch.__file__).parent), "<torch>")
+    # Paths left out: the sources are hashed above, and torch's folder is named by its version; so every clone,
+    # and every venv with this torch, shares one build (the headers are the wheel's; libtorch_cpu is found by
+    # its name, already loaded by then).
+    command = (" ".join(_command(compiler, Path(LIBRARY))).replace(str(Path(torch.__file__).parent), "<torch>")
+               .replace(str(SOURCE.parent), "<sources>"))
     key.update(command.encode())
     key.update(torch.__version__.encode())
     return _cache_root() / key.hexdigest()[:16]

@@ -55,3 +55,25 @@ def load_model(folder: str | Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(float32_folder(folder)), dtype=torch.float32).eval()
+
+
+
+# (id(model), prompt) -> (tokens, logits of the first, max_new_tokens they were generated with)
+_GREEDY: dict[tuple[int, tuple[int, ...]], tuple[list[int], Any, int]] = {}
+
+
+def greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], Any]:
+    """transformers' greedy tokens after `ids` (n, or fewer where it ends the sequence) and the logits of the
+    first, with `generate`.  Kept per (model, prompt) for the most tokens asked so far: greedy decoding is
+    prefix-consistent, so n tokens are the first n of any longer run."""
+    import torch
+
+    key = (id(model), tuple(ids))
+    kept = _GREEDY.get(key)
+    if kept is None or kept[2] < n:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        kept = (out.sequences[0, len(ids):].tolist(), out.logits[0][0].float(), n)
+        _GREEDY[key] = kept
+    return kept[0][:n], kept[1]

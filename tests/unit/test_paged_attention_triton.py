@@ -19,6 +19,8 @@ import torch
 from meshkernels import paged_attention as pa
 from meshkernels import paged_attention_triton as pat
 
+pytestmark = pytest.mark.slow            # Triton's interpreter on the CPU (make test-fast leaves it out)
+
 NUM_BLOCKS = 14
 
 
