@@ -37,31 +37,17 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__linux__)
-#define GGUF_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 #include "cpu_common.h"
 }  // namespace
 #include "cpu_gguf.h"
+#include "cpu_gguf_amx.h"
 
 namespace {
 
 #if defined(GGUF_AMX)
-constexpr int64_t kLag = 8;         // groups between a C tile's product and its float sum
-
 inline __m512i lanes16() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-struct TileConfig {                 // ldtilecfg's 64-byte palette-1 layout
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // A decoded tile of 16 weight columns (each thread has two: it decodes the next tile while it multiplies
 // this one, so the tile loads never wait on the decoding's stores, and the decoding fills the AMX unit's
@@ -173,16 +159,6 @@ inline void add_group(const int32_t* cb, const TiledX& tx, const float* scale, c
   }
 }
 
-// A group's product into tile C (A in tile TA, B in TB); a macro, as GCC's tile intrinsics take the tile
-// numbers as literal text.
-#define GGUF_MULTIPLY(TA, TB, C, a, b) \
-  do {                                 \
-    _tile_loadd(TA, a, lda);           \
-    _tile_loadd(TB, b, 4 * G * W);     \
-    _tile_zero(C);                     \
-    _tile_dpbssd(C, TA, TB);           \
-  } while (false)
-
 template <int64_t KIND, int W>
 void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out, int64_t begin,
                   int64_t end) {
@@ -232,32 +208,14 @@ void tile_columns(const TiledX& tx, const QuantizedX& qx, const uint8_t* w, int6
       const int8_t* bx = tx.b.data() + rt * groups * G * uk * G * W;
       __m512 acc[G * W];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      // Group u multiplies in A and B tiles (0, 1) or (3, 4) by u's parity into C tile 2, 5, 6 or 7 by u % 4,
-      // while group u - 1's C tile is stored and group u - kLag's, stored kLag - 1 groups ago, is added.  AMX
-      // tiles are not renamed (a tile is rewritten only once what reads it is done), so rotating them lets
-      // the tile unit run ahead, and the float work never waits on its latency.
-      for (int64_t u = 0; u < groups; ++u) {
-        for (due += next_cols; due >= steps; due -= steps, ++decoded) decode_at(n0 + kTile, decoded, next);
-        const int8_t* a = s.a + u * G * uk;
-        const int8_t* b = bx + u * G * uk * G * W;
-        int32_t* prev = cb[(u + kLag - 1) % kLag];
-        switch (u % 4) {
-          case 0: GGUF_MULTIPLY(0, 1, 2, a, b); if (u > 0) _tile_stored(7, prev, 4 * G * W); break;
-          case 1: GGUF_MULTIPLY(3, 4, 5, a, b); _tile_stored(2, prev, 4 * G * W); break;
-          case 2: GGUF_MULTIPLY(0, 1, 6, a, b); _tile_stored(5, prev, 4 * G * W); break;
-          default: GGUF_MULTIPLY(3, 4, 7, a, b); _tile_stored(6, prev, 4 * G * W); break;
-        }
-        if (u >= kLag) add(cb[(u - kLag) % kLag], rt, u - kLag, acc);
-      }
-      int32_t* last = cb[(groups - 1) % kLag];
-      switch ((groups - 1) % 4) {
-        case 0: _tile_stored(2, last, 4 * G * W); break;
-        case 1: _tile_stored(5, last, 4 * G * W); break;
-        case 2: _tile_stored(6, last, 4 * G * W); break;
-        default: _tile_stored(7, last, 4 * G * W); break;
-      }
-      for (int64_t u = std::max<int64_t>(0, groups - kLag); u < groups; ++u)
-        add(cb[u % kLag], rt, u, acc);
+      // The groups in rotation (cpu_gguf_amx.h), the next tile's columns decoded evenly beside them.
+      rotate_units(
+          groups,
+          [&](int64_t) {
+            for (due += next_cols; due >= steps; due -= steps, ++decoded) decode_at(n0 + kTile, decoded, next);
+          },
+          [&](int64_t u) { return s.a + u * G * uk; }, lda, [&](int64_t u) { return bx + u * G * uk * G * W; },
+          4 * G * W, cb, 4 * G * W, [&](const int32_t* c, int64_t u) { add(c, rt, u, acc); });
       // out[rt W + m][n0 + c] is the sum over i of sums[(c G + i) W + m]
       for (int j = 0; j < G * W; ++j) _mm512_store_ps(sums + j * kTile, acc[j]);
       const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);

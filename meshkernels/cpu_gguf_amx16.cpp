@@ -37,30 +37,17 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__linux__)
-#define GGUF_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 #include "cpu_common.h"
 }  // namespace
 #include "cpu_gguf.h"
+#include "cpu_gguf_amx.h"
 
 namespace {
 
 #if defined(GGUF_AMX)
-constexpr int64_t kRowTile = 16;       // rows of x, and columns of W, per tile
-constexpr int64_t kLag = 8;         // units between a C tile's product and its float sum
-
-struct WideConfig {                 // ldtilecfg's 64-byte palette-1 layout
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+constexpr int64_t kRowTile = kTile;    // rows of x, and columns of W, per tile
 
 // x in B-tile layout, per tile of 16 rows (rows past T are zeros):
 struct WideX {
@@ -150,23 +137,13 @@ inline void add_unit(const int32_t* cb, const WideX& tx, const WideTile& s, int6
   }
 }
 
-// A unit's product into tile C (A in tile TA, B in TB); a macro, as GCC's tile intrinsics take the tile
-// numbers as literal text.
-#define GGUF_MULTIPLY(TA, TB, C, a, b) \
-  do {                                 \
-    _tile_loadd(TA, a, kBlock);        \
-    _tile_loadd(TB, b, 64);            \
-    _tile_zero(C);                     \
-    _tile_dpbssd(C, TA, TB);           \
-  } while (false)
-
 template <int64_t KIND>
 void tile_columns(const WideX& tx, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out, int64_t begin,
                   int64_t end) {
   using K = Kind<KIND>;
   constexpr int64_t uk = K::halves ? 16 : 32;          // K bytes per unit
   const int64_t nb = tx.nb, units = tx.units, row_bytes = qx.k / K::weights * K::bytes;
-  WideConfig cfg;
+  TileConfig cfg;
   for (int i : {0, 3}) cfg.rows[i] = kRowTile, cfg.colsb[i] = uk;               // A: 16 columns x uk bytes
   for (int i : {1, 4}) cfg.rows[i] = uk / 4, cfg.colsb[i] = 64;              // B: uk / 4 rows x 16 rows x 4
   for (int i : {2, 5, 6, 7}) cfg.rows[i] = kRowTile, cfg.colsb[i] = 64;         // C: 16 x 16 int32
@@ -192,32 +169,14 @@ void tile_columns(const WideX& tx, const QuantizedX& qx, const uint8_t* w, int64
       const int8_t* bx = tx.b.data() + rt * nb * 512;
       __m512 acc[kRowTile];
       for (auto& v : acc) v = _mm512_setzero_ps();
-      // Unit u multiplies in A and B tiles (0, 1) or (3, 4) by u's parity into C tile 2, 5, 6 or 7 by u % 4,
-      // while unit u - 1's C tile is stored and unit u - kLag's, stored kLag - 1 units ago, is added.  AMX
-      // tiles are not renamed (a tile is rewritten only once what reads it is done), so rotating them lets
-      // the tile unit run ahead, and the float work never waits on its latency.
-      for (int64_t u = 0; u < units; ++u) {
-        for (int64_t j = 0; j < per_step && ahead < ahead_end; ++j, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-        const int8_t* a = a_at(u);
-        const int8_t* b = bx + u * uk * 16;
-        int32_t* prev = s.cb[(u + kLag - 1) % kLag];
-        switch (u % 4) {
-          case 0: GGUF_MULTIPLY(0, 1, 2, a, b); if (u > 0) _tile_stored(7, prev, 64); break;
-          case 1: GGUF_MULTIPLY(3, 4, 5, a, b); _tile_stored(2, prev, 64); break;
-          case 2: GGUF_MULTIPLY(0, 1, 6, a, b); _tile_stored(5, prev, 64); break;
-          default: GGUF_MULTIPLY(3, 4, 7, a, b); _tile_stored(6, prev, 64); break;
-        }
-        if (u >= kLag) add_unit<K::mins>(s.cb[(u - kLag) % kLag], tx, s, rt, u - kLag, acc);
-      }
-      int32_t* last = s.cb[(units - 1) % kLag];
-      switch ((units - 1) % 4) {
-        case 0: _tile_stored(2, last, 64); break;
-        case 1: _tile_stored(5, last, 64); break;
-        case 2: _tile_stored(6, last, 64); break;
-        default: _tile_stored(7, last, 64); break;
-      }
-      for (int64_t u = std::max<int64_t>(0, units - kLag); u < units; ++u)
-        add_unit<K::mins>(s.cb[u % kLag], tx, s, rt, u, acc);
+      // The units in rotation (cpu_gguf_amx.h), the next tile's rows prefetched evenly beside them.
+      rotate_units(
+          units,
+          [&](int64_t) {
+            for (int64_t j = 0; j < per_step && ahead < ahead_end; ++j, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+          },
+          a_at, kBlock, [&](int64_t u) { return bx + u * uk * 16; }, 64, s.cb, 64,
+          [&](const int32_t* c, int64_t u) { add_unit<K::mins>(c, tx, s, rt, u, acc); });
       // acc[c] lane m is out[rt * 16 + m][n0 + c]
       for (int c = 0; c < kRowTile; ++c) _mm512_store_ps(s.acc + c * kRowTile, acc[c]);
       const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);

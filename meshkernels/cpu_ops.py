@@ -50,7 +50,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with
            Path(__file__).with_name("cpu_gguf_amx16.cpp"), Path(__file__).with_name("cpu_layer_gguf.cpp"),
            Path(__file__).with_name("cpu_gguf_q8k.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"),
-           Path(__file__).with_name("cpu_gguf.h"))
+           Path(__file__).with_name("cpu_gguf.h"), Path(__file__).with_name("cpu_gguf_amx.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"
 
 _lock = threading.Lock()
