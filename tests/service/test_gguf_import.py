@@ -28,10 +28,11 @@ from services.engine.request import SamplingParams
 from tests.service.gguf_files import Field, tokenizer_fields, write_llama_gguf
 
 VOCAB = 1024                    # the default model's first tokens: tokenizer_fields
-# Rounding of each format: the largest weight error allowed, as a share of the tensor's largest |weight| (half
-# a step of each format's grid is 1/2048 for F16, 1/254 for Q8_0, 1/16 for Q4_0, up to 1/15 for Q4_1, about
-# 1/15 plus the 6-bit scales' rounding for Q4_K).
-TOLERANCE = {"F16": 1 / 1024, "Q8_0": 1 / 127, "Q4_0": 1 / 8, "Q4_1": 1 / 8, "Q4_K": 1 / 8}
+# Rounding of each format: the largest weight error allowed, as a share of the tensor's largest |weight|.  The
+# formats' bounds: F16 2^-11; Q8_0 half a step, 1/254, plus its fp16 scale's rounding; Q4_0 a whole step, 1/8
+# (q = w / d + 8 clips at 15 on the largest weight's side); Q4_1 half a step, up to 1/15; Q4_K about that
+# plus its 6-bit scales' rounding.  Measured here: 0.0004, 0.0040, 0.094, 0.053, 0.053.
+TOLERANCE = {"F16": 1 / 1024, "Q8_0": 1 / 127, "Q4_0": 1 / 8, "Q4_1": 1 / 14, "Q4_K": 1 / 12}
 
 
 @pytest.fixture(scope="module")
