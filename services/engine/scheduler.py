@@ -155,7 +155,7 @@ class Scheduler:
         """After the model ran: the chunks' KV is in the cache; register full blocks."""
         for chunk in batch.chunks:
             req = chunk.request
-            # Draft rows' KV counts once their tokens are accepted (Engine._postprocess).
+            # Draft rows' KV counts once their tokens are accepted (Engine._accept).
             req.num_computed = chunk.start + chunk.num_tokens - chunk.draft
             self.blocks.commit(req.table, req.all_ids, req.num_computed)
 
