@@ -13,6 +13,7 @@ Standard library at import; numpy and gguf-py's type table are imported by the f
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.dims:
-            n *= d
-        return n
+        return math.prod(self.dims)
 
 
 @dataclass(frozen=True)
@@ -148,10 +146,7 @@ def read_header(path: str | Path) -> Header:
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
         except (ValueError, KeyError):
             raise HeaderError(f"{path}: tensor {name!r} has a type ({qtype}) gguf-py does not know") from None
-        n = 1
-        for d in dims:
-            n *= d
-        tensors.append(TensorInfo(name, dims, qtype, start + offset, n * size // block))
+        tensors.append(TensorInfo(name, dims, qtype, start + offset, math.prod(dims) * size // block))
     return Header(path, version, metadata, tensors)
 
 

@@ -87,15 +87,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="session")
-def reference(model_dir: Path):  # type: ignore[no-untyped-def]
-    """Hugging Face transformers' own greedy generation, the independent reference."""
+def reference(hf):  # type: ignore[no-untyped-def]
+    """Hugging Face transformers' own greedy generation (the session's `hf` model), the independent reference."""
     import torch
-    from transformers import AutoTokenizer
 
-    from tests.reference import load_model
-
-    model = load_model(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model, tokenizer = hf
 
     def generate(max_new_tokens: int, messages: list[dict[str, str]] | None = None, prompt: str | None = None
                  ) -> str:

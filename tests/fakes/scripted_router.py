@@ -14,6 +14,7 @@ from typing import Any
 from mesh.clients.router_client import Delta, GenerateSpec, ModelCard, ServedBy, TokenLogprob, TopLogprob
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
+from tests.fakes.edge_router import asgi
 
 
 def tokens(pieces: Sequence[str], alternatives: dict[int, Sequence[str]] | None = None,
@@ -63,29 +64,9 @@ def app(router: ScriptedRouter, **config: Any) -> EdgeApp:
 
 async def request(edge: EdgeApp, method: str, path: str, body: dict[str, Any] | bytes | None = None,
                   headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body bytes) of one request."""
+    """(status, headers, body bytes) of one request; a dict body is sent as JSON."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
-    path, _, query = path.partition("?")
-    scope = {"type": "http", "method": method, "path": path, "query_string": query.encode(),
-             "client": ("127.0.0.1", 5000),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if delivered:
-            await asyncio.Event().wait()
-        delivered = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await edge(scope, receive, send)
-    start = sent[0]
-    return (start["status"], {k.decode(): v.decode() for k, v in start["headers"]},
-            b"".join(m.get("body", b"") for m in sent[1:]))
+    return await asgi(edge, method, path, raw, headers)
 
 
 def events(raw: bytes) -> list[dict[str, Any]]:

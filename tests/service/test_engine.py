@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from mesh.errors import InvalidArgument, ResourceExhausted
 from meshkernels import cpu_ops
@@ -162,7 +161,7 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
         assert abs(outs[0].logprobs[0].logprob - ref_lp) < (1e-3 if matmul in ("packed", "q4") else 1e-2)
 
 
-def test_float16_kv_cache_stays_close_to_float32(model_dir: Path) -> None:
+def test_float16_kv_cache_stays_close_to_float32(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     """The float16 KV cache auto runs with the fused CPU ops: the same greedy text as a float32 cache
     for the first tokens of each prompt (bench/quality.py: 16 of 16 essays identical over 128 tokens),
     and the log-probs of the shared tokens within a few ten-thousandths."""
@@ -172,7 +171,7 @@ def test_float16_kv_cache_stays_close_to_float32(model_dir: Path) -> None:
     full = dataclasses.replace(half, kv_dtype="")
     runners = [ModelRunner(model_dir, p, kv_cache_bytes=64 << 20) for p in (full, half)]
     assert runners[1].kv[0][0].dtype == torch.float16 and runners[1].num_blocks == 2 * runners[0].num_blocks
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    _, tokenizer = hf
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
         outs = []

@@ -33,7 +33,6 @@ _LAYER = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 # general.architecture values whose converter permutes q/k rows, and those that store norms as 1 + w.
 _PERMUTED = ("llama",)
 _NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")
-_FLOAT_TYPES = (0, 1, 30)          # gguf.GGMLQuantizationType F32, F16, BF16
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def load(folder: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> di
         qtype = gguf.GGMLQuantizationType(t.qtype)
         data = tensor_data(mapped, t)
         weight: Weight
-        if qtype in _FLOAT_TYPES:
+        if qtype.name in ("F32", "F16", "BF16"):
             weight = _float_tensor(data, qtype, t.dims[0]).reshape(t.shape)
             if arch_name in _NORM_PLUS_ONE and name.endswith("norm.weight"):
                 weight = weight - 1
