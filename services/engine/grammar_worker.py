@@ -15,7 +15,6 @@ then per constraint b"O" + the compiled grammar's JSON, or b"E" + a message for 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -29,6 +28,7 @@ from typing import IO, Any
 
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument, MeshError
+from mesh.heap import trim_heap
 
 _LENGTH = struct.Struct(">Q")
 START_TIMEOUT_S = 120.0        # importing xgrammar (torch, transformers) takes ~2 s; much more on a busy box
@@ -191,20 +191,11 @@ def main() -> None:
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info.decode()), max_threads=1,
                                    cache_enabled=False)
     _write(out, b"R")
-    trim = _malloc_trim()
     while (frame := _read_frame(inp)) is not None:
         _write(out, compile_one(compiler, Constraint(**json.loads(frame))))
         # A heavy grammar's compile and JSON peak at ~850 MB (19 MB compiled, 64 MB of JSON); glibc keeps the
         # freed heap, so without this an idle worker would hold its largest compile's peak for good.
-        trim()
-
-
-def _malloc_trim() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return lambda: libc.malloc_trim(0)
-    except OSError:                    # not glibc: the heap stays as the allocator leaves it
-        return lambda: None
+        trim_heap()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mesh.errors import FailedPrecondition, InvalidArgument
+from mesh.heap import trim_heap
 from services.engine.models import ARCHITECTURES
 from services.engine.models.config import load_weights
 from services.engine.request import Request
@@ -89,6 +90,7 @@ class Versions:
             self.runner.model = None
             self.active = ""
         gc.collect()
+        trim_heap()
         self.released.extend(dropped)
         self.build(version, folder)
         with self._lock:
@@ -122,6 +124,7 @@ class Versions:
                 del self.models[version], self.folders[version], self._holders[version]
         if idle:
             gc.collect()
+            trim_heap()               # the weights' pages back to the system, not kept in glibc's arenas
             self.released.extend(idle)
             log.info("released the weights of version %s (no request holds them)", ", ".join(idle))
         return idle
