@@ -123,7 +123,17 @@ METRICS: tuple[Metric, ...] = (
        "(never sent: cache down or slow, outbox full)"),
     _m("infermesh_engine_shared_cache_errors_total", "counter", "engine", "replica",
        "Failed calls to the shared KV cache (each leaves it alone for a few seconds)"),
-    _m("infermesh_engine_preemptions_total", "counter", "engine", "replica", "Requests preempted for KV blocks"),
+    _m("infermesh_engine_preemptions_total", "counter", "engine", "replica",
+       "Requests preempted for KV blocks (recomputed later: a running request that could not grow, or batch-class "
+       "work whose blocks an interactive request took)"),
+    _m("infermesh_engine_paused_rows_total", "counter", "engine", "replica",
+       "Running requests left out of a step with their KV kept: their tenant's fair share spent, or an interactive "
+       "request took the row of a batch-class one"),
+    _m("infermesh_engine_tenant_queued", "gauge", "engine", "replica tenant",
+       "Requests waiting for admission, by tenant (common: requests that name none)"),
+    _m("infermesh_engine_tenant_running", "gauge", "engine", "replica tenant", "Requests holding KV blocks, by tenant"),
+    _m("infermesh_engine_tenant_tokens_total", "counter", "engine", "replica tenant",
+       "Tokens computed (prefill and decode) by tenant; rate() gives each tenant's share of the engine"),
     _m("infermesh_engine_draft_tokens_total", "counter", "engine", "replica",
        "Speculative draft tokens verified (prompt lookup)"),
     _m("infermesh_engine_draft_accepted_tokens_total", "counter", "engine", "replica",

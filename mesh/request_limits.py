@@ -21,6 +21,7 @@ PENALTY = (-2.0, 2.0)           # presence_penalty, frequency_penalty (OpenAI's 
 REPETITION_PENALTY = (0.0, 10.0)   # exclusive of 0; 1 is off
 BIAS = (-100.0, 100.0)          # each logit_bias value (OpenAI's range)
 MAX_LOGIT_BIAS = 1024           # entries in one logit_bias
+MAX_WEIGHT = 1000.0             # a tier's weight in fair scheduling (services/engine/fairness.py); above 0
 
 
 @dataclass(frozen=True)

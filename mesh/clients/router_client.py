@@ -69,9 +69,10 @@ class GenerateSpec:
     echo: bool = False                     # completions: the prompt before each choice's text
     prompt_only: bool = False              # completions: echo with max_tokens 0 (the generated token dropped)
     tool_calls: str = ""                   # read tool calls out of the answer: "", "single" or "parallel"
-    # The caller's tier (services/edge/tenants.py): preemption order in the engine, KV-cache eviction class.
+    # The caller's tier (services/edge/tenants.py): scheduling class and share in the engine, KV-cache eviction class.
     priority: str = "interactive"          # interactive | batch
     cache_class: str = ""                  # premium | standard | batch; "": the engine's own
+    weight: float = 0.0                    # the tier's weight in fair scheduling between tenants; 0: 1
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
         pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant,
-        include_token_ids=True, resume_ids=list(resume_ids), cache_class=spec.cache_class,
+        include_token_ids=True, resume_ids=list(resume_ids), cache_class=spec.cache_class, weight=spec.weight,
         priority=common_pb2.PRIORITY_BATCH if spec.priority == "batch" else common_pb2.PRIORITY_INTERACTIVE)
     if spec.prompt is not None:
         req.prompt = spec.prompt

@@ -122,7 +122,8 @@ class Completions:
         charge = self.admission.enter(caller, spec)
         rid = responses.new_id(chat)
         spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
-                                   cache_class=caller.tier.cache_class, model_version=pinned)
+                                   cache_class=caller.tier.cache_class, weight=caller.tier.weight,
+                                   model_version=pinned)
         calls = choices.specs(spec)
         running: dict[int, asyncio.Task[None]] = {}
         answers = [Choice(i, chat, spec, call.prompt or "", policy) for i, call in enumerate(calls)]

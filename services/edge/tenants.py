@@ -8,10 +8,12 @@ parses is logged and the last good one kept, so a typo never locks every caller 
   `KEY [tenant=NAME] [tier=NAME] [signing_secret=SECRET]`; keys sharing a tenant share its sessions,
   prefix caches and cached responses; a signing secret makes HMAC-signed requests mandatory for
   the key (mesh/signing.py).
-- INFERMESH_TIERS_FILE: JSON, tier name -> {"requests": "60/m", "tokens": "20000/m", "priority":
-  "interactive"|"batch", "cache_class": "premium"|"standard"|"batch"}; every field optional.  The tier
-  "standard" (any key without one) takes the edge's --rate-limit and --token-limit unless the file
-  names it.
+- INFERMESH_TIERS_FILE: JSON, tier name -> {"requests": "60/m", "tokens": "20000/m", "class":
+  "interactive"|"batch" (or its older name "priority"), "weight": 3, "cache_class": "premium"|"standard"|
+  "batch"}; every field optional.  `class` and `weight` schedule the tier's requests inside the engines
+  (interactive before batch; within a class, tokens shared between tenants in the ratio of their tiers'
+  weights, 1 by default).  The tier "standard" (any key without one) takes the edge's --rate-limit and
+  --token-limit unless the file names it.
 - JWT bearer tokens (services/edge/jwt_auth.py): a `tenant` claim and an optional `tier` claim.
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Hashable
 from mesh.apikeys import digest, find_digest, tenant_of
 from mesh.files import WatchedFile
 from mesh.ratelimit import Rate, parse_rate
+from mesh.request_limits import MAX_WEIGHT
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +48,9 @@ class TenantTier:
     name: str
     requests: Rate | None = None
     tokens: Rate | None = None
-    priority: str = "interactive"
+    priority: str = "interactive"        # the scheduling class (the file's "class")
     cache_class: str = STANDARD
+    weight: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +81,33 @@ def parse_tiers(text: str, standard: TenantTier) -> dict[str, TenantTier]:
     for name, fields in raw.items():
         if not NAME.fullmatch(name) or not isinstance(fields, dict):
             raise ValueError(f"tier {name!r}: give a name of letters, digits, '.', '_', '-' and an object")
-        unknown = set(fields) - {"requests", "tokens", "priority", "cache_class"}
+        unknown = set(fields) - {"requests", "tokens", "class", "priority", "weight", "cache_class"}
         if unknown:
             raise ValueError(f"tier {name!r}: unknown field(s) {', '.join(sorted(unknown))}; "
-                             "known: requests, tokens, priority, cache_class")
-        priority = fields.get("priority", "interactive")
-        cache_class = fields.get("cache_class", STANDARD)
-        if priority not in PRIORITIES:
-            raise ValueError(f"tier {name!r}: priority {priority!r} is not one of {', '.join(PRIORITIES)}")
-        if cache_class not in CACHE_CLASSES:
-            raise ValueError(f"tier {name!r}: cache_class {cache_class!r} is not one of {', '.join(CACHE_CLASSES)}")
+                             "known: requests, tokens, class, weight, cache_class")
         tiers[name] = TenantTier(name, parse_rate(str(fields.get("requests", ""))),
-                           parse_rate(str(fields.get("tokens", "")), default_unit="m"), priority, cache_class)
+                                 parse_rate(str(fields.get("tokens", "")), default_unit="m"), _class(name, fields),
+                                 fields.get("cache_class", STANDARD), _weight(name, fields))
+        if tiers[name].cache_class not in CACHE_CLASSES:
+            raise ValueError(f"tier {name!r}: cache_class {tiers[name].cache_class!r} is not one of "
+                             f"{', '.join(CACHE_CLASSES)}")
     return tiers
+
+
+def _class(tier: str, fields: dict[str, object]) -> str:
+    if "class" in fields and "priority" in fields and fields["class"] != fields["priority"]:
+        raise ValueError(f"tier {tier!r}: class and priority (its older name) disagree; give one")
+    value = fields.get("class", fields.get("priority", "interactive"))
+    if value not in PRIORITIES:
+        raise ValueError(f"tier {tier!r}: class {value!r} is not one of {', '.join(PRIORITIES)}")
+    return str(value)
+
+
+def _weight(tier: str, fields: dict[str, object]) -> float:
+    value = fields.get("weight", 1)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_WEIGHT:
+        raise ValueError(f"tier {tier!r}: weight {value!r} must be a number above 0 and at most {MAX_WEIGHT:g}")
+    return float(value)
 
 
 def parse_keys(text: str) -> dict[bytes, KeyEntry]:

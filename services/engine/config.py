@@ -36,6 +36,7 @@ class EngineConfig:
     block_size: int = 16               # tokens per KV block
     max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
     max_running: int = 64              # sequences per step
+    fair_scheduling: bool = True       # weighted fair queuing between tenants (services/engine/fairness.py)
     speculate: int = -1                # prompt-lookup draft tokens per request and step; -1 auto, 0 off
     speculate_rows: int = 0            # draft while a step's rows stay within this; 0 auto (speculate.py)
     cuda_graphs: str = "auto"          # GRAPH_MODES; auto: pure-decode steps replay CUDA graphs on a GPU

@@ -33,8 +33,10 @@ from services.engine.kv_transfer import Outbox
 from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
 from services.engine.request import (
+    COMMON,
     EngineTokenLogprob,
     FinishReason,
+    Owner,
     Request,
     SamplingParams,
     StepOutput,
@@ -68,12 +70,11 @@ class Engine:
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     resume_ids: list[int] | None = None, priority: int = 0, cache_salt: bytes = b"",
+                     resume_ids: list[int] | None = None, owner: Owner = COMMON, cache_salt: bytes = b"",
                      cache_class: str = "") -> Request:
         """Validate a request against the model's and the KV cache's limits (a precise error if it
         breaks one); it runs on the active model version to its end."""
-        req = build_request(self.runner, self.blocks, request_id, prompt_ids, sampling, resume_ids, priority,
-                            cache_salt)
+        req = build_request(self.runner, self.blocks, request_id, prompt_ids, sampling, resume_ids, owner, cache_salt)
         self.versions.hold(req)
         req.cache_salt += self.versions.salt(req.version)
         req.cache_class = cache_class
@@ -138,6 +139,7 @@ class Engine:
         with self.stats.step(batch):
             if batch.chunks:
                 outputs += self._postprocess(batch, self._run(batch))
+        self.stats.observe_tenants(self.scheduler.tenant_counts())
         self._batch, self._pending = None, []
         if len(self.versions.models) > 1:
             self.versions.release_unused()

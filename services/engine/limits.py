@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from mesh.errors import InvalidArgument
 from services.engine.block_manager import BlockManager
+from services.engine.fairness import check_weight
 from services.engine.model_runner import ModelRunner
-from services.engine.request import EngineTokenLogprob, Request, SamplingParams
+from services.engine.request import COMMON, EngineTokenLogprob, Owner, Request, SamplingParams
 
 
 def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, prompt_ids: list[int],
-                  sampling: SamplingParams, resume_ids: list[int] | None = None, priority: int = 0,
+                  sampling: SamplingParams, resume_ids: list[int] | None = None, owner: Owner = COMMON,
                   cache_salt: bytes = b"") -> Request:
     """Validate a request against the model's and the KV cache's limits; raise a precise error."""
     resume = list(resume_ids or [])
@@ -37,10 +38,16 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
         raise InvalidArgument(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can never fit this engine's KV "
             f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
-    if priority not in (0, 1):
-        raise InvalidArgument(f"priority {priority} is not 0 (interactive) or 1 (batch)")
+    if owner.priority not in (0, 1):
+        raise InvalidArgument(f"priority {owner.priority} is not 0 (interactive) or 1 (batch)")
     if len(cache_salt) > 256:
         raise InvalidArgument(f"cache_salt is {len(cache_salt)} bytes; at most 256")
+    if len(owner.tenant) > 256:
+        raise InvalidArgument(f"tenant is {len(owner.tenant)} characters; at most 256")
+    try:
+        check_weight(owner.weight)
+    except ValueError as exc:
+        raise InvalidArgument(f"the tenant's {exc}") from None
     if getattr(runner.model, "dynamic", False) and len(prompt_ids) > runner.config.max_position:
         # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
         cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
@@ -48,7 +55,7 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
         # Every prompt position is computed (its logits are wanted): a namespace no other request shares.
         cache_salt = cache_salt + b"|prompt-logprobs:" + request_id.encode()
     req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
-    req.priority = priority
+    req.priority, req.tenant, req.weight = owner
     if sampling.prompt_logprobs:
         req.prompt_logprobs.append(EngineTokenLogprob(prompt_ids[0], float("nan")))
     return req

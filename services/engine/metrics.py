@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.engine.grammar_limits import REFUSALS
 
@@ -90,6 +90,43 @@ SHARED_CACHE = SharedCacheCollector()
 REGISTRY.register(SHARED_CACHE)
 
 
+class TenantCollector:
+    """Fair scheduling's figures per tenant, read from each replica's EngineStats at scrape time (the step
+    thread replaces `tenants` whole after every step; its token counts are copied in one go)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Any] = {}       # replica -> EngineStats
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        labels = ["replica", "tenant"]
+        return (GaugeMetricFamily("infermesh_engine_tenant_queued", "Requests waiting for admission, by tenant "
+                                  "(\"common\": requests that name none)", labels=labels),
+                GaugeMetricFamily("infermesh_engine_tenant_running", "Requests holding KV blocks, by tenant",
+                                  labels=labels),
+                CounterMetricFamily("infermesh_engine_tenant_tokens", "Tokens computed (prefill and decode), by "
+                                    "tenant; rate() gives each tenant's share", labels=labels),
+                CounterMetricFamily("infermesh_engine_paused_rows", "Running requests left out of a step (KV kept): "
+                                    "their tenant's share spent, or a higher class took the row", labels=["replica"]))
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        queued, running, tokens, paused = self._families()
+        for replica, stats in list(self.sources.items()):
+            for load in stats.tenants:
+                queued.add_metric([replica, load.tenant or "common"], load.waiting)
+                running.add_metric([replica, load.tenant or "common"], load.running)
+            for tenant, n in stats.tenant_tokens.copy().items():
+                tokens.add_metric([replica, tenant or "common"], n)
+            paused.add_metric([replica], stats.paused)
+        yield from (queued, running, tokens, paused)
+
+
+TENANTS = TenantCollector()
+REGISTRY.register(TENANTS)
+
+
 class ReplicaMetrics:
     """The metrics above, bound to one replica's label, plus the counters' last readings."""
 
@@ -140,6 +177,10 @@ class ReplicaMetrics:
         """Export this replica's shared-cache counters (remote: RemoteCache, outbox: its Outbox) until close()."""
         SHARED_CACHE.sources[self.replica] = (remote, outbox)
 
+    def watch_tenants(self, stats: Any) -> None:
+        """Export this replica's per-tenant figures (stats: its EngineStats) until close()."""
+        TENANTS.sources[self.replica] = stats
+
     def set_plan(self, plan: ExecutionPlan) -> None:
         """Export the replica's ExecutionPlan as infermesh_engine_plan_info{replica, device, ...} = 1."""
         labels = plan.labels()
@@ -148,6 +189,7 @@ class ReplicaMetrics:
 
     def close(self) -> None:
         SHARED_CACHE.sources.pop(self.replica, None)
+        TENANTS.sources.pop(self.replica, None)
         if self._plan:
             PLAN.remove(*self._plan)
             self._plan = ()

@@ -110,6 +110,17 @@ class StagedBlock(NamedTuple):
     kv: torch.Tensor            # (layers, 2, block_size, kv_heads, head_dim), the runner's KV dtype
 
 
+class Owner(NamedTuple):
+    """Whom a request serves, as the scheduler reads it: its class, its tenant and the tenant's weight."""
+
+    priority: int = 0                     # 0 interactive, 1 batch
+    tenant: str = ""                      # "": the common tenant
+    weight: float = 1.0                   # the tenant's share relative to others' (its tier's weight)
+
+
+COMMON = Owner()                          # an interactive request of the common tenant
+
+
 @dataclass
 class Request:
     request_id: str
@@ -125,6 +136,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     priority: int = 0                     # 0 interactive, 1 batch
+    tenant: str = ""                      # whose request (fair scheduling between tenants; "": the common one)
+    weight: float = 1.0                   # the tenant's share relative to others' (its tier's weight)
     arrival: int = 0                      # set by the scheduler
     num_computed: int = 0                 # tokens whose KV is in the cache
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache, local or shared

@@ -1,12 +1,20 @@
 """Which tokens run in the next step.  Pure CPU: no tensors, no clocks, no I/O.
 
 Continuous batching: requests join and leave between steps.  Each step has a token
-budget; running requests go first (a decode costs one token, an unfinished prefill takes
-the next chunk), then waiting requests are admitted, interactive before batch, while
-budget, sequence slots and KV blocks last.  When a running request needs a block and
-none is free, the lowest-priority, most recently admitted request is preempted: its
-blocks are freed and it waits again, to be recomputed from its prompt plus the tokens
-it already produced (so nothing is lost and its output continues unchanged).
+budget and sequence slots (its rows).  Interactive requests go before batch ones; within a
+class, weighted fair queuing between tenants (fairness.py): the tenant with the lowest
+virtual time (tokens served / its weight) goes next, and within a tenant its running
+requests (a decode costs one token, an unfinished prefill takes the next chunk) go before
+its waiting ones, in arrival order.  So a tenant with many streams gets the rows its share
+allows and another tenant's single request runs at once.  A running request left out of a
+step (its tenant's share spent, or a higher class took its row) keeps its KV blocks.
+`fair=False` puts every request in one tenant: first come, first served within a class.
+
+When a running request needs a block and none is free, the running requests not taken this
+step are preempted, last-ranked first (batch class, most served tenant, newest), then the
+request itself: their blocks are freed and they wait again, to be recomputed from the prompt
+plus the tokens already produced (nothing is lost and the output continues unchanged).  An
+interactive request waiting for blocks may likewise preempt batch-class requests not taken.
 
 A request may arrive with staged blocks: prompt KV the server fetched from the shared cache.
 At admission the staged blocks that continue the local prefix hit count as computed; the batch
@@ -15,11 +23,13 @@ lists them as (block id, KV) imports, which the engine copies in before the mode
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from services.engine.block_manager import BlockManager, BlockTable
+from services.engine.fairness import TenantClocks
 from services.engine.request import Request, RequestStatus, StagedBlock
 
 if TYPE_CHECKING:
@@ -31,6 +41,7 @@ class SchedulerConfig:
     max_batched_tokens: int = 512     # tokens per step: decode rows plus prefill chunks
     max_running: int = 64             # sequences per step
     watermark_blocks: int = 0         # free blocks kept back when admitting new requests
+    fair: bool = True                 # weighted fair queuing between tenants; False: one queue per class
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1 or self.max_running < 1 or self.watermark_blocks < 0:
@@ -50,6 +61,7 @@ class Batch(NamedTuple):
     preempted: list[Request]
     # (block id, (layers, 2, block_size, kv_heads, head_dim) KV): copy in before running the chunks
     imports: list[tuple[int, torch.Tensor]]
+    paused: int = 0     # running requests this step left out (their tenant's share spent, or a higher class)
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +74,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         # One queue per priority class; index 0 (interactive) is served first.
         self.waiting: tuple[deque[Request], deque[Request]] = (deque(), deque())
-        self.running: list[Request] = []
+        self.running: list[Request] = []       # requests holding KV blocks (a step takes some or all)
+        self.clocks = TenantClocks()
         self._arrivals = 0
 
     @property
@@ -77,55 +90,120 @@ class Scheduler:
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.waiting[request.priority].append(request)
+        self.clocks.arrive(self._tenant(request), request.weight if self.config.fair else 1.0)
 
     def schedule(self) -> Batch:
-        budget = self.config.max_batched_tokens
+        """This step's chunks.  Candidates (running requests, then waiting ones, each tenant's in arrival
+        order) are taken class by class, and within a class from the tenant with the lowest virtual time
+        (fairness.py; the step's own chunks count as they are taken), while the token budget and the
+        sequence slots last.  A running request not taken this step keeps its KV blocks (paused)."""
+        budget, slots = self.config.max_batched_tokens, self.config.max_running
         chunks: list[Chunk] = []
         preempted: list[Request] = []
         imports: list[tuple[int, torch.Tensor]] = []
-        self.running.sort(key=lambda r: (r.priority, r.arrival))
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(len(req.all_ids) - req.num_computed, budget)
-            target = req.num_computed + n
-            # A decode row may carry its draft (speculate.py) when the budget and free blocks allow.
-            draft = len(req.draft) if n == 1 and target == len(req.all_ids) and budget > len(req.draft) else 0
-            if draft and not self.blocks.can_grow(req.table, target + draft):
-                draft = 0
-            while not self.blocks.can_grow(req.table, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break  # req itself was preempted, and every request after it before that
-            self.blocks.grow(req.table, target + draft)
-            chunks.append(Chunk(req, req.num_computed, n + draft, target == len(req.all_ids), draft))
-            budget -= n + draft
-            i += 1
-        if not preempted:
-            self._admit(chunks, budget, imports)
-        return Batch(chunks, preempted, imports)
+        queues = self._candidates()
+        projected = {key[1]: self.clocks.vtime.get(key[1], 0.0) for key in queues}
+        heap = [(key[0], projected[key[1]], q[0].arrival, key) for key, q in queues.items()]
+        heapq.heapify(heap)
+        untaken = {id(r): r for r in self.running}
+        short = False                # a running request lacked blocks: no admission this step
+        while heap and budget > 0 and slots > 0:
+            _, _, _, key = heapq.heappop(heap)
+            queue = queues[key]
+            req = queue.popleft()
+            if req.status is RequestStatus.RUNNING:
+                del untaken[id(req)]
+                before = len(preempted)
+                n = self._continue(req, budget, chunks, preempted, untaken)
+                if not n:
+                    break            # it preempted itself: no running request is left to take
+                short = short or len(preempted) > before
+            elif short or req in preempted or not (n := self._admit(req, budget, chunks, imports, untaken,
+                                                                      preempted)):
+                queue.clear()        # head of line: the tenant's later requests wait behind it
+                continue
+            budget, slots = budget - n, slots - 1
+            projected[key[1]] += self.clocks.cost(key[1], n)
+            if queue:
+                heapq.heappush(heap, (key[0], projected[key[1]], queue[0].arrival, key))
+        return Batch(chunks, preempted, imports, len(untaken))
 
-    def _admit(self, chunks: list[Chunk], budget: int, imports: list[tuple[int, torch.Tensor]]) -> None:
+    def _candidates(self) -> dict[tuple[int, str], deque[Request]]:
+        """(class, tenant) -> its running requests in arrival order, then its waiting ones in queue order."""
+        queues: dict[tuple[int, str], deque[Request]] = {}
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            queues.setdefault((req.priority, self._tenant(req)), deque()).append(req)
         for queue in self.waiting:
-            while queue and budget > 0 and len(self.running) < self.config.max_running:
-                req = queue[0]
-                tokens = req.all_ids
-                if not self.blocks.can_allocate(tokens, reserve=self.config.watermark_blocks, salt=req.cache_salt):
-                    return  # head-of-line: keep arrival order rather than starve big requests
-                queue.popleft()
-                req.table, cached = self.blocks.allocate(tokens, req.cache_salt)
-                cached += self._import_staged(req, cached, imports)
-                req.num_computed = cached
-                req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_ids)))
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                n = min(len(tokens) - cached, budget)
-                chunks.append(Chunk(req, cached, n, cached + n == len(tokens)))
-                budget -= n
+            for req in queue:
+                queues.setdefault((req.priority, self._tenant(req)), deque()).append(req)
+        return queues
+
+    def tenant_counts(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (its running requests, its waiting ones)."""
+        counts: dict[str, tuple[int, int]] = {}
+        for req in self.running:
+            running, waiting = counts.get(req.tenant, (0, 0))
+            counts[req.tenant] = (running + 1, waiting)
+        for queue in self.waiting:
+            for req in queue:
+                running, waiting = counts.get(req.tenant, (0, 0))
+                counts[req.tenant] = (running, waiting + 1)
+        return counts
+
+    def _tenant(self, req: Request) -> str:
+        return req.tenant if self.config.fair else ""
+
+    def _worst(self, requests: dict[int, Request]) -> Request:
+        """The request that ranks last: lowest class, then highest virtual time, then newest."""
+        return max(requests.values(), key=lambda r: (r.priority, self.clocks.vtime.get(self._tenant(r), 0.0),
+                                                    r.arrival))
+
+    def _continue(self, req: Request, budget: int, chunks: list[Chunk], preempted: list[Request],
+                  untaken: dict[int, Request]) -> int:
+        """A running request's next chunk (its decode row, with its draft when budget and blocks allow,
+        or its prefill's next piece).  Without a free block, the running requests not yet taken this
+        step are preempted, last-ranked first, then the request itself.  Returns its tokens (0: preempted)."""
+        n = min(len(req.all_ids) - req.num_computed, budget)
+        target = req.num_computed + n
+        # A decode row may carry its draft (speculate.py) when the budget and free blocks allow.
+        draft = len(req.draft) if n == 1 and target == len(req.all_ids) and budget > len(req.draft) else 0
+        if draft and not self.blocks.can_grow(req.table, target + draft):
+            draft = 0
+        while not self.blocks.can_grow(req.table, target):
+            victim = self._worst(untaken) if untaken else req
+            untaken.pop(id(victim), None)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return 0
+        self.blocks.grow(req.table, target + draft)
+        chunks.append(Chunk(req, req.num_computed, n + draft, target == len(req.all_ids), draft))
+        return n + draft
+
+    def _admit(self, req: Request, budget: int, chunks: list[Chunk], imports: list[tuple[int, torch.Tensor]],
+               untaken: dict[int, Request], preempted: list[Request]) -> int:
+        """A waiting request's admission and first chunk; 0 when its blocks are not there.  An interactive
+        request may take the blocks of batch-class requests not taken this step (they are preempted)."""
+        tokens = req.all_ids
+        reserve = self.config.watermark_blocks
+        while not self.blocks.can_allocate(tokens, reserve=reserve, salt=req.cache_salt):
+            lower = {k: r for k, r in untaken.items() if r.priority > req.priority}
+            if not lower:
+                return 0
+            victim = self._worst(lower)
+            del untaken[id(victim)]
+            self._preempt(victim)
+            preempted.append(victim)
+        self.waiting[req.priority].remove(req)
+        req.table, cached = self.blocks.allocate(tokens, req.cache_salt)
+        cached += self._import_staged(req, cached, imports)
+        req.num_computed = cached
+        req.num_cached_tokens = max(req.num_cached_tokens, min(cached, len(req.prompt_ids)))
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        n = min(len(tokens) - cached, budget)
+        chunks.append(Chunk(req, cached, n, cached + n == len(tokens)))
+        return n
 
     def _import_staged(self, req: Request, cached: int, imports: list[tuple[int, torch.Tensor]]) -> int:
         """Count the staged blocks that continue the local hit as computed; returns their tokens.
@@ -158,6 +236,7 @@ class Scheduler:
             # Draft rows' KV counts once their tokens are accepted (Engine._accept).
             req.num_computed = chunk.start + chunk.num_tokens - chunk.draft
             self.blocks.commit(req.table, req.all_ids, req.num_computed)
+            self.clocks.charge(self._tenant(req), chunk.num_tokens)
 
     def finish(self, request: Request) -> None:
         """Remove a request wherever it is and release its blocks."""
@@ -165,8 +244,11 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting[request.priority].remove(request)
+        else:
+            return                             # finished before
         self.blocks.free_table(request.table)
         request.status = RequestStatus.FINISHED
+        self.clocks.leave(self._tenant(request))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

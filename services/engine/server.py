@@ -38,7 +38,7 @@ from services.engine.engine import Engine, Timing
 from services.engine.grammar_limits import CompileRefused, ConstraintRefused
 from services.engine.lifecycle import Lifecycle
 from services.engine.remote_cache import RemoteCache
-from services.engine.request import FinishReason, Request, StepOutput
+from services.engine.request import FinishReason, Owner, Request, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
         self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
         self.metrics = metrics.ReplicaMetrics(config.replica_id)
         self.metrics.set_plan(engine.runner.plan)
+        self.metrics.watch_tenants(engine.stats)
         if remote is not None:
             self.metrics.watch_shared_cache(remote, engine.outbox)
 
@@ -156,8 +157,8 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             req = self.engine.make_request(request_id, list(request.prompt_ids),
                                            sampling_from_pb(request.sampling, self.sampling_defaults),
                                            list(request.resume_ids),
-                                           priority=int(request.priority), cache_salt=request.cache_salt,
-                                           cache_class=request.cache_class)
+                                           Owner(int(request.priority), request.tenant, request.weight or 1.0),
+                                           cache_salt=request.cache_salt, cache_class=request.cache_class)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()
@@ -287,6 +288,8 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             kv_blocks_total=self.engine.blocks.num_blocks,
             kv_blocks_free=self.engine.blocks.num_free_blocks,
             unix_ms=int(time.time() * 1000),
+            tenants=[common_pb2.TenantLoad(tenant=t.tenant, running=t.running, waiting=t.waiting, tokens=t.tokens)
+                     for t in self.engine.stats.tenants[:16]],
         )
 
     @rpc_errors

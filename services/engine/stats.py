@@ -12,11 +12,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from services.engine.scheduler import Batch
 
 # Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
 MAX_TIMINGS = 4096
+# Tenants whose served tokens are counted by name (metrics, load reports); later ones count as OTHER.
+MAX_TENANTS = 256
+OTHER = "(other)"
+
+
+class TenantLoad(NamedTuple):
+    """One tenant's requests in the engine after a step, and the tokens computed for it since start."""
+
+    tenant: str             # "": the common tenant (requests that name none)
+    running: int            # holding KV blocks
+    waiting: int
+    tokens: int
 
 
 @dataclass
@@ -39,6 +52,9 @@ class EngineStats:
         self.preemptions = 0            # since start
         self.draft_tokens = 0           # speculation, since start: draft tokens verified,
         self.accepted_tokens = 0        # and of them, accepted
+        self.paused = 0                 # running requests left out of a step by fair scheduling, since start
+        self.tenant_tokens: dict[str, int] = {}     # tokens computed per tenant since start (MAX_TENANTS names)
+        self.tenants: tuple[TenantLoad, ...] = ()   # after the last step, busiest first (a new tuple each step)
         self._timings: dict[str, Timing] = {}
         self._lock = threading.Lock()
 
@@ -53,6 +69,20 @@ class EngineStats:
         if timing is not None:
             timing.finished_ns = time.time_ns()
 
+    def observe_tenants(self, tenants: dict[str, tuple[int, int]]) -> None:
+        """After a step: each tenant's (running, waiting) requests, kept as `tenants` with their tokens."""
+        served = self.tenant_tokens
+        self.tenants = tuple(sorted((TenantLoad(t, r, w, served.get(t, 0)) for t, (r, w) in tenants.items()),
+                                    key=lambda load: (-load.running - load.waiting, load.tenant)))
+
+    def _count_tokens(self, batch: Batch) -> None:
+        served = self.tenant_tokens
+        for chunk in batch.chunks:
+            name = chunk.request.tenant
+            if name not in served and len(served) >= MAX_TENANTS:
+                name = OTHER
+            served[name] = served.get(name, 0) + chunk.num_tokens
+
     def drafted(self, drafted: int, accepted: int) -> None:
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
@@ -64,15 +94,17 @@ class EngineStats:
 
     @contextmanager
     def step(self, batch: Batch) -> Iterator[None]:
-        """Around one step's run of `batch`: its figures and its requests' phase stamps, recorded when
-        it succeeds (a step that raises leaves the last figures as they were)."""
+        """Around one step's run of `batch`: its figures, its requests' phase stamps and its tokens per
+        tenant, recorded when it succeeds (a step that raises leaves the last figures as they were)."""
         self.preemptions += len(batch.preempted)
+        self.paused += batch.paused
         self.last_step_tokens = self.last_batch_size = 0
         started, started_ns = time.perf_counter(), time.time_ns()
         yield
         if not batch.chunks:
             return
         self.last_step_s = time.perf_counter() - started
+        self._count_tokens(batch)
         self.last_step_tokens = batch.num_tokens
         self.last_batch_size = len(batch.chunks)
         ended_ns = time.time_ns()

@@ -32,7 +32,7 @@ from mesh import peers
 from mesh.apikeys import ApiKeys, tenant_of
 from mesh.errors import ResourceExhausted, Unauthenticated
 from mesh.ratelimit import DEFAULT_COMPLETION_TOKENS, Limiter, Rate, reservation, retry_after_s, settlement
-from mesh.request_limits import SamplingSettings, name_problem, sampling_problem
+from mesh.request_limits import MAX_WEIGHT, SamplingSettings, name_problem, sampling_problem
 
 if TYPE_CHECKING:      # only named: protobuf is the servicer's (server.py) to convert
     from meshpb.v1.router_pb2 import RouterGenerateRequest
@@ -78,6 +78,12 @@ class Callers:
         key = self._key(context, self.keys, "Generate", "API key")
         self._take(self.rate, key, "requests for this API key")
         return Caller(tenant_of(key), key)
+
+    def weight(self, context: grpc.aio.ServicerContext, caller: Caller, asked: float) -> float:
+        """The tier weight a Generate carries to the engines (fair scheduling): the edge's, which knows the
+        tiers; 0 (the engines read 1) for any other caller, whose claim no tier backs."""
+        kind = peers.kind(context)
+        return asked if caller.key is None and (kind is None or kind == peers.TENANT_KIND) else 0.0
 
     def charge(self, caller: Caller, max_tokens: int) -> TokenCharge | None:
         """The token charge a Generate of `caller` opens; None when the router charges none (the edge's
@@ -187,4 +193,6 @@ def refusal(request: RouterGenerateRequest) -> str | None:
             or name_problem("pinned_replica", request.pinned_replica)
             or name_problem("request_id", request.request_id)
             or (f"cache_class {request.cache_class[:32]!r} is not premium, standard or batch"
-                if request.cache_class not in ("", "premium", "standard", "batch") else None))
+                if request.cache_class not in ("", "premium", "standard", "batch") else None)
+            or (f"weight {request.weight:g} must be between 0 (the default, 1) and {MAX_WEIGHT:g}"
+                if not 0.0 <= request.weight <= MAX_WEIGHT else None))

@@ -165,7 +165,7 @@ class Dispatcher:
             text = stream.resume(request.resume_ids)
             if sent is not None:
                 sent.append(text)
-        route = RouteRequest(model, session_key=hop.key, region=request.region,
+        route = RouteRequest(model, session_key=hop.key, region=request.region, tenant=request.tenant,
                              prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size,
                                                               salt=self.cache_salt(request))))
         return Prompt(prompt_ids, stream, route)
@@ -270,10 +270,11 @@ class Dispatcher:
         engine_request = engine_pb2.GenerateRequest(
             request_id=hop.request_id, model=plan.model, prompt_ids=prompt.ids, sampling=request.sampling,
             priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request),
-            cache_class=request.cache_class)
+            cache_class=request.cache_class, tenant=request.tenant, weight=request.weight)
         if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message
             engine_request.sampling.prompt_logprobs = False
         replica.in_flight += 1
+        replica.tenant_in_flight[request.tenant] += 1
         metrics.IN_FLIGHT.labels(replica.replica_id).inc()
         started, ok = time.monotonic(), True
         self.policy.on_start(replica, route, started)
@@ -299,6 +300,9 @@ class Dispatcher:
         finally:
             span.end()
             replica.in_flight -= 1
+            replica.tenant_in_flight[request.tenant] -= 1
+            if not replica.tenant_in_flight[request.tenant]:
+                del replica.tenant_in_flight[request.tenant]
             metrics.IN_FLIGHT.labels(replica.replica_id).dec()
             now = time.monotonic()
             self.policy.on_finish(replica, route, now, now - started, ok)

@@ -8,12 +8,12 @@ Generate stream itself is relayed by relay.py on `stub()`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import asdict, fields
+from dataclasses import fields
 from typing import NamedTuple
 
 from mesh.grpcutil import channel
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.router.replicas import LoadReport
+from services.router.replicas import LoadReport, TenantShare
 
 
 class EngineInfo(NamedTuple):
@@ -29,12 +29,16 @@ class EngineInfo(NamedTuple):
 
 def load_from_pb(report: common_pb2.LoadReport) -> LoadReport:
     """meshpb.v1.LoadReport -> LoadReport (field names are the same on both sides)."""
-    return LoadReport(**{f.name: getattr(report, f.name) for f in fields(LoadReport)})
+    values = {f.name: getattr(report, f.name) for f in fields(LoadReport) if f.name != "tenants"}
+    tenants = tuple(TenantShare(t.tenant, t.running, t.waiting, t.tokens) for t in report.tenants)
+    return LoadReport(**values, tenants=tenants)
 
 
 def load_to_pb(replica_id: str, load: LoadReport) -> common_pb2.LoadReport:
     """LoadReport -> meshpb.v1.LoadReport, naming the replica it describes."""
-    return common_pb2.LoadReport(replica_id=replica_id, **asdict(load))
+    values = {f.name: getattr(load, f.name) for f in fields(LoadReport) if f.name != "tenants"}
+    return common_pb2.LoadReport(replica_id=replica_id, **values,
+                                 tenants=[common_pb2.TenantLoad(**t._asdict()) for t in load.tenants])
 
 
 class Engines:

@@ -7,10 +7,21 @@ and changes the moment a request is routed.  Policies read both; see `queued`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from mesh.discovery import Endpoint
+
+
+class TenantShare(NamedTuple):
+    """One tenant's requests on an engine (its load report, busiest tenants first)."""
+
+    tenant: str
+    running: int
+    waiting: int
+    tokens: int          # computed for it since the engine started
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,7 @@ class LoadReport:
     p99_latency_ms: float = 0.0
     tokens_per_second: float = 0.0
     unix_ms: int = 0                 # the engine's wall clock when it wrote the report
+    tenants: tuple[TenantShare, ...] = ()
 
 
 @dataclass
@@ -53,21 +65,31 @@ class Replica:
     p99_latency_ms: float = 0.0
     tokens_per_second: float = 0.0
     unix_ms: int = 0
+    tenants: tuple[TenantShare, ...] = ()
     load_at: float | None = None     # router's monotonic time when the last report was applied
+    # Fair scheduling: this router's requests in flight per tenant, and the engine's count per tenant.
+    tenant_in_flight: Counter[str] = field(default_factory=Counter)
+    _tenant_requests: dict[str, int] = field(default_factory=dict)
 
     def apply_load(self, report: LoadReport, now: float) -> None:
         self.running, self.waiting = report.running, report.waiting
         self.kv_blocks_total, self.kv_blocks_free = report.kv_blocks_total, report.kv_blocks_free
         self.qps, self.tokens_per_second = report.qps, report.tokens_per_second
         self.p50_latency_ms, self.p99_latency_ms = report.p50_latency_ms, report.p99_latency_ms
-        self.unix_ms = report.unix_ms
+        self.unix_ms, self.tenants = report.unix_ms, report.tenants
+        self._tenant_requests = {t.tenant: t.running + t.waiting for t in report.tenants}
         self.load_at = now
+
+    def tenant_load(self, tenant: str) -> int:
+        """`tenant`'s requests on this replica: the engine's last count, or this router's own when higher."""
+        return max(self.tenant_in_flight[tenant], self._tenant_requests.get(tenant, 0))
 
     @property
     def load(self) -> LoadReport:
         """The last load report applied (all zeros before the first)."""
         return LoadReport(self.running, self.waiting, self.kv_blocks_total, self.kv_blocks_free, self.qps,
-                          self.p50_latency_ms, self.p99_latency_ms, self.tokens_per_second, self.unix_ms)
+                          self.p50_latency_ms, self.p99_latency_ms, self.tokens_per_second, self.unix_ms,
+                          self.tenants)
 
     @property
     def mem_ratio(self) -> float:

@@ -86,6 +86,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 refused = refusal(request)
                 if refused:                   # a native caller skipped the edge's checks: the same limits here
                     raise InvalidArgument(refused)
+                request.weight = self.callers.weight(context, caller, request.weight)
                 incoming = [from_pb(m) for m in request.chat.messages]
                 # A native key's tokens: reserved once the prompt is tokenized, settled to the usage.
                 charge = self.callers.charge(caller, request.sampling.max_tokens)

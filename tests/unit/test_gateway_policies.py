@@ -39,6 +39,20 @@ def test_keys_file_fields_and_tiers() -> None:
             parse_tiers(bad, TenantTier(STANDARD))
     with pytest.raises(ValueError, match="line 1"):
         parse_keys("k1 owner=me\n")
+
+
+def test_tiers_schedule_by_class_and_weight() -> None:
+    tiers = parse_tiers('{"premium": {"class": "interactive", "weight": 3}, "free": {"weight": 0.5}, '
+                        '"jobs": {"class": "batch"}, "old": {"priority": "batch"}}', TenantTier(STANDARD))
+    assert (tiers["premium"].priority, tiers["premium"].weight) == ("interactive", 3.0)
+    assert (tiers["free"].priority, tiers["free"].weight) == ("interactive", 0.5)
+    assert tiers["jobs"].priority == tiers["old"].priority == "batch" and tiers[STANDARD].weight == 1.0
+    for bad, why in (('{"x": {"weight": 0}}', "weight 0 must be"), ('{"x": {"weight": "3"}}', "weight '3'"),
+                     ('{"x": {"weight": 1001}}', "at most 1000"), ('{"x": {"weight": true}}', "weight True"),
+                     ('{"x": {"class": "urgent"}}', "class 'urgent'"),
+                     ('{"x": {"class": "batch", "priority": "interactive"}}', "disagree")):
+        with pytest.raises(ValueError, match=why):
+            parse_tiers(bad, TenantTier(STANDARD))
     # The router reads only the key of each line.
     assert load_keys({"INFERMESH_API_KEYS_FILE": _write("k-free tenant=acme tier=free\n")}) == (digest("k-free"),)
 

@@ -9,7 +9,7 @@ import pytest
 from mesh.discovery import Endpoint
 from services.router.policies import Balancing, LeastLoad, LoadEntropy, NoReplica, PolicyConfig, RoundRobin
 from services.router.policies.policy import RouteRequest
-from services.router.replicas import LoadReport, Replica, ReplicaTable
+from services.router.replicas import LoadReport, Replica, ReplicaTable, TenantShare
 
 REQ = RouteRequest(model="m")
 
@@ -101,6 +101,18 @@ def test_balancing_score_formula_on_a_crafted_state() -> None:
     scores = Balancing().scores([a, b, c], 0.0)
     assert scores == pytest.approx([0.4 * 0.8, 0.6 * 0.5 + 0.4 * 0.2, 0.6 + 0.4 * 0.5])
     assert Balancing().pick([a, b, c], REQ, 0.0).replica is c
+
+
+def test_balancing_counts_the_askers_own_requests_twice_and_steers_it_off_its_heavy_replica() -> None:
+    a = rep("a", in_flight=4, running=4)
+    a.apply_load(LoadReport(running=4, kv_blocks_total=100, kv_blocks_free=100, qps=5.0,
+                            tenants=(TenantShare("flood", 4, 0, 800),)), now=0.0)
+    b = rep("b", in_flight=3, running=3)
+    b.tenant_in_flight["calm"] = 3
+    assert Balancing().scores([a, b], 0.0, "flood") == pytest.approx([0.4, 0.6 * (1 - 3 / 8) + 0.4])
+    assert Balancing().pick([a, b], RouteRequest("m", tenant="flood"), 0.0).replica is b   # a has its 4
+    assert Balancing().pick([a, b], RouteRequest("m", tenant="calm"), 0.0).replica is a    # b has its 3
+    assert Balancing().pick([a, b], RouteRequest("m", tenant="new"), 0.0).replica is b     # 3 < 4: as before
 
 
 def test_balancing_uses_waiting_not_qps_for_the_load_ratio() -> None:

@@ -184,8 +184,8 @@ def test_running_requests_are_ordered_interactive_first() -> None:
     batch_req, interactive = req("batch", [1, 2], priority=1), req("chat", [3, 4])
     s.add(batch_req)
     step(s)
-    s.add(interactive)
-    assert spans(step(s)) == [("batch", 2, 1, True), ("chat", 0, 2, True)]
+    s.add(interactive)                         # a waiting interactive request goes before a running batch one
+    assert spans(step(s)) == [("chat", 0, 2, True), ("batch", 2, 1, True)]
     assert spans(step(s)) == [("chat", 2, 1, True), ("batch", 3, 1, True)]
 
 

@@ -24,6 +24,13 @@ engine's window): the P99 of three requests is the slowest of three, mostly a ma
 many tokens each asked for, and bench/router_sim.py shows that feeding such noise back through
 a 10x weight range herds work onto whichever replica was lucky and doubles P99.
 
+A tenant's share: the load a request sees on a replica counts its own tenant's requests there
+twice (load = (outstanding + the tenant's requests there) / weight; the tenant's count is the
+engine's report or this router's in-flight count, whichever is higher).  With one tenant the
+ratios are unchanged; with several, a tenant already heavy on one replica is steered to the
+others while they have room, so the engines' fair scheduling (services/engine/fairness.py) has
+less to arbitrate and the heavy tenant's work spreads instead of queuing behind itself.
+
 Only candidates of weight > 0 are scored (weighted.py: weight 0 is a standby); equal best scores
 (idle replicas) take turns by smooth weighted round-robin, so they too split by weight.
 """
@@ -35,7 +42,7 @@ from collections.abc import Sequence
 
 from services.router.policies.config import PolicyConfig
 from services.router.policies.policy import Decision, Policy, RouteRequest
-from services.router.policies.weighted import SmoothWeighted, load_per_weight, serving, ties
+from services.router.policies.weighted import SmoothWeighted, load_per_weight, serving, ties, weight_of
 from services.router.replicas import Replica
 
 
@@ -88,18 +95,19 @@ class Balancing(Policy):
             return 1.0
         return min(1.0, max(self.config.p99_floor, self.config.p99_target_ms / p99))
 
-    def scores(self, candidates: Sequence[Replica], now: float) -> list[float]:
+    def scores(self, candidates: Sequence[Replica], now: float, tenant: str = "") -> list[float]:
         w_q, w_m = self.weights(candidates)
-        most = max(load_per_weight(r) for r in candidates)
+        loads = [load_per_weight(r) + r.tenant_load(tenant) / weight_of(r) for r in candidates]
+        most = max(loads)
         out = []
-        for r in candidates:
-            load_ratio = load_per_weight(r) / most if most else 0.0
+        for r, load in zip(candidates, loads, strict=True):
+            load_ratio = load / most if most else 0.0
             out.append(self.p99_weight(r, now) * (w_q * (1.0 - load_ratio) + w_m * (1.0 - r.mem_ratio)))
         return out
 
     def choose(self, candidates: Sequence[Replica], request: RouteRequest, now: float) -> Decision:
         pool = serving(candidates)
-        scores = self.scores(pool, now)
+        scores = self.scores(pool, now, request.tenant)
         # Exact float equality is the common case (idle replicas score identically); the
         # tolerance only absorbs rounding between equal-looking states.
         tied = ties(pool, scores, max(scores))

@@ -42,6 +42,7 @@ class RouteRequest:
     prefix_hashes: tuple[bytes, ...] = ()     # chained hashes of the prompt's full KV blocks (mesh.prefix)
     region: str = ""                          # caller's region; "" = the router's own
     pinned: str = ""                          # explicit replica id; "" = none
+    tenant: str = ""                          # who asks: balancing steers a tenant off replicas it is heavy on
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,159 @@
+"""Fair scheduling between tenants inside the engine (services/engine/fairness.py, scheduler.py).
+
+Exact orders and token counts, stepped with tests/fakes/model.py (whose outputs change if a
+block is shared, evicted or reused wrongly, so a paused or preempted request that resumed wrongly
+would show it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine.block_manager import BlockManager
+from services.engine.fairness import TenantClocks, check_weight
+from services.engine.request import Request, RequestStatus, SamplingParams
+from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from tests.fakes.model import FakeModel
+from tests.unit.test_scheduler import reference
+
+
+def req(rid: str, tenant: str, prompt: list[int], max_tokens: int = 8, weight: float = 1.0,
+        priority: int = 0) -> Request:
+    r = Request(rid, prompt_ids=list(prompt), sampling=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+    r.tenant, r.weight, r.priority = tenant, weight, priority
+    return r
+
+
+def sched(num_blocks: int = 64, block_size: int = 4, **config: object) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), SchedulerConfig(**config))  # type: ignore[arg-type]
+
+
+def rows(batch: Batch) -> list[str]:
+    return [c.request.request_id for c in batch.chunks]
+
+
+# -- virtual time ----------------------------------------------------------------------
+def test_virtual_time_is_tokens_over_weight_and_an_idle_tenant_banks_no_credit() -> None:
+    clocks = TenantClocks()
+    clocks.arrive("a", 1.0)
+    clocks.charge("a", 30)
+    clocks.arrive("b", 3.0)                    # joins at the lowest active time: a's 30
+    assert clocks.vtime == {"a": 30.0, "b": 30.0}
+    clocks.charge("b", 30)
+    assert clocks.vtime["b"] == 40.0           # 30 tokens at weight 3
+    clocks.leave("b")                          # idle, but ahead of a: remembered
+    assert clocks.vtime["b"] == 40.0
+    clocks.charge("a", 100)
+    clocks.leave("a")                          # nobody active: the floor stays at 130 when c comes
+    clocks.arrive("c", 1.0)
+    assert clocks.vtime["c"] == 130.0
+    clocks.arrive("b", 3.0)                    # b's 40 is behind the floor: it starts at 130 too
+    assert clocks.vtime["b"] == 130.0
+    clocks.leave("b")
+    clocks.leave("c")
+    assert set(clocks.vtime) == set()          # idle tenants at or behind the floor are forgotten
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, 1000.5])
+def test_a_weight_out_of_range_is_refused(weight: float) -> None:
+    with pytest.raises(ValueError, match="weight"):
+        check_weight(weight)
+
+
+# -- rows between tenants -------------------------------------------------------------
+def flood(s: Scheduler, tenant: str, n: int, max_tokens: int = 50, weight: float = 1.0,
+          priority: int = 0) -> list[Request]:
+    rs = [req(f"{tenant}{i}", tenant, [i + 1], max_tokens, weight, priority) for i in range(n)]
+    for r in rs:
+        s.add(r)
+    return rs
+
+
+def test_a_second_tenants_request_takes_a_row_at_once_and_the_flooders_newest_pauses() -> None:
+    s = sched(max_running=4)
+    model = FakeModel(s)
+    a = flood(s, "A", 8)
+    model.step()
+    model.step()
+    assert rows(model.step()) == ["A0", "A1", "A2", "A3"]        # A's four oldest: first come first served
+    b = req("B0", "B", [9], max_tokens=3)
+    s.add(b)
+    batch = model.step()
+    assert rows(batch) == ["A0", "B0", "A1", "A2"]               # B joins at A's time: a row at once
+    assert (a[3].status, len(a[3].table.blocks)) == (RequestStatus.RUNNING, 1)   # paused, KV kept
+    assert batch.preempted == []
+    assert rows(model.step()) == ["B0", "A0", "A1", "A2"]
+    assert rows(model.step()) == ["B0", "A0", "A1", "A2"]        # B's third and last token
+    assert rows(model.step()) == ["A0", "A1", "A2", "A3"]        # A3 resumes where it paused
+
+
+def test_without_fairness_the_same_request_waits_behind_the_flood() -> None:
+    s = sched(max_running=4, fair=False)
+    model = FakeModel(s)
+    flood(s, "A", 8, max_tokens=5)
+    model.step()
+    b = req("B0", "B", [9], max_tokens=3)
+    s.add(b)
+    steps = 1
+    while b.num_computed == 0:
+        model.step()
+        steps += 1
+    assert steps == 11          # A0-A3 run their 5 tokens (steps 1-5), then A4-A7 (6-10): only then B
+
+
+def test_weights_split_the_tokens_exactly_while_both_tenants_saturate() -> None:
+    s = sched(num_blocks=256, max_running=8)
+    model = FakeModel(s)
+    flood(s, "premium", 12, max_tokens=200, weight=3.0)
+    flood(s, "free", 12, max_tokens=200, weight=1.0)
+    served = {"premium": 0, "free": 0}
+    for _ in range(100):
+        for c in model.step().chunks:
+            served[c.request.tenant] += c.num_tokens
+    assert served == {"premium": 600, "free": 200}
+
+
+def test_paused_and_resumed_requests_generate_what_they_would_alone() -> None:
+    s = sched(num_blocks=40, max_running=3)
+    model = FakeModel(s)
+    rs = [req(f"a{i}", "A", [i + 1, 2 * i + 3, 5], 9) for i in range(5)]
+    rs += [req(f"b{i}", "B", [7, i + 2], 6, weight=2.0) for i in range(3)]
+    rs += [req(f"c{i}", "C", [4 + i], 7, priority=1) for i in range(2)]
+    for r in rs:
+        s.add(r)
+    for _ in range(200):
+        if not s.has_work():
+            break
+        model.step()
+    assert {r.request_id: r.output_ids for r in rs} == reference(rs)
+
+
+# -- classes ---------------------------------------------------------------------------
+def test_an_interactive_request_takes_a_batch_requests_row_which_keeps_its_blocks() -> None:
+    s = sched(max_running=2)
+    model = FakeModel(s)
+    flood(s, "jobs", 2, max_tokens=10, priority=1)
+    model.step()
+    chat = req("chat", "jobs", [5], max_tokens=2)                # the same tenant, interactive
+    s.add(chat)
+    batch = model.step()
+    assert rows(batch) == ["chat", "jobs0"]
+    assert s.running[1].request_id == "jobs1" and s.running[1].table.blocks    # paused with its KV
+
+
+def test_an_interactive_request_preempts_batch_work_for_blocks_and_the_batch_text_is_unchanged() -> None:
+    s = sched(num_blocks=4, block_size=2, max_running=4)
+    model = FakeModel(s)
+    jobs = flood(s, "jobs", 2, max_tokens=4, priority=1)
+    for j, prompt in zip(jobs, ([1, 2, 3], [4, 5, 6]), strict=True):
+        j.prompt_ids[:] = j.all_ids[:] = prompt
+    model.step()                                                 # both hold 2 of the 4 blocks
+    chat = req("chat", "user", [7, 8], max_tokens=2)
+    s.add(chat)
+    batch = model.step()
+    assert batch.preempted == [jobs[1]]                          # the newest batch request gives way
+    assert rows(batch) == ["chat", "jobs0"]
+    while s.has_work():
+        model.step()
+    assert {r.request_id: r.output_ids for r in [*jobs, chat]} == reference([*jobs, chat])
+    assert jobs[1].num_preemptions == 1
