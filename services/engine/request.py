@@ -139,6 +139,7 @@ class Request:
     tenant: str = ""                      # whose request (fair scheduling between tenants; "": the common one)
     weight: float = 1.0                   # the tenant's share relative to others' (its tier's weight)
     arrival: int = 0                      # set by the scheduler
+    served: int = 0                       # the scheduler's step that last ran a chunk of it
     num_computed: int = 0                 # tokens whose KV is in the cache
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache, local or shared
     num_preemptions: int = 0

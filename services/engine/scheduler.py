@@ -42,9 +42,12 @@ class SchedulerConfig:
     max_running: int = 64             # sequences per step
     watermark_blocks: int = 0         # free blocks kept back when admitting new requests
     fair: bool = True                 # weighted fair queuing between tenants; False: one queue per class
+    # A running request left out of this many steps in a row goes first (a stream never stalls for long,
+    # whatever the weights: the router takes ~10 s of silence for a dead engine).
+    max_paused_steps: int = 32
 
     def __post_init__(self) -> None:
-        if self.max_batched_tokens < 1 or self.max_running < 1 or self.watermark_blocks < 0:
+        if min(self.max_batched_tokens, self.max_running, self.max_paused_steps) < 1 or self.watermark_blocks < 0:
             raise ValueError("scheduler limits must be positive")
 
 
@@ -76,6 +79,7 @@ class Scheduler:
         self.waiting: tuple[deque[Request], deque[Request]] = (deque(), deque())
         self.running: list[Request] = []       # requests holding KV blocks (a step takes some or all)
         self.clocks = TenantClocks()
+        self.steps = 0                           # schedule() calls so far
         self._arrivals = 0
 
     @property
@@ -96,8 +100,11 @@ class Scheduler:
         """This step's chunks.  Candidates (running requests, then waiting ones, each tenant's in arrival
         order) are taken class by class, and within a class from the tenant with the lowest virtual time
         (fairness.py; the step's own chunks count as they are taken), while the token budget and the
-        sequence slots last.  A running request not taken this step keeps its KV blocks (paused)."""
+        sequence slots last.  A running request not taken this step keeps its KV blocks (paused).  A step
+        that prefills an interactive request takes no batch-class rows: its first token comes as soon as it
+        would on an idle engine."""
         budget, slots = self.config.max_batched_tokens, self.config.max_running
+        self.steps += 1
         chunks: list[Chunk] = []
         preempted: list[Request] = []
         imports: list[tuple[int, torch.Tensor]] = []
@@ -107,8 +114,11 @@ class Scheduler:
         heapq.heapify(heap)
         untaken = {id(r): r for r in self.running}
         short = False                # a running request lacked blocks: no admission this step
+        prefilling = False           # an interactive request's prompt runs in this step
         while heap and budget > 0 and slots > 0:
             _, _, _, key = heapq.heappop(heap)
+            if key[0] > 0 and prefilling:
+                break                # batch-class rows wait a step (they come after every interactive one)
             queue = queues[key]
             req = queue.popleft()
             if req.status is RequestStatus.RUNNING:
@@ -124,15 +134,20 @@ class Scheduler:
                 continue
             budget, slots = budget - n, slots - 1
             projected[key[1]] += self.clocks.cost(key[1], n)
+            prompt = len(req.prompt_ids) + len(req.resume_ids)
+            prefilling = prefilling or (req.priority == 0 and chunks[-1].start < prompt)
             if queue:
                 heapq.heappush(heap, (key[0], projected[key[1]], queue[0].arrival, key))
         return Batch(chunks, preempted, imports, len(untaken))
 
     def _candidates(self) -> dict[tuple[int, str], deque[Request]]:
-        """(class, tenant) -> its running requests in arrival order, then its waiting ones in queue order."""
+        """(class, tenant) -> its running requests, least recently served first (so a tenant's streams take
+        turns when its share holds fewer rows than it has streams), then its waiting ones in queue order.
+        A running request left out for more than `max_paused_steps` goes in class -1: before every other."""
         queues: dict[tuple[int, str], deque[Request]] = {}
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            queues.setdefault((req.priority, self._tenant(req)), deque()).append(req)
+        for req in sorted(self.running, key=lambda r: (r.served, r.arrival)):
+            overdue = self.steps - req.served > self.config.max_paused_steps
+            queues.setdefault((-1 if overdue else req.priority, self._tenant(req)), deque()).append(req)
         for queue in self.waiting:
             for req in queue:
                 queues.setdefault((req.priority, self._tenant(req)), deque()).append(req)
@@ -178,6 +193,7 @@ class Scheduler:
                 return 0
         self.blocks.grow(req.table, target + draft)
         chunks.append(Chunk(req, req.num_computed, n + draft, target == len(req.all_ids), draft))
+        req.served = self.steps
         return n + draft
 
     def _admit(self, req: Request, budget: int, chunks: list[Chunk], imports: list[tuple[int, torch.Tensor]],
@@ -203,6 +219,7 @@ class Scheduler:
         self.running.append(req)
         n = min(len(tokens) - cached, budget)
         chunks.append(Chunk(req, cached, n, cached + n == len(tokens)))
+        req.served = self.steps
         return n
 
     def _import_staged(self, req: Request, cached: int, imports: list[tuple[int, torch.Tensor]]) -> int:

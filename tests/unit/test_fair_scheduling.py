@@ -69,7 +69,7 @@ def flood(s: Scheduler, tenant: str, n: int, max_tokens: int = 50, weight: float
     return rs
 
 
-def test_a_second_tenants_request_takes_a_row_at_once_and_the_flooders_newest_pauses() -> None:
+def test_a_second_tenants_request_takes_a_row_at_once_and_the_flooders_streams_take_turns() -> None:
     s = sched(max_running=4)
     model = FakeModel(s)
     a = flood(s, "A", 8)
@@ -81,10 +81,22 @@ def test_a_second_tenants_request_takes_a_row_at_once_and_the_flooders_newest_pa
     batch = model.step()
     assert rows(batch) == ["A0", "B0", "A1", "A2"]               # B joins at A's time: a row at once
     assert (a[3].status, len(a[3].table.blocks)) == (RequestStatus.RUNNING, 1)   # paused, KV kept
-    assert batch.preempted == []
-    assert rows(model.step()) == ["B0", "A0", "A1", "A2"]
-    assert rows(model.step()) == ["B0", "A0", "A1", "A2"]        # B's third and last token
-    assert rows(model.step()) == ["A0", "A1", "A2", "A3"]        # A3 resumes where it paused
+    assert batch.preempted == [] and batch.paused == 1
+    # B (1 token a step) stays below A's time; A's streams share the other rows, least recently served first.
+    assert rows(model.step()) == ["B0", "A3", "A0", "A1"]
+    assert rows(model.step()) == ["B0", "A2", "A0", "A1"]        # B's third and last token
+    assert rows(model.step()) == ["A3", "A0", "A1", "A2"]
+    assert a[4].status is RequestStatus.WAITING                  # never admitted while A's own streams wait
+
+
+def test_a_stream_left_out_too_long_goes_first_whatever_the_weights() -> None:
+    s = sched(num_blocks=256, max_running=2, max_paused_steps=5)
+    model = FakeModel(s)
+    light = flood(s, "light", 1, max_tokens=100, weight=0.001)
+    model.step()                                                 # light's stream runs alone, then heavy floods
+    flood(s, "heavy", 4, max_tokens=100, weight=1000.0)
+    served = [light[0].request_id in rows(model.step()) for _ in range(30)]
+    assert served == ([True] + [False] * 5) * 5                  # one row in every 6 steps: 5 left out at most
 
 
 def test_without_fairness_the_same_request_waits_behind_the_flood() -> None:
@@ -134,10 +146,11 @@ def test_an_interactive_request_takes_a_batch_requests_row_which_keeps_its_block
     model = FakeModel(s)
     flood(s, "jobs", 2, max_tokens=10, priority=1)
     model.step()
-    chat = req("chat", "jobs", [5], max_tokens=2)                # the same tenant, interactive
+    chat = req("chat", "jobs", [5], max_tokens=3)                # the same tenant, interactive
     s.add(chat)
+    assert rows(model.step()) == ["chat"]                        # its prefill: no batch rows in that step
     batch = model.step()
-    assert rows(batch) == ["chat", "jobs0"]
+    assert rows(batch) == ["chat", "jobs0"] and batch.paused == 1
     assert s.running[1].request_id == "jobs1" and s.running[1].table.blocks    # paused with its KV
 
 
@@ -152,7 +165,7 @@ def test_an_interactive_request_preempts_batch_work_for_blocks_and_the_batch_tex
     s.add(chat)
     batch = model.step()
     assert batch.preempted == [jobs[1]]                          # the newest batch request gives way
-    assert rows(batch) == ["chat", "jobs0"]
+    assert rows(batch) == ["chat"]
     while s.has_work():
         model.step()
     assert {r.request_id: r.output_ids for r in [*jobs, chat]} == reference([*jobs, chat])

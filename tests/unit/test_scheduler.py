@@ -184,9 +184,9 @@ def test_running_requests_are_ordered_interactive_first() -> None:
     batch_req, interactive = req("batch", [1, 2], priority=1), req("chat", [3, 4])
     s.add(batch_req)
     step(s)
-    s.add(interactive)                         # a waiting interactive request goes before a running batch one
-    assert spans(step(s)) == [("chat", 0, 2, True), ("batch", 2, 1, True)]
-    assert spans(step(s)) == [("chat", 2, 1, True), ("batch", 3, 1, True)]
+    s.add(interactive)                         # a waiting interactive request goes before a running batch one,
+    assert spans(step(s)) == [("chat", 0, 2, True)]    # and its prefill step runs without batch rows
+    assert spans(step(s)) == [("chat", 2, 1, True), ("batch", 2, 1, True)]
 
 
 def test_max_running_limits_admission() -> None:
@@ -326,9 +326,9 @@ def test_batch_request_is_preempted_before_interactive_one_that_arrived_later() 
     s.add(batch_req)
     s.add(chat)
     model = FakeModel(s)
-    assert spans(model.step()) == [("chat", 0, 3, True), ("batch", 0, 3, True)]
-    model.step()
-    batch = model.step()
+    assert spans(model.step()) == [("chat", 0, 3, True)]        # an interactive prefill: no batch rows
+    assert spans(model.step()) == [("chat", 3, 1, True), ("batch", 0, 3, True)]
+    batch = model.step()                                         # chat needs a third block: none is free
     assert batch.preempted == [batch_req]
     assert spans(batch) == [("chat", 4, 1, True)]
     assert list(s.waiting[1]) == [batch_req]

@@ -1,0 +1,256 @@
+"""Fair scheduling between tenants inside an engine: a flood against a single user, and two tiers' split.
+
+    .venv/bin/python bench/fair_scheduling.py [--flood 48] [--split-seconds 60] [--max-running 16]
+
+Starts `infermesh up --engines 1` (ports offset 1400) with API keys for tenants alpha and beta (tier
+"free", weight 1) and gamma (tier "premium", weight 3), and the engine's --max-running (its rows per
+step) at 16 so that 48 streams cannot all run at once.  In one run, each with fair scheduling on and
+then off (a fresh mesh, `--fair-scheduling off`):
+
+1. Idle: beta sends 4 requests of 64 tokens one after another: its time to first token (TTFT) and
+   tokens/s with the engine to itself (the baseline).
+2. Flood: alpha opens 48 streams of 256 tokens; once they stream, beta sends the same 4 requests.
+   Beta's TTFT p50 against the idle one, and its tokens/s against its share: what weighted max-min
+   fairness owes it, min(its idle rate, half the engine's tokens/s while both are busy).  Off, beta's
+   first request waits behind alpha's queue (the run gives up on it after --starved-after s).
+3. Split (fair scheduling on only): alpha (weight 1) and gamma (weight 3) each keep 24 streams
+   open for --split-seconds; the engine's tokens per tenant (infermesh_engine_tenant_tokens_total)
+   over that window, whose ratio should be 3.
+
+Every prompt carries a per-run tag, so the edge's response cache and the prefix cache answer nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from infermesh.launcher import http_ok  # noqa: E402
+
+OFFSET = 1400
+KEYS = {"alpha": "fair-key-alpha", "beta": "fair-key-beta", "gamma": "fair-key-gamma", "delta": "fair-key-delta"}
+KEYS_FILE = "fair-key-alpha tenant=alpha tier=free\nfair-key-beta tenant=beta tier=free\n" \
+            "fair-key-gamma tenant=gamma tier=premium\nfair-key-delta tenant=delta tier=jobs\n"
+TIERS = {"free": {"weight": 1}, "premium": {"weight": 3}, "jobs": {"class": "batch"}}
+TOPICS = ("rivers", "owls", "copper", "tides", "maps", "bees", "glass", "comets", "salt", "ferns", "bridges",
+          "violins")
+
+
+@dataclass(frozen=True)
+class Answer:
+    ttft_s: float           # send -> first content
+    seconds: float          # send -> last token
+    tokens: int             # completion tokens (usage)
+
+
+def prompt(tag: str, i: int) -> str:
+    return f"[{tag}-{i}] Write a long story about {TOPICS[i % len(TOPICS)]} and the people who love them."
+
+
+def stream(http: str, tenant: str, text: str, max_tokens: int, stop: threading.Event | None = None,
+           timeout: float = 600, on_token: list[int] | None = None) -> Answer | None:
+    """One streamed chat completion as `tenant`; None when `stop` is set first (the stream is closed)."""
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0.7, "top_p": 0.95, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    started, first, tokens = time.perf_counter(), 0.0, 0
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, headers=headers, timeout=timeout) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if stop is not None and stop.is_set():
+                return None
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{tenant}'s stream failed: {chunk['error']}")
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter()
+                if on_token is not None:
+                    on_token[0] += 1
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return Answer(first - started if first else float("inf"), time.perf_counter() - started, tokens)
+
+
+def probe(http: str, tag: str, requests: int = 4, max_tokens: int = 64, give_up_s: float = 600) -> list[Answer]:
+    """beta's requests, one after another; stops early (returning what it has) if one has no first token
+    within give_up_s (starved)."""
+    out: list[Answer] = []
+    for i in range(requests):
+        stop = threading.Event()
+        timer = threading.Timer(give_up_s, stop.set)
+        timer.start()
+        try:
+            answer = stream(http, "beta", prompt(tag, 100 + i), max_tokens, stop)
+        finally:
+            timer.cancel()
+        if answer is None:
+            out.append(Answer(give_up_s, give_up_s, 0))
+            return out
+        out.append(answer)
+    return out
+
+
+@contextmanager
+def flooding(http: str, tenant: str, streams: int, max_tokens: int, tag: str) -> Iterator[list[int]]:
+    """`streams` streams of `tenant` open for the block (closed at its end); yields [content chunks so far]."""
+    stop = threading.Event()
+    seen = [0]
+    threads = [threading.Thread(target=stream, args=(http, tenant, prompt(tag, i), max_tokens, stop, 600, seen),
+                                daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+
+def rate(answers: list[Answer]) -> float:
+    """Tokens per second over the requests' whole time (their waits included)."""
+    return sum(a.tokens for a in answers) / sum(a.seconds for a in answers)
+
+
+def tenant_tokens(metrics_url: str) -> dict[str, float]:
+    text = httpx.get(metrics_url, timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^infermesh_engine_tenant_tokens_total\{[^}]*tenant="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+@dataclass(frozen=True)
+class FloodResult:
+    idle: list[Answer]
+    busy: list[Answer]
+    engine_tokens_per_s: float      # every tenant's tokens/s while beta's requests ran (engine counter)
+
+    @property
+    def ttft_ratio(self) -> float:
+        return statistics.median(a.ttft_s for a in self.busy) / statistics.median(a.ttft_s for a in self.idle)
+
+    @property
+    def share(self) -> float:
+        """What max-min fairness owes beta: its idle rate, or half the engine if that is less."""
+        return min(rate(self.idle), self.engine_tokens_per_s / 2)
+
+    @property
+    def starved(self) -> bool:
+        return any(a.tokens == 0 for a in self.busy)
+
+    def lines(self, label: str) -> list[str]:
+        idle = statistics.median(a.ttft_s for a in self.idle)
+        if self.starved:
+            waited = sum(a.seconds for a in self.busy if a.tokens == 0)
+            return [f"{label}: beta starved: no first token after {waited:.1f} s "
+                    f"(idle TTFT p50 {idle * 1000:.0f} ms)"]
+        ttfts = ", ".join(f"{a.ttft_s * 1000:.0f}" for a in self.busy)
+        return [f"{label}: beta TTFT p50 {statistics.median(a.ttft_s for a in self.busy) * 1000:.0f} ms ({ttfts}) vs idle "
+                f"{idle * 1000:.0f} ms ({self.ttft_ratio:.2f}x); beta {rate(self.busy):.1f} tokens/s vs its share "
+                f"{self.share:.1f} (idle {rate(self.idle):.1f}, engine {self.engine_tokens_per_s:.1f} tokens/s "
+                f"while busy): {rate(self.busy) / self.share:.2f} of it"]
+
+
+def flood_run(http: str, metrics_url: str, flood: int = 48, flood_tokens: int = 256, starved_after: float = 30.0,
+              idle: list[Answer] | None = None, flooder: str = "alpha") -> FloodResult:
+    tag = uuid.uuid4().hex[:8]
+    idle = idle if idle is not None else probe(http, tag + "i")
+    with flooding(http, flooder, flood, flood_tokens, tag) as seen:
+        deadline = time.monotonic() + 120
+        while seen[0] < 2 * flood:                    # the flood is streaming (and its queue full)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the flood did not start streaming: {seen[0]} chunks")
+            time.sleep(0.1)
+        before, started = tenant_tokens(metrics_url), time.monotonic()
+        busy = probe(http, tag + "b", give_up_s=starved_after)
+        after, spent = tenant_tokens(metrics_url), time.monotonic() - started
+    engine = sum(after.values()) - sum(before.values())
+    return FloodResult(idle, busy, engine / spent)
+
+
+def split_run(http: str, metrics_url: str, seconds: float = 60.0, streams: int = 24, settle_s: float = 5.0
+              ) -> dict[str, float]:
+    """Tokens the engine computed for alpha (weight 1) and gamma (weight 3) over `seconds`, both saturating."""
+    tag = uuid.uuid4().hex[:8]
+    with flooding(http, "alpha", streams, 2048, tag + "a"), flooding(http, "gamma", streams, 2048, tag + "g"):
+        time.sleep(settle_s)                      # both queues full, the admissions' prefills done
+        before = tenant_tokens(metrics_url)
+        time.sleep(seconds)
+        after = tenant_tokens(metrics_url)
+    # The edge names a keys-file tenant "t:NAME" (services/edge/tenants.py).
+    return {t: after.get(f"t:{t}", 0.0) - before.get(f"t:{t}", 0.0) for t in ("alpha", "gamma")}
+
+
+@contextmanager
+def mesh(fair: bool, max_running: int, workdir: Path) -> Iterator[tuple[str, str]]:
+    """`infermesh up --engines 1` for the runs: (edge URL, engine metrics URL)."""
+    (workdir / "keys").write_text(KEYS_FILE)
+    (workdir / "tiers.json").write_text(json.dumps(TIERS))
+    env = {**os.environ, "INFERMESH_API_KEYS_FILE": str(workdir / "keys"),
+           "INFERMESH_TIERS_FILE": str(workdir / "tiers.json"), "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0",
+           "INFERMESH_ENGINE_MAX_RUNNING": str(max_running),
+           "INFERMESH_ENGINE_FAIR_SCHEDULING": "on" if fair else "off"}
+    http = f"http://127.0.0.1:{8000 + OFFSET}"
+    log = workdir / f"infermesh-up-{'fair' if fair else 'fifo'}.log"
+    argv = [sys.executable, "-m", "infermesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
+            "--cache-dir", str(workdir / "cache")]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not http_ok(f"{http}/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"infermesh up did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield http, f"http://127.0.0.1:{9100 + OFFSET}/metrics"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flood", type=int, default=48)
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--split-seconds", type=float, default=60.0)
+    p.add_argument("--starved-after", type=float, default=60.0)
+    a = p.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Model name:")[1].split("\n")[0]
+    print(f"{cpu.strip()} | {os.cpu_count()} CPUs | --max-running {a.max_running} | flood {a.flood} x 256 tokens")
+    workdir = Path(tempfile.mkdtemp(prefix="bench-fair-"))
+    with mesh(True, a.max_running, workdir) as (http, metrics):
+        stream(http, "beta", "warm up", 4)
+        fair = flood_run(http, metrics, a.flood, starved_after=a.starved_after)
+        print(*fair.lines("fair scheduling on "), sep="\n")
+        jobs = flood_run(http, metrics, a.flood, starved_after=a.starved_after, idle=fair.idle, flooder="delta")
+        print(*jobs.lines("batch-class flood  "), sep="\n")
+        split = split_run(http, metrics, a.split_seconds)
+        print(f"split over {a.split_seconds:.0f} s: gamma (weight 3) {split['gamma']:.0f} tokens, alpha (weight 1) "
+              f"{split['alpha']:.0f}: ratio {split['gamma'] / max(split['alpha'], 1):.2f} (target 3)")
+    with mesh(False, a.max_running, workdir) as (http, metrics):
+        stream(http, "beta", "warm up", 4)
+        fifo = flood_run(http, metrics, a.flood, starved_after=a.starved_after)
+        print(*fifo.lines("fair scheduling off"), sep="\n")
+
+
+if __name__ == "__main__":
+    main()
