@@ -150,8 +150,10 @@ class FloodResult:
 
     @property
     def share(self) -> float:
-        """What max-min fairness owes beta: its idle rate, or half the engine if that is less."""
-        return min(rate(self.idle), self.engine_tokens_per_s / 2)
+        """beta's share while both are busy: half the engine (two tenants of weight 1), the engine being what
+        beta gets from it alone (its idle rate: one stream decodes a token a step, so it could not take half
+        of the flood's batched tokens/s, engine_tokens_per_s, which is printed beside)."""
+        return rate(self.idle) / 2
 
     @property
     def starved(self) -> bool:
@@ -163,11 +165,12 @@ class FloodResult:
             waited = sum(a.seconds for a in self.busy if a.tokens == 0)
             return [f"{label}: beta starved: no first token after {waited:.1f} s "
                     f"(idle TTFT p50 {idle * 1000:.0f} ms)"]
+        busy = statistics.median(a.ttft_s for a in self.busy)
         ttfts = ", ".join(f"{a.ttft_s * 1000:.0f}" for a in self.busy)
-        return [f"{label}: beta TTFT p50 {statistics.median(a.ttft_s for a in self.busy) * 1000:.0f} ms ({ttfts}) vs idle "
-                f"{idle * 1000:.0f} ms ({self.ttft_ratio:.2f}x); beta {rate(self.busy):.1f} tokens/s vs its share "
-                f"{self.share:.1f} (idle {rate(self.idle):.1f}, engine {self.engine_tokens_per_s:.1f} tokens/s "
-                f"while busy): {rate(self.busy) / self.share:.2f} of it"]
+        return [f"{label}: beta TTFT p50 {busy * 1000:.0f} ms ({ttfts}) vs idle {idle * 1000:.0f} ms "
+                f"({self.ttft_ratio:.2f}x); beta {rate(self.busy):.1f} tokens/s, {rate(self.busy) / self.share:.2f} "
+                f"of its share {self.share:.1f} (half its idle {rate(self.idle):.1f}; the engine's tokens/s while "
+                f"busy {self.engine_tokens_per_s:.1f})"]
 
 
 def flood_run(http: str, metrics_url: str, flood: int = 48, flood_tokens: int = 256, starved_after: float = 30.0,
