@@ -10,9 +10,11 @@ then off (a fresh mesh, `--fair-scheduling off`):
 1. Idle: beta sends 4 requests of 64 tokens one after another: its time to first token (TTFT) and
    tokens/s with the engine to itself (the baseline).
 2. Flood: alpha opens 48 streams of 256 tokens; once they stream, beta sends the same 4 requests.
-   Beta's TTFT p50 against the idle one, and its tokens/s against its share: what weighted max-min
-   fairness owes it, min(its idle rate, half the engine's tokens/s while both are busy).  Off, beta's
-   first request waits behind alpha's queue (the run gives up on it after --starved-after s).
+   Beta's TTFT p50 against the idle one, and its tokens/s against its share: half the engine (two
+   tenants of weight 1), the engine being what beta gets from it alone (its idle tokens/s; one stream
+   decodes one token a step, so it could never take half of the flood's batched tokens/s, which is
+   printed beside).  Off, beta's first request waits behind alpha's queue (the run gives up on it
+   after --starved-after s).  Then the same with a batch-class flood (tenant delta, tier "jobs").
 3. Split (fair scheduling on only): alpha (weight 1) and gamma (weight 3) each keep 24 streams
    open for --split-seconds; the engine's tokens per tenant (infermesh_engine_tenant_tokens_total)
    over that window, whose ratio should be 3.
@@ -36,7 +38,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -53,6 +55,14 @@ TOPICS = ("rivers", "owls", "copper", "tides", "maps", "bees", "glass", "comets"
           "violins")
 
 
+@dataclass
+class Flood:
+    """What a flood's streams have sent so far: content chunks, and each stream's first one (monotonic)."""
+
+    chunks: int = 0
+    firsts: list[float] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Answer:
     ttft_s: float           # send -> first content
@@ -65,8 +75,9 @@ def prompt(tag: str, i: int) -> str:
 
 
 def stream(http: str, tenant: str, text: str, max_tokens: int, stop: threading.Event | None = None,
-           timeout: float = 600, on_token: list[int] | None = None) -> Answer | None:
-    """One streamed chat completion as `tenant`; None when `stop` is set first (the stream is closed)."""
+           timeout: float = 600, seen: Flood | None = None) -> Answer | None:
+    """One streamed chat completion as `tenant`; None when `stop` is set first (the stream is closed).
+    `seen` counts its content chunks and keeps the time.monotonic() of its first."""
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0.7, "top_p": 0.95, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
@@ -83,9 +94,11 @@ def stream(http: str, tenant: str, text: str, max_tokens: int, stop: threading.E
             if "error" in chunk:
                 raise RuntimeError(f"{tenant}'s stream failed: {chunk['error']}")
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                if seen is not None:
+                    seen.chunks += 1
+                    if not first:
+                        seen.firsts.append(time.monotonic())
                 first = first or time.perf_counter()
-                if on_token is not None:
-                    on_token[0] += 1
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return Answer(first - started if first else float("inf"), time.perf_counter() - started, tokens)
@@ -111,10 +124,10 @@ def probe(http: str, tag: str, requests: int = 4, max_tokens: int = 64, give_up_
 
 
 @contextmanager
-def flooding(http: str, tenant: str, streams: int, max_tokens: int, tag: str) -> Iterator[list[int]]:
-    """`streams` streams of `tenant` open for the block (closed at its end); yields [content chunks so far]."""
+def flooding(http: str, tenant: str, streams: int, max_tokens: int, tag: str) -> Iterator[Flood]:
+    """`streams` streams of `tenant` open for the block (closed at its end)."""
     stop = threading.Event()
-    seen = [0]
+    seen = Flood()
     threads = [threading.Thread(target=stream, args=(http, tenant, prompt(tag, i), max_tokens, stop, 600, seen),
                                 daemon=True) for i in range(streams)]
     for t in threads:
@@ -143,6 +156,9 @@ class FloodResult:
     idle: list[Answer]
     busy: list[Answer]
     engine_tokens_per_s: float      # every tenant's tokens/s while beta's requests ran (engine counter)
+    flood: int                      # the flood's streams, and how many of them had sent a token
+    flood_before_beta: int          # before beta's first token,
+    flood_before_beta_done: int     # and before beta's last request ended
 
     @property
     def ttft_ratio(self) -> float:
@@ -160,6 +176,11 @@ class FloodResult:
         return any(a.tokens == 0 for a in self.busy)
 
     def lines(self, label: str) -> list[str]:
+        order = (f"  {self.flood_before_beta} of the flood's {self.flood} streams had started before beta's first "
+                 f"token, {self.flood_before_beta_done} before beta's last request ended")
+        return [*self._lines(label), order]
+
+    def _lines(self, label: str) -> list[str]:
         idle = statistics.median(a.ttft_s for a in self.idle)
         if self.starved:
             waited = sum(a.seconds for a in self.busy if a.tokens == 0)
@@ -179,15 +200,18 @@ def flood_run(http: str, metrics_url: str, flood: int = 48, flood_tokens: int = 
     idle = idle if idle is not None else probe(http, tag + "i")
     with flooding(http, flooder, flood, flood_tokens, tag) as seen:
         deadline = time.monotonic() + 120
-        while seen[0] < 2 * flood:                    # the flood is streaming (and its queue full)
+        while seen.chunks < 2 * flood:                # the flood is streaming (and its queue full)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the flood did not start streaming: {seen[0]} chunks")
+                raise RuntimeError(f"the flood did not start streaming: {seen.chunks} chunks")
             time.sleep(0.1)
         before, started = tenant_tokens(metrics_url), time.monotonic()
         busy = probe(http, tag + "b", give_up_s=starved_after)
-        after, spent = tenant_tokens(metrics_url), time.monotonic() - started
+        after, done = tenant_tokens(metrics_url), time.monotonic()
+        firsts = list(seen.firsts)
     engine = sum(after.values()) - sum(before.values())
-    return FloodResult(idle, busy, engine / spent)
+    beta_first = started + busy[0].ttft_s
+    return FloodResult(idle, busy, engine / (done - started), flood, sum(f < beta_first for f in firsts),
+                       sum(f < done for f in firsts))
 
 
 def split_run(http: str, metrics_url: str, seconds: float = 60.0, streams: int = 24, settle_s: float = 5.0

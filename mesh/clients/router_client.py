@@ -233,7 +233,9 @@ class RouterClient:
                              "isolation": e.isolation, "running": e.load.running, "waiting": e.load.waiting,
                              "kv_used": round(1 - e.load.kv_blocks_free / e.load.kv_blocks_total, 4)
                              if e.load.kv_blocks_total else 0.0,
-                             "tokens_per_s": round(e.load.tokens_per_second, 2), "weight": e.weight}
+                             "tokens_per_s": round(e.load.tokens_per_second, 2), "weight": e.weight,
+                             "tenants": [{"tenant": t.tenant, "running": t.running, "waiting": t.waiting,
+                                          "tokens": t.tokens} for t in e.load.tenants]}
                             for e in r.replicas],
                 "ttft_p50_ms": round(r.ttft_p50_ms, 1), "ttft_p95_ms": round(r.ttft_p95_ms, 1),
                 "events": [{"unix_ms": e.unix_ms, "kind": e.kind, "model": e.model, "replica": e.replica,
