@@ -145,10 +145,21 @@ def rate(answers: list[Answer]) -> float:
     return sum(a.tokens for a in answers) / sum(a.seconds for a in answers)
 
 
-def tenant_tokens(metrics_url: str) -> dict[str, float]:
+def per_tenant(metrics_url: str, metric: str) -> dict[str, float]:
+    """An engine metric by tenant label (the edge names a keys-file tenant "t:NAME", services/edge/tenants.py)."""
     text = httpx.get(metrics_url, timeout=10).text
     return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r'^infermesh_engine_tenant_tokens_total\{[^}]*tenant="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+            re.finditer(rf'^{metric}\{{[^}}]*tenant="([^"]+)"[^}}]*\}} (\S+)$', text, re.M)}
+
+
+def tenant_tokens(metrics_url: str) -> dict[str, float]:
+    return per_tenant(metrics_url, "infermesh_engine_tenant_tokens_total")
+
+
+def in_engine(metrics_url: str, tenant: str) -> int:
+    """`tenant`'s requests the engine holds, running or waiting."""
+    return int(sum(per_tenant(metrics_url, f"infermesh_engine_tenant_{kind}").get(f"t:{tenant}", 0)
+                   for kind in ("running", "queued")))
 
 
 @dataclass(frozen=True)
@@ -195,17 +206,19 @@ class FloodResult:
 
 
 def flood_run(http: str, metrics_url: str, flood: int = 48, flood_tokens: int = 256, starved_after: float = 30.0,
-              idle: list[Answer] | None = None, flooder: str = "alpha") -> FloodResult:
+              idle: list[Answer] | None = None, flooder: str = "alpha", requests: int = 4) -> FloodResult:
+    """beta's `requests` idle (unless given), then under `flooder`'s flood of `flood` streams."""
     tag = uuid.uuid4().hex[:8]
-    idle = idle if idle is not None else probe(http, tag + "i")
+    idle = idle if idle is not None else probe(http, tag + "i", requests)
     with flooding(http, flooder, flood, flood_tokens, tag) as seen:
         deadline = time.monotonic() + 120
-        while seen.chunks < 2 * flood:                # the flood is streaming (and its queue full)
+        while seen.chunks < flood or in_engine(metrics_url, flooder) < flood:   # all of it in the engine
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the flood did not start streaming: {seen.chunks} chunks")
+                raise RuntimeError(f"the flood did not start: {seen.chunks} chunks, "
+                                   f"{in_engine(metrics_url, flooder)} requests in the engine")
             time.sleep(0.1)
         before, started = tenant_tokens(metrics_url), time.monotonic()
-        busy = probe(http, tag + "b", give_up_s=starved_after)
+        busy = probe(http, tag + "b", requests, give_up_s=starved_after)
         after, done = tenant_tokens(metrics_url), time.monotonic()
         firsts = list(seen.firsts)
     engine = sum(after.values()) - sum(before.values())
@@ -223,7 +236,6 @@ def split_run(http: str, metrics_url: str, seconds: float = 60.0, streams: int =
         before = tenant_tokens(metrics_url)
         time.sleep(seconds)
         after = tenant_tokens(metrics_url)
-    # The edge names a keys-file tenant "t:NAME" (services/edge/tenants.py).
     return {t: after.get(f"t:{t}", 0.0) - before.get(f"t:{t}", 0.0) for t in ("alpha", "gamma")}
 
 

@@ -11,20 +11,22 @@ import pytest
 
 from mesh import models
 
-# The end-to-end meshes listen on 50051 + offset (offsets up to ~2,400): inside Linux's ephemeral
+# The end-to-end meshes listen on 50051 + offset (offsets up to ~3,000): inside Linux's ephemeral
 # range (32768-60999), so any outgoing connection that happens to take one of them as its local
 # port makes a later mesh fail to bind it ("Address already in use").
-MESH_PORTS = (50000, 52999)
+MESH_PORTS = (50000, 53099)
 # Under pytest-xdist the end-to-end modules run in two groups side by side, each group on one worker in file
 # order (MeshGroups below): the modules on the session-long mesh (tests/e2e/conftest.py `mesh`) plus
 # BESIDE_THE_SESSION_MESH, and every other module (each with a mesh of its own): about 5 minutes each on 2
 # cores.  Two meshes running at once must not share a port: a mesh takes 8000, 8443 (UDP), 9100-9199 and
 # 50030-50099, each + its offset, so offsets of meshes that may run at once differ by at least 100 and never
 # by 1100-1199 (one's edge on the other's metrics ports).  tests/unit/test_mesh_groups.py checks both lists
-# and the offsets.
+# and the offsets.  A module in ON_THEIR_OWN is a unit by itself, handed to whichever worker is free, so its
+# meshes may run beside those of either group: its offsets clash with none.
 SESSION_MESH_MODULES = ("test_edge_fuzz.py", "test_grpc.py", "test_http3.py", "test_openai_api.py",
                         "test_routing.py", "test_structured_outputs.py", "test_supervision.py")
 BESIDE_THE_SESSION_MESH = ("test_architectures_served.py",)
+ON_THEIR_OWN = ("test_fair_scheduling.py",)
 RESERVED = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 
 
@@ -52,10 +54,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def mesh_group(nodeid: str) -> str | None:
-    """The xdist group of an end-to-end test ("session-mesh" or "own-meshes"), None for any other test."""
+    """The xdist group of an end-to-end test ("session-mesh", "own-meshes", or its module's path for one
+    ON_THEIR_OWN), None for any other test."""
     path = Path(nodeid.split("::", 1)[0])
     if path.parent.name not in ("e2e", "multihost"):
         return None
+    if path.name in ON_THEIR_OWN:
+        return str(path)
     return "session-mesh" if path.name in SESSION_MESH_MODULES + BESIDE_THE_SESSION_MESH else "own-meshes"
 
 

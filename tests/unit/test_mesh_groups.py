@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import BESIDE_THE_SESSION_MESH, SESSION_MESH_MODULES, mesh_group
+from tests.conftest import BESIDE_THE_SESSION_MESH, MESH_PORTS, ON_THEIR_OWN, SESSION_MESH_MODULES, mesh_group
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = [*sorted((ROOT / "tests" / "e2e").glob("test_*.py")), *(ROOT / "tests" / "multihost").glob("test_*.py")]
@@ -47,6 +47,7 @@ def test_the_session_mesh_group_is_the_modules_that_take_the_session_mesh() -> N
     assert mesh_group("tests/e2e/test_failover.py::test_x") == "own-meshes"
     assert mesh_group("tests/multihost/test_multihost.py::test_x") == "own-meshes"
     assert mesh_group("tests/service/test_engine.py::test_x") is None
+    assert mesh_group("tests/e2e/test_fair_scheduling.py::test_x") == "tests/e2e/test_fair_scheduling.py"
 
 
 def test_meshes_that_run_at_once_take_no_port_of_each_other() -> None:
@@ -55,6 +56,14 @@ def test_meshes_that_run_at_once_take_no_port_of_each_other() -> None:
     assert len(beside) >= 2 and len(others) >= 10           # the modules were read
     bad = [(a, name, b) for a in beside for name, b in others if clash(a, b)]
     assert not bad, f"offsets that would share ports when their meshes run at once: {bad}"
+    # A module on its own may run beside any mesh, its own included (a module fixture's and a test's).
+    alone = {(m.name, o) for m in MODULES if m.name in ON_THEIR_OWN for o in offsets(m)}
+    assert len(alone) >= 2
+    everyone = {("session", a) for a in beside} | others | alone
+    bad = [(x, y) for x in alone for y in everyone if x != y and clash(x[1], y[1])]
+    assert not bad, f"offsets that would share ports when their meshes run at once: {bad}"
+    # Their gRPC ports (50030-50099 + offset + the default OFFSET, 200) are in the reserved range.
+    assert 50099 + 200 + max(o for _, o in everyone) <= MESH_PORTS[1]
 
 
 def test_the_clash_rule() -> None:
