@@ -52,7 +52,7 @@ class TenantClocks:
 
     def charge(self, tenant: str, tokens: int) -> None:
         """The engine computed `tokens` for `tenant`."""
-        self.vtime[tenant] = self.vtime.get(tenant, self.floor) + tokens / self.weight.get(tenant, 1.0)
+        self.vtime[tenant] = self.vtime.get(tenant, self.floor) + self.cost(tenant, tokens)
 
     def cost(self, tenant: str, tokens: int) -> float:
         """What `tokens` add to `tenant`'s virtual time."""

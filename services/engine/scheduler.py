@@ -97,12 +97,12 @@ class Scheduler:
         self.clocks.arrive(self._tenant(request), request.weight if self.config.fair else 1.0)
 
     def schedule(self) -> Batch:
-        """This step's chunks.  Candidates (running requests, then waiting ones, each tenant's in arrival
-        order) are taken class by class, and within a class from the tenant with the lowest virtual time
-        (fairness.py; the step's own chunks count as they are taken), while the token budget and the
-        sequence slots last.  A running request not taken this step keeps its KV blocks (paused).  A step
-        that prefills an interactive request takes no batch-class rows: its first token comes as soon as it
-        would on an idle engine."""
+        """This step's chunks.  Candidates (each tenant's running requests, least recently served first, then
+        its waiting ones in queue order: _candidates) are taken class by class, and within a class from the
+        tenant with the lowest virtual time (fairness.py; the step's own chunks count as they are taken),
+        while the token budget and the sequence slots last.  A running request not taken this step keeps its
+        KV blocks (paused).  A step that prefills an interactive request takes no batch-class rows: its first
+        token comes as soon as it would on an idle engine."""
         budget, slots = self.config.max_batched_tokens, self.config.max_running
         self.steps += 1
         chunks: list[Chunk] = []

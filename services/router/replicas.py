@@ -67,9 +67,8 @@ class Replica:
     unix_ms: int = 0
     tenants: tuple[TenantShare, ...] = ()
     load_at: float | None = None     # router's monotonic time when the last report was applied
-    # Fair scheduling: this router's requests in flight per tenant, and the engine's count per tenant.
+    # Fair scheduling: this router's requests in flight per tenant (the report's `tenants` are the engine's).
     tenant_in_flight: Counter[str] = field(default_factory=Counter)
-    _tenant_requests: dict[str, int] = field(default_factory=dict)
 
     def apply_load(self, report: LoadReport, now: float) -> None:
         self.running, self.waiting = report.running, report.waiting
@@ -77,12 +76,12 @@ class Replica:
         self.qps, self.tokens_per_second = report.qps, report.tokens_per_second
         self.p50_latency_ms, self.p99_latency_ms = report.p50_latency_ms, report.p99_latency_ms
         self.unix_ms, self.tenants = report.unix_ms, report.tenants
-        self._tenant_requests = {t.tenant: t.running + t.waiting for t in report.tenants}
         self.load_at = now
 
     def tenant_load(self, tenant: str) -> int:
         """`tenant`'s requests on this replica: the engine's last count, or this router's own when higher."""
-        return max(self.tenant_in_flight[tenant], self._tenant_requests.get(tenant, 0))
+        reported = next((t.running + t.waiting for t in self.tenants if t.tenant == tenant), 0)
+        return max(self.tenant_in_flight[tenant], reported)
 
     @property
     def load(self) -> LoadReport:
