@@ -64,6 +64,17 @@ def mesh_group(nodeid: str) -> str | None:
     return "session-mesh" if path.name in SESSION_MESH_MODULES + BESIDE_THE_SESSION_MESH else "own-meshes"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The session mesh's group runs as one block where its first test stands (its modules are otherwise
+    interleaved with the others in file order), so a serial run starts that mesh once and stops it after
+    the group's last test (tests/e2e/conftest.py); under xdist each worker collects the same order."""
+    group = [item for item in items if mesh_group(item.nodeid) == "session-mesh"]
+    if group:
+        first = items.index(group[0])
+        rest = [item for item in items if mesh_group(item.nodeid) != "session-mesh"]
+        items[:] = rest[:first] + group + rest[first:]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's scheduler, each mesh group one unit of work (the two largest, so they start first, one

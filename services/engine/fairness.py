@@ -8,7 +8,10 @@ little work (one stream) gets all it asks for.
 
 A tenant that becomes active (its first waiting or running request after none) starts at the lowest
 virtual time among the active tenants, never below: time spent idle is not credit to spend later on
-a burst that would shut the others out.
+a burst that would shut the others out.  Likewise after each step, an active tenant whose every request
+ran (it asked for less than its share) is raised to the lowest virtual time of the tenants left with work
+waiting: running below its share does not bank credit either (one stream, then a burst of 24, would
+otherwise take every row until its clock caught up).
 """
 
 from __future__ import annotations
@@ -49,6 +52,17 @@ class TenantClocks:
             del self.active[tenant]
             for name in [n for n, v in self.vtime.items() if n not in self.active and v <= self.floor]:
                 del self.vtime[name], self.weight[name]
+
+    def keep_up(self, backlogged: set[str]) -> None:
+        """After a step: the active tenants not in `backlogged` (every request of theirs ran) are raised to the
+        lowest virtual time among those that are (some request of theirs waited)."""
+        times = [self.vtime.get(t, self.floor) for t in backlogged]
+        if not times:
+            return
+        low = min(times)
+        for tenant in self.active:
+            if tenant not in backlogged and self.vtime.get(tenant, self.floor) < low:
+                self.vtime[tenant] = low
 
     def charge(self, tenant: str, tokens: int) -> None:
         """The engine computed `tokens` for `tenant`."""

@@ -113,6 +113,7 @@ class Scheduler:
         heap = [(key[0], projected[key[1]], q[0].arrival, key) for key, q in queues.items()]
         heapq.heapify(heap)
         untaken = {id(r): r for r in self.running}
+        blocked: set[str] = set()    # tenants whose next request could not be admitted (no blocks)
         short = False                # a running request lacked blocks: no admission this step
         prefilling = False           # an interactive request's prompt runs in this step
         while heap and budget > 0 and slots > 0:
@@ -131,6 +132,7 @@ class Scheduler:
             elif short or req in preempted or not (n := self._admit(req, budget, chunks, imports, untaken,
                                                                       preempted)):
                 queue.clear()        # head of line: the tenant's later requests wait behind it
+                blocked.add(key[1])
                 continue
             budget, slots = budget - n, slots - 1
             projected[key[1]] += self.clocks.cost(key[1], n)
@@ -138,6 +140,7 @@ class Scheduler:
             prefilling = prefilling or (req.priority == 0 and chunks[-1].start < prompt)
             if queue:
                 heapq.heappush(heap, (key[0], projected[key[1]], queue[0].arrival, key))
+        self.clocks.keep_up(blocked | {key[1] for key, queue in queues.items() if queue})
         return Batch(chunks, preempted, imports, len(untaken))
 
     def _candidates(self) -> dict[tuple[int, str], deque[Request]]:

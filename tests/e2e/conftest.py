@@ -19,6 +19,7 @@ from infermesh.launcher import http_ok
 from mesh.credentials import TLS_CHANNEL_OPTIONS, MeshTLS
 from mesh.grpcutil import channel
 from mesh.models import home
+from tests.conftest import mesh_group
 
 OFFSET = int(os.environ.get("INFERMESH_TEST_PORT_OFFSET", "200"))
 
@@ -43,6 +44,13 @@ class Mesh:
         return grpc.secure_channel(address, tls.channel_credentials(), options=TLS_CHANNEL_OPTIONS)
 
 
+# A service that dies while starting because the machine would not give it a thread (gRPC's
+# "pthread_create failed", seen on the shared CI machines when several meshes start at once) says nothing
+# about the mesh: `running_mesh` starts it again, at most twice, and says so on stderr.
+RESOURCE_FAILURE = "pthread_create failed"
+STARTS = 3
+
+
 @contextlib.contextmanager
 def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | None = None) -> Iterator[Mesh]:
     """`infermesh up ARGS --port-offset OFFSET` until the block ends; it must then stop cleanly."""
@@ -56,34 +64,87 @@ def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | 
     # that count what reaches them, or kill an engine under a request asked before, need every request to
     # go through.  tests/e2e/test_gateway_policies.py turns it on.
     env = {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", **(env or {})}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "infermesh.cli", "up", *args, "--port-offset", str(offset)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    command = [sys.executable, "-m", "infermesh.cli", "up", *args, "--port-offset", str(offset)]
+    for start in range(1, STARTS + 1):
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        if ready(proc, m):
+            break
+        text = log.read_text()
+        if RESOURCE_FAILURE not in text or start == STARTS:
+            pytest.fail(f"infermesh up did not become ready:\n{text[-4000:]}")
+        print(f"infermesh up (offset {offset}) could not start a thread; starting it again ({start + 1} of {STARTS}):"
+              f"\n{text[-1500:]}", file=sys.stderr)
+        time.sleep(2)
+    try:
+        yield m
+    finally:
+        proc.send_signal(signal.SIGTERM)
         try:
-            deadline = time.monotonic() + 300
-            while not http_ok(f"{m.http}/health"):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"infermesh up did not become ready:\n{log.read_text()[-4000:]}")
-                time.sleep(0.5)
-            yield m
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = -9
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = -9
     text = log.read_text()
     assert code == 0, f"infermesh up exited with {code}:\n{text[-4000:]}"
     assert "infermesh stopped" in text
 
 
-@pytest.fixture(scope="session")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    # float32 is the parity dtype: greedy output must equal transformers' bit for bit.
-    log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
-    with running_mesh(["--engines", "2", "--dtype", "float32"], OFFSET, log) as m:
-        yield m
+def ready(proc: subprocess.Popen[bytes], m: Mesh) -> bool:
+    """Whether the mesh answers /health within 300 s; False, with `up` stopped, when it exits first or not."""
+    deadline = time.monotonic() + 300
+    while not http_ok(f"{m.http}/health"):
+        if proc.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return False
+        time.sleep(0.5)
+    return True
+
+
+class SessionMesh:
+    """The mesh most end-to-end modules share (SESSION_MESH_MODULES in tests/conftest.py): started by the first
+    test that takes it, stopped after the last test of that group (the group runs as one block: on one xdist
+    worker, or together in a serial run), so it never runs beside the meshes its worker starts later."""
+
+    def __init__(self) -> None:
+        self._running: contextlib.ExitStack | None = None
+        self._mesh: Mesh | None = None
+
+    def get(self, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+        if self._mesh is None:
+            stack = contextlib.ExitStack()
+            # float32 is the parity dtype: greedy output must equal transformers' bit for bit.
+            log = tmp_path_factory.mktemp("mesh") / "infermesh-up.log"
+            self._mesh = stack.enter_context(running_mesh(["--engines", "2", "--dtype", "float32"], OFFSET, log))
+            self._running = stack
+        return self._mesh
+
+    def stop(self) -> None:
+        running, self._running, self._mesh = self._running, None, None
+        if running is not None:
+            running.close()
+
+
+SESSION_MESH = SessionMesh()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    return SESSION_MESH.get(tmp_path_factory)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the session mesh's group's last test (and its module's fixtures), stop the mesh."""
+    if nextitem is None or mesh_group(nextitem.nodeid) != "session-mesh":
+        SESSION_MESH.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    SESSION_MESH.stop()
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,18 @@ def test_virtual_time_is_tokens_over_weight_and_an_idle_tenant_banks_no_credit()
     assert set(clocks.vtime) == set()          # idle tenants at or behind the floor are forgotten
 
 
+def test_keep_up_raises_the_tenants_whose_work_all_ran_to_the_lowest_backlogged_time() -> None:
+    clocks = TenantClocks()
+    for tenant in "abcd":
+        clocks.arrive(tenant, 1.0)
+    for tenant, tokens in (("a", 50), ("b", 20), ("c", 5), ("d", 90)):
+        clocks.charge(tenant, tokens)
+    clocks.keep_up({"a", "d"})                 # a and d had requests waiting; b and c ran all they asked
+    assert clocks.vtime == {"a": 50.0, "b": 50.0, "c": 50.0, "d": 90.0}
+    clocks.keep_up(set())                      # nobody waited: nothing to keep up with
+    assert clocks.vtime == {"a": 50.0, "b": 50.0, "c": 50.0, "d": 90.0}
+
+
 @pytest.mark.parametrize("weight", [0.0, -1.0, 1000.5])
 def test_a_weight_out_of_range_is_refused(weight: float) -> None:
     with pytest.raises(ValueError, match="weight"):
@@ -123,6 +135,22 @@ def test_weights_split_the_tokens_exactly_while_both_tenants_saturate() -> None:
         for c in model.step().chunks:
             served[c.request.tenant] += c.num_tokens
     assert served == {"premium": 600, "free": 200}
+
+
+def test_a_tenant_below_its_share_banks_no_credit_for_a_later_burst() -> None:
+    s = sched(num_blocks=512, max_running=4)
+    model = FakeModel(s)
+    flood(s, "H", 8, max_tokens=500)
+    flood(s, "L", 1, max_tokens=500)
+    for _ in range(40):                  # L's one stream runs every step: 1 token of 4 a step, below its half
+        model.step()
+    for i in range(8):                   # then L bursts: from here on the two split the rows
+        s.add(req(f"Lb{i}", "L", [50 + i], max_tokens=500))
+    served = {"H": 0, "L": 0}
+    for _ in range(20):
+        for c in model.step().chunks:
+            served[c.request.tenant] += c.num_tokens
+    assert served == {"H": 39, "L": 41}  # without keep_up, L's clock 80 behind H's: L 80, H 0 (starved)
 
 
 def test_paused_and_resumed_requests_generate_what_they_would_alone() -> None:
