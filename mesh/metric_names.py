@@ -129,6 +129,9 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_paused_rows_total", "counter", "engine", "replica",
        "Running requests left out of a step with their KV kept: their tenant's fair share spent, or an interactive "
        "request took the row of a batch-class one"),
+    _m("infermesh_engine_interrupted_steps_total", "counter", "engine", "replica",
+       "Steps running only batch-class rows given up between two layers because an interactive request arrived "
+       "(their rows run again in a later step)"),
     _m("infermesh_engine_tenant_queued", "gauge", "engine", "replica tenant",
        "Requests waiting for admission, by tenant (common: requests that name none)"),
     _m("infermesh_engine_tenant_running", "gauge", "engine", "replica tenant", "Requests holding KV blocks, by tenant"),

@@ -32,6 +32,7 @@ from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
 from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
+from services.engine.models.interrupt import StepInterrupted, interruptible
 from services.engine.request import (
     COMMON,
     EngineTokenLogprob,
@@ -65,6 +66,8 @@ class Engine:
         self._batch: Batch | None = None        # the batch of the step being run (fail_step's victims)
         self._pending: list[StepOutput] = []    # that step's outputs so far (aborts), for fail_step
         self._lock = threading.Lock()
+        # Set when an interactive request arrives during a step of batch-class rows only: the step gives way.
+        self._give_way: threading.Event | None = None
         self.stats = EngineStats()
         self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids, grammar_limits)
 
@@ -86,6 +89,8 @@ class Engine:
                 raise ResourceExhausted(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
             self.stats.arrived(request.request_id)
             self._inbox.append(request)
+            if request.priority == 0 and self._give_way is not None:
+                self._give_way.set()
 
     def uncached_prefix(self, tokens: Sequence[int], salt: bytes = b"") -> tuple[int, list[bytes]]:
         """(i, hashes): the chained hashes of the usable prompt blocks from block i, the first not cached
@@ -136,9 +141,19 @@ class Engine:
         if self.speculation.max_draft:
             self._propose()
         self._batch = batch = self.scheduler.schedule()
-        with self.stats.step(batch):
-            if batch.chunks:
-                outputs += self._postprocess(batch, self._run(batch))
+        batch_class = bool(batch.chunks) and all(c.request.priority > 0 for c in batch.chunks)
+        with self._lock:         # a step of batch-class rows only gives way to an interactive arrival
+            self._give_way = threading.Event() if batch_class else None
+            if self._give_way is not None and any(r.priority == 0 for r in self._inbox):
+                self._give_way.set()
+        try:
+            with self.stats.step(batch), interruptible(self._give_way):
+                if batch.chunks:
+                    outputs += self._postprocess(batch, self._run(batch))
+        except StepInterrupted:
+            self.stats.interrupted += 1      # not run: the next step takes its rows again
+        finally:
+            self._give_way = None
         self.stats.observe_tenants(self.scheduler.tenant_counts())
         self._batch, self._pending = None, []
         if len(self.versions.models) > 1:

@@ -97,7 +97,8 @@ class TenantCollector:
     def __init__(self) -> None:
         self.sources: dict[str, Any] = {}       # replica -> EngineStats
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily,
+                                 CounterMetricFamily]:
         labels = ["replica", "tenant"]
         return (GaugeMetricFamily("infermesh_engine_tenant_queued", "Requests waiting for admission, by tenant "
                                   "(\"common\": requests that name none)", labels=labels),
@@ -106,13 +107,15 @@ class TenantCollector:
                 CounterMetricFamily("infermesh_engine_tenant_tokens", "Tokens computed (prefill and decode), by "
                                     "tenant; rate() gives each tenant's share", labels=labels),
                 CounterMetricFamily("infermesh_engine_paused_rows", "Running requests left out of a step (KV kept): "
-                                    "their tenant's share spent, or a higher class took the row", labels=["replica"]))
+                                    "their tenant's share spent, or a higher class took the row", labels=["replica"]),
+                CounterMetricFamily("infermesh_engine_interrupted_steps", "Steps of batch-class rows given up between "
+                                    "layers for an interactive request (their rows run again)", labels=["replica"]))
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        queued, running, tokens, paused = self._families()
+        queued, running, tokens, paused, interrupted = self._families()
         for replica, stats in list(self.sources.items()):
             for load in stats.tenants:
                 queued.add_metric([replica, load.tenant or "common"], load.waiting)
@@ -120,7 +123,8 @@ class TenantCollector:
             for tenant, n in stats.tenant_tokens.copy().items():
                 tokens.add_metric([replica, tenant or "common"], n)
             paused.add_metric([replica], stats.paused)
-        yield from (queued, running, tokens, paused)
+            interrupted.add_metric([replica], stats.interrupted)
+        yield from (queued, running, tokens, paused, interrupted)
 
 
 TENANTS = TenantCollector()

@@ -53,6 +53,7 @@ class EngineStats:
         self.draft_tokens = 0           # speculation, since start: draft tokens verified,
         self.accepted_tokens = 0        # and of them, accepted
         self.paused = 0                 # running requests left out of a step by fair scheduling, since start
+        self.interrupted = 0            # steps of batch-class rows given up for an interactive arrival
         self.tenant_tokens: dict[str, int] = {}     # tokens computed per tenant since start (MAX_TENANTS names)
         self.tenants: tuple[TenantLoad, ...] = ()   # after the last step, busiest first (a new tuple each step)
         self._timings: dict[str, Timing] = {}

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
+from services.engine.models import interrupt
 from services.engine.request import Owner, SamplingParams
 from services.engine.scheduler import SchedulerConfig
 from tests.service.test_engine import EXACT, PROMPTS, chat_ids, run, tokens
@@ -62,3 +65,36 @@ def test_two_tenants_share_the_model_steps_by_weight(model_dir: Path, hf) -> Non
         engine.step()
     served = {t: engine.stats.tenant_tokens[t] - before[t] for t in ("premium", "free")}
     assert served == {"premium": 120, "free": 40}    # 3 of the 4 rows a step, and 1
+
+
+def test_a_batch_step_gives_way_between_layers_to_an_interactive_arrival(model_dir: Path, hf,  # type: ignore[no-untyped-def]
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, tokenizer = hf
+    job = chat_ids(tokenizer, "Describe a sunrise over the mountains.")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runner = ModelRunner(model_dir, EXACT, kv_cache_bytes=64 << 20)
+    alone = Engine(runner, scheduler=SchedulerConfig(max_running=4))
+    expected = tokens(run(alone, alone.make_request("job", job, params, owner=BATCH))["job"])
+
+    engine = Engine(runner, scheduler=SchedulerConfig(max_running=4))
+    engine.add(engine.make_request("job", job, params, owner=BATCH))
+    outputs = [out for _ in range(4) for out in engine.step()]      # the job's prefill and 3 decode steps
+    chat = engine.make_request("chat", chat_ids(tokenizer, PROMPTS[0]), params, owner=CHAT)
+    layers = iter(range(1_000))
+    check = interrupt.check
+
+    def arrives_at_layer_5() -> None:               # the chat arrives while the job's step is at layer 5
+        if next(layers) == 5:
+            engine.add(chat)
+        check()
+
+    monkeypatch.setattr(interrupt, "check", arrives_at_layer_5)
+    assert engine.step() == [] and engine.stats.interrupted == 1    # given up: nothing sampled for the job
+    monkeypatch.setattr(interrupt, "check", check)
+    step = engine.step()
+    assert [o.request_id for o in step] == ["chat"]                  # the chat's prefill runs alone, at once
+    assert engine.scheduler.running[0].request_id == "job" and chat.num_computed == len(chat.prompt_ids)
+    for outs in engine.run_until_idle().values():
+        outputs += outs
+    assert [t for o in outputs if o.request_id == "job" for t in o.new_ids] == expected
+    assert engine.stats.interrupted == 1             # the steps with the chat's rows in them are not given up

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from services.engine.models import interrupt, rope
 from services.engine.models import ops as op_sets
-from services.engine.models import rope
 from services.engine.models.attention import Attention, AttentionMetadata
 from services.engine.models.config import LlamaConfig, split_fused
 from services.engine.models.gguf_weights import Blocks, Weight, dense
@@ -263,6 +263,7 @@ class LlamaModel:
         if self.fused_layers is not None and meta.decode_rows is not None and not meta.prefills \
                 and t <= self.fused_rows:
             for weights, (k_cache, v_cache) in zip(self.fused_layers, kv, strict=True):
+                interrupt.check()
                 update = getattr(torch.ops.infermesh, self.fused_op)(
                     x, update, *weights, eps, positions, self.cos, self.sin, k_cache, v_cache, meta.slots,
                     meta.decode_tables, meta.decode_lens, self.attention.scale, c.num_heads, c.num_kv_heads,
@@ -275,6 +276,7 @@ class LlamaModel:
             tables, rope_positions = [row_tables] * c.num_layers, torch.arange(t, device=positions.device)
         for layer, window, (cos, sin), (k_cache, v_cache) in zip(self.layers, self.windows, tables, kv,
                                                                  strict=True):
+            interrupt.check()
             h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
             qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
             if layer.q_norm is not None and layer.k_norm is not None:
