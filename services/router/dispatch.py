@@ -215,6 +215,11 @@ class Dispatcher:
                         _count_degraded(model, plan)
                         yield stream.finish_at_length(served_by(decision.replica, plan))
                         return
+                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and first_token_s is None:
+                        if not call.refused(started_attempt, now()):       # busy, not failing: no breaker
+                            raise Unavailable(f"{exc}; every replica tried is busy") from None
+                        log.info("request %s: %s; trying another replica", hop.request_id, exc)
+                        continue
                     if not call.failed(started_attempt, now(), first_token_s):
                         raise Unavailable(f"{exc}; no attempt or retry budget left for this request") from None
                     metrics.FAILOVER.labels("2").inc()

@@ -169,3 +169,31 @@ def test_close_in_a_finally_gives_back_what_an_odd_ending_held() -> None:
     done.succeeded(attempt(done, pool, 6.0), 6.5)
     done.close(7.0)                                            # a call that ended is untouched
     assert f.states(7.0) == {"a": BreakerState.CLOSED} and f.model_breaker(FULL).window.count(7.0) == 1
+
+
+def test_a_busy_replica_refusing_is_no_failure_for_either_breaker() -> None:
+    f = failover(fallbacks={})
+    pool = [rep("a"), rep("b")]
+    for i in range(5):                            # five requests, each refused by a and b (their queues full)
+        call = Call(f, FULL, float(i))
+        first = attempt(call, pool, float(i))
+        assert call.refused(first, float(i)) and call.failed_on == {first.replica_id}
+        second = attempt(call, pool, float(i))
+        assert second.replica_id != first.replica_id
+        assert call.refused(second, float(i))
+        with pytest.raises(Saturated):            # every replica busy: 503 with a retry-after, nothing opened
+            call.plan(pool, float(i))
+    assert f.model_states(5.0) == {FULL: BreakerState.CLOSED}
+    assert all(f.replica_breaker(r).state(5.0) is BreakerState.CLOSED for r in ("a", "b"))
+    assert f.replica_breaker("a").window.count(5.0) == 0 and f.model_breaker(FULL).window.count(5.0) == 0
+    call = Call(f, FULL, 6.0)                     # the next request is served as if nothing happened
+    call.succeeded(attempt(call, pool, 6.0), 6.5, latency_s=0.2)
+    assert f.model_states(6.5) == {FULL: BreakerState.CLOSED}
+
+
+def test_refusals_stop_at_max_attempts() -> None:
+    f = failover(max_attempts=2)
+    pool = [rep("a"), rep("b"), rep("c")]
+    call = Call(f, FULL, 0.0)
+    assert call.refused(attempt(call, pool, 0.0), 0.0)
+    assert not call.refused(attempt(call, pool, 0.0), 0.0) and call.done

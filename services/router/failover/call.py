@@ -12,6 +12,7 @@ The router, for each request:
         ...relay; then exactly one of:
         call.succeeded(attempt, now, ttft)             # done
         call.cancelled(attempt, now)                   # the client went away: no outcome
+        if not call.refused(attempt, now): raise ...   # RESOURCE_EXHAUSTED before a token: no outcome
         if not call.failed(attempt, now): raise ...    # False: attempts or retry budget spent
     ...and, in a `finally`, call.close(now): whatever ended oddly gives its passes back.
 
@@ -77,13 +78,13 @@ class Call:
         attempt = self.failover.start(replica, now)
         if attempt is not None:
             self.attempts += 1
-            self._tried_models.add(attempt.model)
             self._attempt = attempt
         return attempt
 
     def succeeded(self, attempt: Attempt, now: float, latency_s: float | None = None) -> None:
         """latency_s: the attempt's time to first token, what the P99 targets judge."""
         self._attempt = None
+        self._tried_models.add(attempt.model)
         self.failover.record(attempt, now, True, latency_s)
         self._first_token(attempt, now, latency_s)
         self._finish(now, served_on=attempt.model, latency_s=latency_s)
@@ -92,11 +93,24 @@ class Call:
         """The attempt failed (engine error, stall, death, before or after its first token).
         True: retry, on a new plan; False: the call is over, answer the error."""
         self._attempt = None
+        self._tried_models.add(attempt.model)
         self.failover.record(attempt, now, False, latency_s)
         self._first_token(attempt, now, latency_s)
         self.failed_on.add(attempt.replica_id)
         # Attempts first, so a call that may not retry anyway leaves the shared budget alone.
         if self.attempts < self.failover.config.max_attempts and self.failover.retry_allowed(now):
+            return True
+        self._finish(now)
+        return False
+
+    def refused(self, attempt: Attempt, now: float) -> bool:
+        """The replica refused the request before starting it (RESOURCE_EXHAUSTED: its queue or grammar
+        compiles full): back-pressure, not a failure.  Neither breaker judges it; the replica is not planned
+        again for this call.  True: try another (the retry budget is not spent); False: attempts are spent."""
+        self._attempt = None
+        self.failover.release(attempt)
+        self.failed_on.add(attempt.replica_id)
+        if self.attempts < self.failover.config.max_attempts:
             return True
         self._finish(now)
         return False
