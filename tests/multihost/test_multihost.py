@@ -344,8 +344,11 @@ def test_host_a_killed_mid_stream_loses_nothing(hosts: Hosts, client: Any,
     fault_free = {p: r["text"] for p, r in zip(PROMPTS, saturated, strict=True)}
     prompts = PROMPTS[:4]
     deadline = time.monotonic() + 60
-    while router_metric(hosts, "infermesh_router_in_flight") > 0:
-        assert time.monotonic() < deadline, "earlier requests still in flight"
+    # Nothing of the earlier tests left: none in flight, and no queue in the engines' last load reports
+    # (a report a second old, still showing the saturation test's queue, would send a stream to region b).
+    while router_metric(hosts, "infermesh_router_in_flight") > 0 or \
+            router_metric(hosts, "infermesh_router_replica_waiting") > 0:
+        assert time.monotonic() < deadline, "earlier requests still in flight or queued"
         time.sleep(0.2)
     progress = [0] * len(prompts)
     killed: list[int] = []
