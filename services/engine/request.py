@@ -29,6 +29,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+GREEDY_BELOW = 1e-5     # temperatures below this sample greedily (SamplingParams.greedy)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -74,7 +77,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small (below GREEDY_BELOW) that dividing float32 logits by it overflows:
+        its limit, the most likely token (as vLLM treats temperatures under 1e-5)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def processed(self) -> bool:

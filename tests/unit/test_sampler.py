@@ -159,3 +159,12 @@ def test_nucleus_sampling_follows_the_renormalized_distribution() -> None:
     counts = torch.bincount(draws, minlength=kept)[:kept].double()
     chi2 = float(((counts - 6_000 * expected) ** 2 / (6_000 * expected)).sum())
     assert chi2 < 18.47, chi2     # the 0.999 quantile of chi-square with 4 degrees of freedom
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.5}, {"top_k": 5}, {"min_p": 0.5}])
+def test_a_temperature_too_small_to_scale_by_samples_greedily(extra: dict[str, float]) -> None:
+    # 1e-40 overflows float32 logits / temperature (the edge fuzz found one that failed the engine's step).
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(max_tokens=4, temperature=1e-40, **extra)  # type: ignore[arg-type]
+    assert params.greedy
+    assert list(sampler.sample_batch(logits, [params] * 3, [0, 1, 2])) == logits.argmax(-1).tolist()
