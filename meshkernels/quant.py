@@ -22,6 +22,9 @@ import torch
 BLOCK = 32
 Q4_BYTES = 20
 Q8_BYTES = 34
+# GGUF types stored byte for byte as these blocks: Q4_1 is q4 (d, m, 16 bytes of nibbles, element j < 16 the low
+# nibble of byte j), Q8_0 is q8.
+GGUF_LAYOUTS = {"Q4_1": Q4_BYTES, "Q8_0": Q8_BYTES}
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,15 @@ def pack_q8(weight: torch.Tensor) -> Packed:
     packed = Packed(data.reshape(blocks.shape[0], -1).contiguous(), blocks.shape[0], blocks.shape[1] * BLOCK, False)
     return Packed(packed.data, packed.out_features, packed.in_features,
                   bool(torch.equal(dequantize(packed), weight.detach().float())))
+
+
+def from_gguf(data: torch.Tensor, qtype: str, in_features: int) -> Packed | None:
+    """A GGUF weight's blocks ((N, row bytes) uint8) as they are, when its type `qtype` (a GGMLQuantizationType
+    name) is one of GGUF_LAYOUTS: the weight itself, so lossless, without a copy; else None."""
+    width = GGUF_LAYOUTS.get(qtype)
+    if width is None or in_features % BLOCK or data.shape[1] != in_features // BLOCK * width:
+        return None
+    return Packed(data, data.shape[0], in_features, True)
 
 
 def dequantize(packed: Packed) -> torch.Tensor:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import mmap
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,20 @@ from services.engine.sampler import token_logprob
 from services.engine.scheduler import Chunk
 
 log = logging.getLogger(__name__)
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A KV cache tensor of zeros.  On the CPU it lies in anonymous memory that the kernel zero-fills page by
+    page as the cache first writes it: an engine starts without writing its whole KV budget (1-2 s of CPU
+    a GiB) and holds only the pages its requests have used.  Under THP_MEM_ALLOC_ENABLE=1 (the engine's
+    default: services/engine/__main__.py) those pages are 2 MB ones, as torch's allocator would take."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, max(1, count * dtype.itemsize))
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)      # the tensor keeps `memory`
 
 
 class ModelRunner:
@@ -63,8 +80,8 @@ class ModelRunner:
         self.num_blocks = max(1, kv_cache_bytes // self.block_bytes)
         self.scratch_block = self.num_blocks        # never handed out: padded rows write here
         shape = (self.num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(c.num_layers)]
+        self.kv = [(kv_zeros(shape, self.kv_dtype, self.device), kv_zeros(shape, self.kv_dtype, self.device))
+                   for _ in range(c.num_layers)]
         self.graphs: DecodeGraphs | None = None
         if plan.graphs != "off":
             try:

@@ -144,3 +144,40 @@ def test_tuning_times_the_files_own_blocks(tmp_path: Path) -> None:
     assert len(table["gguf"]) == len(tune.ROWS) and all(ms > 0 for ms in table["gguf"])
     timed = load(folder, 1, HEADS, KV)
     assert sorted({w.name for w in timed.values() if isinstance(w, Blocks)}) == ["Q5_0", "Q8_0"]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q5_0])
+def test_dequantizing_equals_gguf_py_bit_for_bit(qtype: Q) -> None:
+    """Q4_1 and Q8_0 are de-quantized by torch's ops (quant.dequantize), every other type by gguf-py: the same
+    float32 weights either way."""
+    w = np.random.default_rng(1).normal(0, 0.1, (24, 96)).astype(np.float32)
+    data = gguf.quants.quantize(w, qtype)
+    blocks = Blocks(torch.from_numpy(data.copy()), qtype, (24, 96))
+    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(24, 96))
+    assert torch.equal(blocks.dense(), want)
+    assert torch.equal(blocks.rows(torch.tensor([[3, 0], [23, 3]])), want[torch.tensor([[3, 0], [23, 3]])])
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
+def test_q4_and_q8_kinds_take_a_files_blocks_of_their_layout_as_they_are(tmp_path: Path) -> None:
+    """A Q4_1 weight is q4's blocks and a Q8_0 weight q8's, byte for byte: the kinds multiply by the file's own
+    bytes (nothing de-quantized and packed again); a Q8_0 weight under q4 is q8's; any other type is
+    de-quantized, then packed where that is lossless (not for Q5_0's 5-bit weights) or run by the fallback."""
+    from services.engine.models.linear import Q4Linear, Q8LayerLinear, Q8Linear
+
+    types = {"blk.0.attn_q.weight": Q.Q4_1, "blk.0.attn_k.weight": Q.Q8_0, "blk.0.attn_v.weight": Q.Q5_0}
+    folder, _ = _folder(tmp_path, "qwen2", types)
+    weights = load(folder, 1, HEADS, KV)
+    q, k, v = (weights[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert isinstance(q, Blocks) and isinstance(k, Blocks) and isinstance(v, Blocks)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
+    q4 = Q4Linear(q, None)
+    assert q4.lossless and q4.weight.data_ptr() == q.data.data_ptr()
+    q4_of_q8 = Q4Linear(k, None)
+    assert isinstance(q4_of_q8.fallback, Q8LayerLinear) and q4_of_q8.fallback.weight.data_ptr() == k.data.data_ptr()
+    head = Q8Linear(k, None)
+    assert head.lossless and head.weight.data_ptr() == k.data.data_ptr()
+    q4_of_q5 = Q4Linear(v, None)
+    assert not q4_of_q5.lossless
+    for layer, weight in ((q4, q), (q4_of_q8, k), (head, k), (q4_of_q5, v)):
+        torch.testing.assert_close(layer(x), x @ dense(weight).T, rtol=1e-4, atol=1e-3)

@@ -120,18 +120,38 @@ class Int8Linear(Linear):
 
 class BlockLinear(Linear):
     """Weights in 32-weight blocks multiplied by the CPU library (meshkernels/cpu_gemm.cpp), when packing
-    them is lossless; else `fallback`'s kind, so the weights stay the model's own."""
+    them is lossless; else `fallback`'s kind, so the weights stay the model's own.  A GGUF weight whose
+    blocks are already this layout (Q4_1 for q4, Q8_0 for q8: quant.GGUF_LAYOUTS) is taken as it is, with
+    nothing de-quantized or packed (an engine starts seconds sooner); one in the other layout is not
+    this kind's (the fallback); any other type is de-quantized and packed as a float weight is."""
 
     PACK: Callable[[torch.Tensor], quant.Packed] = staticmethod(quant.pack_q4)
+    WIDTH = quant.Q4_BYTES
     OP = "q4_linear"
-    FALLBACK: Callable[[torch.Tensor, torch.Tensor | None], Linear] = Fp16WeightLinear
+    FALLBACK: type[Linear] = Fp16WeightLinear
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        packed = type(self).PACK(weight) if weight.shape[1] % quant.BLOCK == 0 else None
-        self.fallback = None if packed is not None and packed.lossless else type(self).FALLBACK(weight, bias)
-        super().__init__(packed.data if packed is not None and self.fallback is None else weight.new_empty(0), bias)
+    def __init__(self, weight: Weight, bias: torch.Tensor | None):
+        packed = self._packed(weight)
+        if packed is not None:
+            self.fallback = None
+        else:
+            fallback = type(self).FALLBACK
+            self.fallback = fallback(weight, bias) if issubclass(fallback, BlockLinear) else fallback(dense(weight),
+                                                                                                      bias)
+        super().__init__(packed.data if packed is not None else torch.empty(0), bias)
         self.out_features = weight.shape[0]
         self._op = getattr(torch.ops.infermesh, self.OP)
+
+    @classmethod
+    def _packed(cls, weight: Weight) -> quant.Packed | None:
+        """The weight in this kind's blocks, or None where they would change it."""
+        if isinstance(weight, Blocks):
+            own = quant.from_gguf(weight.data, weight.name, weight.shape[1])
+            if own is not None:
+                return own if own.data.shape[1] == weight.shape[1] // quant.BLOCK * cls.WIDTH else None
+            weight = weight.dense()
+        packed = cls.PACK(weight) if weight.shape[1] % quant.BLOCK == 0 else None
+        return packed if packed is not None and packed.lossless else None
 
     @property
     def lossless(self) -> bool:
@@ -148,6 +168,7 @@ class Q8LayerLinear(BlockLinear):
     """8-bit blocks for a layer whose weights are exactly such blocks (a Q8_0 GGUF's), fp16w otherwise."""
 
     PACK = staticmethod(quant.pack_q8)
+    WIDTH = quant.Q8_BYTES
     OP = "q8_linear"
 
 
@@ -162,6 +183,7 @@ class Q8Linear(BlockLinear):
     """8-bit blocks (d * q), the output head's kind beside q4; packed fp32 where that would change it."""
 
     PACK = staticmethod(quant.pack_q8)
+    WIDTH = quant.Q8_BYTES
     OP = "q8_linear"
     FALLBACK = PackedLinear
 
@@ -214,10 +236,15 @@ LINEARS: dict[str, type[Linear]] = {"exact": Linear, "fused": FusedLinear, "pack
 Kind = Callable[[Weight, torch.Tensor | None], Linear]
 
 
+def takes_blocks(matmul: str) -> bool:
+    """Whether the Linear of `matmul` takes a GGUF weight's blocks (and de-quantizes what it cannot use)."""
+    return matmul in LINEARS and issubclass(LINEARS[matmul], (GgufLinear, BlockLinear))
+
+
 def _kind(matmul: str) -> Kind:
-    """The Linear for `matmul`, taking a GGUF weight's blocks as they are (gguf) or de-quantized (the rest)."""
+    """The Linear for `matmul`, taking a GGUF weight's blocks as they are (gguf, q4) or de-quantized (the rest)."""
     cls = LINEARS[matmul]
-    if cls is GgufLinear:
+    if takes_blocks(matmul):
         return cls
     return lambda w, b: cls(dense(w), b)
 
@@ -230,13 +257,14 @@ def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
     return lambda w, b: SplitLinear(small_kind(w, b), large_kind(w, b), rows)
 
 
-def head_kind(matmul: str) -> type[Linear]:
+def head_kind(matmul: str) -> Kind:
     """The output head's Linear: fp32 even in the fp16-weight mode, so logits (and so sampling and
     logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax; 8-bit blocks
     beside q4 (lossless only: else packed fp32)."""
     if matmul == "q4":
         return Q8Linear
-    return PackedLinear if matmul == "fp16w" else LINEARS[matmul]
+    cls = PackedLinear if matmul == "fp16w" else LINEARS[matmul]
+    return cls if cls is GgufLinear else lambda w, b: cls(dense(w), b)
 
 
 def has_fbgemm() -> bool:

@@ -34,6 +34,7 @@ from services.engine.models.linear import (
     has_fbgemm,
     head_kind,
     linear_kind,
+    takes_blocks,
 )
 from services.engine.plan import ExecutionPlan
 
@@ -120,12 +121,14 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return dense(weights[name]).to(device=device, dtype=dtype).contiguous()
 
-        # A GGUF folder's quantized weights stay blocks where the plan multiplies by them (gguf_weights.py).
+        # A GGUF folder's quantized weights stay blocks where the plan multiplies by them (gguf_weights.py):
+        # every one for `gguf`; the layers' for the kinds that take a file's blocks of their own layout (q4).
         keep_blocks = "gguf" in (plan.matmul, plan.matmul_large)
+        layer_blocks = keep_blocks or any(map(takes_blocks, (plan.matmul, plan.matmul_large)))
 
-        def lw(name: str) -> Weight:
+        def lw(name: str, blocks: bool = True) -> Weight:
             weight = weights[name]
-            return weight if keep_blocks and isinstance(weight, Blocks) else w(name)
+            return weight if blocks and layer_blocks and isinstance(weight, Blocks) else w(name)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -137,7 +140,7 @@ class LlamaModel:
             return (dense(weights[name]).float() + config.norm_offset).to(device=device, dtype=dtype).contiguous()
 
         split_fused(weights, config)          # Phi-3's fused qkv_proj / gate_up_proj, as separate tensors
-        self.embed: Weight = lw("model.embed_tokens.weight")                      # (V, H)
+        self.embed: Weight = lw("model.embed_tokens.weight", keep_blocks)         # (V, H)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -158,11 +161,12 @@ class LlamaModel:
             ))
         self.norm = norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        head: Weight = self.embed if tied else lw("lm_head.weight")                  # (V, H)
-        if plan.matmul != "gguf":
-            head = dense(head).to(device=device, dtype=dtype)
+        head: Weight = lw("model.embed_tokens.weight" if tied else "lm_head.weight")   # (V, H)
         # A GGUF's head is quantized in the file already: with the gguf kind it splits as the layers do.
-        self.lm_head = linear(head, None) if plan.matmul == "gguf" else head_kind(plan.matmul)(dense(head), None)
+        self.lm_head = linear(head, None) if plan.matmul == "gguf" else head_kind(plan.matmul)(head, None)
+        if plan.matmul != "gguf":
+            head = self.embed if tied else head
+            head = dense(head).to(device=device, dtype=dtype)
         if isinstance(head, Blocks):        # the head in its blocks: logits (and argmax) from them, no copies
             head = torch.empty(0)
         # Greedy shortcut (fast modes on the CPU): an int8 copy of the head ranks the vocabulary,
