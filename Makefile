@@ -11,8 +11,7 @@ XDIST ?= -n auto
 
 .PHONY: setup demo test test-fast lint protos clean compose-tool
 
-# Idempotent: the venv, the project (editable) and the default model are made once (--no-compile: Python
-# compiles the modules it imports when it first imports them, not all of torch's and transformers' at install);
+# Idempotent: the venv, the project (editable) and the default model are made once;
 # the stubs are regenerated whenever a .proto is newer; the fused CPU ops (meshkernels/cpu_ops.cpp) are
 # compiled into ~/.cache/infermesh/kernels/ when their source or torch changed.
 setup: $(STAMP) protos
@@ -21,9 +20,11 @@ setup: $(STAMP) protos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile torch==$(TORCH_VERSION) grpcio-tools
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q grpcio-tools
 	$(BIN)/python proto/generate.py
-	$(BIN)/pip install -q --no-compile --config-settings editable_mode=compat -e '.[test,bench]'
+	$(BIN)/pip install -q --config-settings editable_mode=compat -e '.[test,bench]'
 	touch $(STAMP)
 
 protos: $(STAMP) meshpb/v1/.stamp
