@@ -80,6 +80,7 @@ class Grammars:
         self._pending: dict[bytes, Future[Any]] = {}    # constraint digest -> its compile under way
         self._lock = threading.Lock()                   # never held across a compile
         self._slot_free = threading.Condition(self._lock)
+        self._starting = 0          # compiler processes being started (and the TokenizerInfo built, the first time)
         self._info_lock = threading.Lock()
         self.compiles = 0            # cache misses compiled (or tried)
         self.hits = 0                # served from the cache, or by another request's compile under way
@@ -144,9 +145,13 @@ class Grammars:
 
     def _wait_for_slot(self, key: bytes, pending: Future[Any], tenant: bytes) -> None:
         """Under the lock: wait (releasing it) until the gate starts this compile; after one compile's time
-        limit without a slot, the compiles ahead are slow ones: refuse it (CompileRefused, busy)."""
+        limit without a slot, the compiles ahead are slow ones: refuse it (CompileRefused, busy).  The time a
+        compiler process takes to start (seconds, the engine's first compile) is no slow compile: it does not
+        count."""
         deadline = time.monotonic() + self.limits.compile_timeout_s
         while not self._gate.start():
+            if self._starting:
+                deadline = max(deadline, time.monotonic() + self.limits.compile_timeout_s)
             left = deadline - time.monotonic()
             if left <= 0:
                 refused = self._gate.give_up(tenant, self._clock())
@@ -170,9 +175,18 @@ class Grammars:
         compiled, size, worker = None, 0, self._borrow()
         try:
             import xgrammar as xgr
-            info = self._tokenizer_info()
-            if worker is None:
-                worker = CompileWorker(info.serialize_json())
+            cold = worker is None
+            if cold:
+                with self._lock:
+                    self._starting += 1
+            try:
+                info = self._tokenizer_info()
+                if worker is None:
+                    worker = CompileWorker(info.serialize_json())
+            finally:
+                if cold:
+                    with self._lock:
+                        self._starting -= 1
             try:
                 text = worker.compile(c, self.limits.compile_timeout_s)
             except CompileTimeout:

@@ -216,6 +216,26 @@ def test_a_burst_of_new_schemas_waits_its_turn_instead_of_being_refused(model_di
     assert not refused and g.compiles == 6 and g.cached_matcher(schema("burst3")) is not None
 
 
+def test_the_compiler_processs_start_is_not_counted_against_the_compiles_waiting_behind_it(model_dir: Path) -> None:
+    """The first compile starts the compiler process (importing xgrammar: seconds); a compile waiting behind it
+    is refused only after one compile's time limit of compiling ahead, which the start is not."""
+    g = grammars(model_dir, compile_timeout_s=1.0, compiles=1)
+    refused: list[BaseException] = []
+
+    def compile_one(i: int) -> None:
+        try:
+            g.compile(schema(f"cold{i}"), b"acme")
+        except BaseException as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not refused and g.compiles == 2
+
+
 def test_a_slow_compile_is_stopped_refused_by_name_and_refused_at_once_after(model_dir: Path) -> None:
     g = grammars(model_dir, compile_timeout_s=0.5, compiles=1, queue=0)
     g.compile(schema("warm"))                                      # the compiler process is up
