@@ -17,7 +17,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
                             discovery=a.discovery, host=a.host, port_offset=a.port_offset, region=a.region,
                             kv_cache_mb=a.kv_cache_mb, versions=tuple(a.version or ["1"]),
-                            fallback_engines=a.fallback_engines, mesh_tls=not a.insecure_mesh,
+                            engine_threads=a.engine_threads, fallback_engines=a.fallback_engines,
+                            mesh_tls=not a.insecure_mesh,
                             restart=not a.no_restart, routers=a.routers, tokenizers=a.tokenizers,
                             cache_dir=a.cache_dir, session_store=a.session_store)
     except ValueError as exc:
@@ -247,6 +248,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--fallback-engines", type=int, default=0,
                     help="engines of the fallback model (the first model in int8, served as NAME-int8): the router "
                          "turns to them, marking answers degraded, when the primary has no usable replica")
+    up.add_argument("--engine-threads", type=int, default=0, metavar="N",
+                    help="torch threads per engine (default: the CPUs this process may use, shared out among the "
+                         "engines)")
     up.add_argument("--version", action="append", metavar="VERSION[=FOLDER]",
                     help="model version(s) to serve side by side (default 1); engines are dealt out in turn; "
                          "FOLDER: that version's weights (default: the model's own); the first is the default")

@@ -55,6 +55,7 @@ class MeshConfig:
     kv_cache_mb: int = 1024            # per engine
     versions: tuple[str, ...] = ("1",)  # VERSION or VERSION=FOLDER; engine i serves versions[i % n]
     fallback_engines: int = 0          # engines of the level-3 fallback model (int8 of the first model)
+    engine_threads: int = 0            # torch threads per engine; 0: the CPUs `up` may use, shared out
     ready_timeout_s: float = 300.0
     mesh_tls: bool = True              # mutual TLS between the services; False: plaintext (debugging)
     mesh_ca: str = ""                  # the mesh CA folder; "": <infermesh home>/mesh-ca
@@ -85,6 +86,8 @@ class MeshConfig:
             raise ValueError(f"--version names a version twice: {', '.join(self.versions)}")
         if self.fallback_engines < 0:
             raise ValueError("--fallback-engines must be 0 or more")
+        if self.engine_threads < 0:
+            raise ValueError("--engine-threads must be 0 (the CPUs shared out among the engines) or more")
         if not 1 <= self.routers <= 9 or not 1 <= self.tokenizers <= 9:
             raise ValueError("--routers and --tokenizers must be between 1 and 9")
         if self.engines < len(self.versions):
@@ -137,7 +140,8 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     tokenizer_addresses = [f"127.0.0.1:{config.tokenizer_port(i)}" for i in range(config.tokenizers)]
     tokenizer = ",".join(tokenizer_addresses)
     cache = f"127.0.0.1:{config.port(CACHE_PORT)}"
-    threads = max(1, (os.cpu_count() or 1) // (config.engines + config.fallback_engines))
+    cpus = len(os.sched_getaffinity(0))           # the CPUs this process may use (a container's cpuset, taskset)
+    threads = config.engine_threads or max(1, cpus // (config.engines + config.fallback_engines))
     discovery = ["--discovery", config.discovery]
     engines = []
     fallback = []
