@@ -64,9 +64,6 @@ def running_mesh(args: list[str], offset: int, log: Path, env: dict[str, str] | 
     # that count what reaches them, or kill an engine under a request asked before, need every request to
     # go through.  tests/e2e/test_gateway_policies.py turns it on.
     env = {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", **(env or {})}
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1 and "--engine-threads" not in args:
-        # A worker per core, each with its meshes: an engine's second thread would only wait for the other core.
-        args = [*args, "--engine-threads", "1"]
     command = [sys.executable, "-m", "infermesh.cli", "up", *args, "--port-offset", str(offset)]
     for start in range(1, STARTS + 1):
         with log.open("wb") as out:

@@ -1,5 +1,7 @@
 """Every process's config refuses what cannot work, with a message naming the setting."""
 
+import os
+
 import pytest
 
 from infermesh.launcher import MeshConfig, plan
@@ -30,6 +32,7 @@ ENGINE = (Endpoint("engine", "engine-0", "127.0.0.1:50060"),)
     (lambda: MeshConfig(engines=1, versions=("1", "2")), "2 versions need at least as many --engines"),
     (lambda: MeshConfig(engines=2, versions=("1", "1")), "names a version twice"),
     (lambda: MeshConfig(versions=("a b",)), "letters, digits"),
+    (lambda: MeshConfig(engine_threads=-1), "--engine-threads"),
 ])
 def test_invalid_configs_are_refused(make, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
@@ -76,6 +79,15 @@ def test_launch_plan_gives_every_process_a_replica_id() -> None:
             assert child.argv[child.argv.index("--replica-id") + 1] == child.name
     router = stages[1][0]
     assert "engine-1=127.0.0.1:50161" in router.argv
+
+
+def test_engines_share_out_the_cpus_this_process_may_use_unless_told() -> None:
+    def threads(config: MeshConfig) -> list[str]:
+        return [c.argv[c.argv.index("--threads") + 1] for stage in plan(config) for c in stage if "--threads" in c.argv]
+
+    cpus = len(os.sched_getaffinity(0))
+    assert threads(MeshConfig(engines=2)) == [str(max(1, cpus // 2))] * 2
+    assert threads(MeshConfig(engines=1, fallback_engines=1, engine_threads=3)) == ["3", "3"]
 
 
 def test_launch_plan_with_replicated_routers_and_tokenizers(tmp_path) -> None:  # type: ignore[no-untyped-def]
