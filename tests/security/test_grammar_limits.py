@@ -197,22 +197,28 @@ def test_real_compiles_are_limited_per_tenant_and_hits_never_count(model_dir: Pa
     assert (g.compiles, g.hits) == (4, 6)
 
 
-def test_a_burst_of_new_schemas_waits_its_turn_instead_of_being_refused(model_dir: Path) -> None:
-    """An application's first requests: 6 distinct schemas at once, one compile at a time."""
-    g = grammars(model_dir, compiles=1)
-    refused: list[BaseException] = []
+def compile_at_once(g: Grammars, names: list[str]) -> list[BaseException]:
+    """Compile a schema per name, each in its own thread, all at once; what was raised."""
+    raised: list[BaseException] = []
 
-    def compile_one(i: int) -> None:
+    def compile_one(name: str) -> None:
         try:
-            g.compile(schema(f"burst{i}"), b"acme")
+            g.compile(schema(name), b"acme")
         except BaseException as exc:
-            refused.append(exc)
+            raised.append(exc)
 
-    threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=compile_one, args=(name,)) for name in names]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return raised
+
+
+def test_a_burst_of_new_schemas_waits_its_turn_instead_of_being_refused(model_dir: Path) -> None:
+    """An application's first requests: 6 distinct schemas at once, one compile at a time."""
+    g = grammars(model_dir, compiles=1)
+    refused = compile_at_once(g, [f"burst{i}" for i in range(6)])
     assert not refused and g.compiles == 6 and g.cached_matcher(schema("burst3")) is not None
 
 
@@ -220,19 +226,7 @@ def test_the_compiler_processs_start_is_not_counted_against_the_compiles_waiting
     """The first compile starts the compiler process (importing xgrammar: seconds); a compile waiting behind it
     is refused only after one compile's time limit of compiling ahead, which the start is not."""
     g = grammars(model_dir, compile_timeout_s=1.0, compiles=1)
-    refused: list[BaseException] = []
-
-    def compile_one(i: int) -> None:
-        try:
-            g.compile(schema(f"cold{i}"), b"acme")
-        except BaseException as exc:
-            refused.append(exc)
-
-    threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    refused = compile_at_once(g, ["cold0", "cold1"])
     assert not refused and g.compiles == 2
 
 

@@ -148,7 +148,7 @@ class BlockLinear(Linear):
         if isinstance(weight, Blocks):
             own = quant.from_gguf(weight.data, weight.name, weight.shape[1])
             if own is not None:
-                return own if own.data.shape[1] == weight.shape[1] // quant.BLOCK * cls.WIDTH else None
+                return own if quant.GGUF_LAYOUTS[weight.name] == cls.WIDTH else None
             weight = weight.dense()
         packed = cls.PACK(weight) if weight.shape[1] % quant.BLOCK == 0 else None
         return packed if packed is not None and packed.lossless else None

@@ -161,12 +161,14 @@ class LlamaModel:
             ))
         self.norm = norm("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        head: Weight = lw("model.embed_tokens.weight" if tied else "lm_head.weight")   # (V, H)
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        # (V, H): the file's blocks where the plan's kinds take them, else the float head (tied: the embedding's)
+        head: Weight = lw(head_name) if not tied or layer_blocks and isinstance(weights[head_name], Blocks) \
+            else self.embed
         # A GGUF's head is quantized in the file already: with the gguf kind it splits as the layers do.
         self.lm_head = linear(head, None) if plan.matmul == "gguf" else head_kind(plan.matmul)(head, None)
         if plan.matmul != "gguf":
-            head = self.embed if tied else head
-            head = dense(head).to(device=device, dtype=dtype)
+            head = dense(self.embed if tied else head).to(device=device, dtype=dtype)
         if isinstance(head, Blocks):        # the head in its blocks: logits (and argmax) from them, no copies
             head = torch.empty(0)
         # Greedy shortcut (fast modes on the CPU): an int8 copy of the head ranks the vocabulary,
