@@ -18,7 +18,7 @@ compares against them.
 
 The library is a plain shared object (no Python module) written against torch's stable C++ API,
 whose headers compile in seconds (about 7 s in all here, against 17 s with <torch/library.h>).  It
-is built with the system's g++ into `$INFERMESH_HOME/kernels/<hash>/` (else `~/.cache/infermesh/...`);
+is built with the system's g++ into `$INFERMESH_KERNEL_CACHE/<hash>/` (else `~/.cache/infermesh/kernels/...`);
 the hash covers the source, the flags and the torch version, so an upgrade rebuilds it.  A file
 lock keeps two engines that start at once from building over each other.  Without a compiler, or
 if the build fails, `load()` logs one warning and returns False, and the engine keeps its torch

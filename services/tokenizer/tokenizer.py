@@ -1,4 +1,5 @@
-"""One model's tokenizer: chat template and encode (Hugging Face `tokenizers` underneath).
+"""One model's tokenizer: chat template and encode (Hugging Face `tokenizers` underneath, the files read as
+transformers reads them: services/tokenizer/resolved.py, services/tokenizer/template.py).
 
 What a caller writes is text.  A `<|im_start|>system` typed into a message (or a prompt) becomes
 the ids of those characters, never the control token, so a user cannot forge a turn of another
@@ -23,35 +24,41 @@ import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer
 
 from mesh import tools as tools_mod
 from mesh.chat import Message, validate_messages
+from services.tokenizer.resolved import resolve
+from services.tokenizer.template import ChatTemplate
 
 
 class ModelTokenizer:
     def __init__(self, name: str, folder: str | Path):
-        from transformers import AutoTokenizer
-
         self.name = name
         self.folder = Path(folder)
-        self.hf: Any = AutoTokenizer.from_pretrained(str(self.folder))
-        if not self.hf.chat_template:
+        resolved = resolve(self.folder)           # what transformers makes of the files (resolved.py)
+        if not resolved.chat_template:
             raise ValueError(f"{self.folder} has no chat template; a chat model's tokenizer is needed")
-        specials = [(i, t) for i, t in self.hf.added_tokens_decoder.items() if t.special]
+        self.template = ChatTemplate(resolved.chat_template, resolved.special_tokens)
+        self._json = resolved.backend_json
+        # The tokenizer as transformers encodes with it (no truncation, no padding): control strings are control
+        # tokens in `_controls`, text in `_text`.
+        self._controls = Tokenizer.from_str(self._json)
+        self._text = Tokenizer.from_str(self._json)
+        for backend in (self._controls, self._text):
+            backend.no_truncation()
+            backend.no_padding()
+        self._text.encode_special_tokens = True
+        specials = [(i, t) for i, t in self._controls.get_added_tokens_decoder().items() if t.special]
         self.controls: dict[str, int] = {t.content: i for i, t in specials}
         # Longest first: at one position the longest control wins, as in `tokenizers`.  A control
         # with lstrip/rstrip takes the whitespace beside it, as `tokenizers` does.
         self._cut = re.compile("|".join(
             ("\\s*" if t.lstrip else "") + re.escape(t.content) + ("\\s*" if t.rstrip else "")
             for _, t in sorted(specials, key=lambda s: -len(s[1].content))) or "(?!)")   # (?!): no controls
-        # The same tokenizer, reading control strings as text.
-        self._text = Tokenizer.from_str(self.hf.backend_tokenizer.to_str())
-        self._text.encode_special_tokens = True
         # A template that reads `tools` renders them (and tool calls and results) its own way.
-        self.knows_tools = "tools" in str(self.hf.chat_template)
+        self.knows_tools = "tools" in str(resolved.chat_template)
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     tools_json: str = "") -> str:
@@ -61,10 +68,7 @@ class ModelTokenizer:
         tools = json.loads(tools_json, strict=False) if tools_json else []
         if not self.knows_tools:
             messages, tools = tools_mod.generic_messages(messages, tools), []
-        kwargs = {"tools": tools} if tools else {}
-        text = self.hf.apply_chat_template(tools_mod.template_messages(messages), tokenize=False,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
-        return str(text)
+        return self.template.render(tools_mod.template_messages(messages), tools or None, add_generation_prompt)
 
     def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
              parse_special: bool = False, tools_json: str = "") -> tuple[list[int], str]:
@@ -98,11 +102,12 @@ class ModelTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = False) -> list[int]:
         """The ids of `text`; control strings in it are text unless parse_special (trusted callers)."""
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=not parse_special))
+        backend = self._controls if parse_special else self._text
+        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def json(self) -> str:
         """The serialized `tokenizers` tokenizer: `tokenizers.Tokenizer.from_str()` rebuilds it."""
-        return str(self.hf.backend_tokenizer.to_str())
+        return self._json
 
     def _placeholders(self, messages: Sequence[Message]) -> dict[str, str]:
         """control string -> a placeholder found in no message, for each control string in the contents."""

@@ -81,7 +81,7 @@ def test_ordinary_conversations_give_exactly_transformers_ids(
                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer) -> None:
+def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer, reference: Any) -> None:
     start, end, eos = (tok.controls[c] for c in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
 
     async def body(stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
@@ -90,7 +90,7 @@ def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer) -> Non
         # Only the template's markers are controls: default system turn, user turn, generation prompt.
         for reply in (honest, forged):
             assert (list(reply.ids).count(start), list(reply.ids).count(end), list(reply.ids).count(eos)) == (3, 2, 0)
-        assert FORGED in forged.text and tok.hf.decode(list(forged.ids)) == forged.text
+        assert FORGED in forged.text and reference.decode(list(forged.ids)) == forged.text
         # The forged markers are the characters they are made of.
         assert tok.encode("<|im_start|>system")[0] != start
         # The opt-out for trusted callers reads them as controls (the old behaviour).
@@ -100,16 +100,16 @@ def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer) -> Non
     served(tok, InputLimits(), body)
 
 
-def test_a_prompt_is_text_unless_the_caller_opts_out(tok: ModelTokenizer) -> None:
+def test_a_prompt_is_text_unless_the_caller_opts_out(tok: ModelTokenizer, reference: Any) -> None:
     async def body(stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
         plain = await stub.Encode(pb.EncodeRequest(model=NAME, text=FORGED, add_special_tokens=True))
         assert not set(plain.ids) & set(tok.controls.values())
-        assert tok.hf.decode(list(plain.ids)) == FORGED
+        assert reference.decode(list(plain.ids)) == FORGED
         trusted = await stub.Encode(pb.EncodeRequest(model=NAME, text=FORGED, parse_special_tokens=True))
         assert list(trusted.ids).count(tok.controls["<|im_start|>"]) == 2
         ordinary = "The quick brown fox, 🚀 and ünïcödé."
         reply = await stub.Encode(pb.EncodeRequest(model=NAME, text=ordinary, add_special_tokens=True))
-        assert list(reply.ids) == tok.hf.encode(ordinary, add_special_tokens=True)
+        assert list(reply.ids) == reference.encode(ordinary, add_special_tokens=True)
 
     served(tok, InputLimits(), body)
 
@@ -142,8 +142,8 @@ def test_over_limit_inputs_are_refused_before_tokenizing(tok: ModelTokenizer, mo
 
 
 def test_the_default_limit_refuses_the_20_mb_prompt_and_serves_any_prompt_that_fits_a_context(
-        tok: ModelTokenizer) -> None:
-    longest = max((tok.hf.decode([i]) for i in range(tok.hf.vocab_size)), key=lambda t: len(t.encode()))
+        tok: ModelTokenizer, reference: Any) -> None:
+    longest = max((reference.decode([i]) for i in range(reference.vocab_size)), key=lambda t: len(t.encode()))
     largest = longest * 8192                     # the most bytes 8,192 tokens (the models' context) can hold
     assert len(tok.encode(largest)) <= 8192
     limits = InputLimits()
