@@ -11,10 +11,10 @@ import pytest
 
 from mesh import models
 
-# The end-to-end meshes listen on 50051 + offset (offsets up to ~3,000): inside Linux's ephemeral
+# The end-to-end meshes listen on 50051 + offset (offsets up to ~3,100): inside Linux's ephemeral
 # range (32768-60999), so any outgoing connection that happens to take one of them as its local
 # port makes a later mesh fail to bind it ("Address already in use").
-MESH_PORTS = (50000, 53099)
+MESH_PORTS = (50000, 53199)
 # Under pytest-xdist the end-to-end modules run in two groups side by side, each group on one worker in file
 # order (MeshGroups below): the modules on the session-long mesh (tests/e2e/conftest.py `mesh`) plus
 # BESIDE_THE_SESSION_MESH, and every other module (each with a mesh of its own): about 5 minutes each on 2
@@ -24,9 +24,9 @@ MESH_PORTS = (50000, 53099)
 # and the offsets.  A module in ON_THEIR_OWN is a unit by itself, handed to whichever worker is free, so its
 # meshes may run beside those of either group: its offsets clash with none.
 SESSION_MESH_MODULES = ("test_edge_fuzz.py", "test_grpc.py", "test_http3.py", "test_openai_api.py",
-                        "test_routing.py", "test_structured_outputs.py", "test_supervision.py")
+                        "test_routing.py", "test_supervision.py")
 BESIDE_THE_SESSION_MESH = ("test_architectures_served.py",)
-ON_THEIR_OWN = ("test_fair_scheduling.py",)
+ON_THEIR_OWN = ("test_fair_scheduling.py", "test_structured_outputs.py")
 RESERVED = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 
 
