@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -81,6 +82,7 @@ class Grammars:
         self._lock = threading.Lock()                   # never held across a compile
         self._slot_free = threading.Condition(self._lock)
         self._starting = 0          # compiler processes being started (and the TokenizerInfo built, the first time)
+        self._started_at = -math.inf    # when the last start ended (monotonic)
         self._info_lock = threading.Lock()
         self.compiles = 0            # cache misses compiled (or tried)
         self.hits = 0                # served from the cache, or by another request's compile under way
@@ -150,8 +152,9 @@ class Grammars:
         count."""
         deadline = time.monotonic() + self.limits.compile_timeout_s
         while not self._gate.start():
-            if self._starting:
-                deadline = max(deadline, time.monotonic() + self.limits.compile_timeout_s)
+            # A limit of compiling from the end of the last start: one that ended while this waited counts too.
+            end_of_start = time.monotonic() if self._starting else self._started_at
+            deadline = max(deadline, end_of_start + self.limits.compile_timeout_s)
             left = deadline - time.monotonic()
             if left <= 0:
                 refused = self._gate.give_up(tenant, self._clock())
@@ -187,6 +190,7 @@ class Grammars:
                 if cold:
                     with self._lock:
                         self._starting -= 1
+                        self._started_at = time.monotonic()
             try:
                 text = worker.compile(c, self.limits.compile_timeout_s)
             except CompileTimeout:

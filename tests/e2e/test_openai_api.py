@@ -23,6 +23,60 @@ def client(mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{mesh.http}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+# n and lists of prompts (issue 19): their checks compare texts across requests, which float32 engines give the
+# same in any batch.  First in the module: their requests all go to one engine, whose P99 then weighs against it
+# in balancing for the engines' 10 s window (test_routing.py, next, counts on equal engines).
+def test_n_choices_share_one_prefill_and_seeds_repeat(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are a storyteller who writes short, vivid tales for children."},
+                {"role": "user", "content": "Tell me a story about a brave little fox in the snowy forest."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
+                                           max_tokens=24)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert len({c.message.content for c in reply.choices}) > 1          # seed + j: different choices
+    prompt = reply.usage.prompt_tokens
+    per_choice = reply.model_extra["infermesh"]["choices"]  # type: ignore[index]
+    replicas = {c["replica"] for c in per_choice}
+    assert len(replicas) == 1                                            # the followers went to the leader's
+    assert all(c["cached_tokens"] >= prompt - 16 for c in per_choice[1:]), per_choice   # prefilled once
+    again = client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
+                                           max_tokens=24)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
+                                                 max_tokens=24, stream=True))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(4)]
+    assert texts == [c.message.content for c in reply.choices]
+
+
+def test_list_of_prompts_with_echo(client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "Two plus two equals"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, echo=True)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    for c in reply.choices:
+        assert c.text.startswith(prompts[c.index // 2]) and len(c.text) > len(prompts[c.index // 2])
+    assert reply.choices[0].text == reply.choices[1].text            # greedy: the same twice
+    alone = client.completions.create(model=MODEL, prompt=prompts[1], temperature=0, max_tokens=6)
+    assert reply.choices[2].text == prompts[1] + alone.choices[0].text
+    streamed = [""] * 4
+    for c in client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, echo=True,
+                                       stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [c.text for c in reply.choices]
+    # echo with logprobs: the prompt's own tokens first (the first has none); max_tokens 0 scores the prompt alone
+    scored = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompts[1] and "".join(lp.tokens) == prompts[1]
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
+    full = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, echo=True, logprobs=1,
+                                     temperature=0)
+    lp2, k = full.choices[0].logprobs, len(lp.tokens)
+    assert lp2.tokens[:k] == lp.tokens and lp2.text_offset[k] == len(prompts[1])
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp2.token_logprobs[1:k], lp.token_logprobs[1:], strict=True))
+    assert "".join(lp2.tokens[k:]) == alone.choices[0].text
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_chat_equals_transformers(client: openai.OpenAI, reference, prompt: str) -> None:  # type: ignore[no-untyped-def]
     messages = [{"role": "user", "content": prompt}]
@@ -158,56 +212,3 @@ def test_precise_errors(client: openai.OpenAI, mesh: Mesh) -> None:
     ok = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
                                         max_tokens=2)
     assert ok.choices[0].message.content is not None
-
-
-# n and lists of prompts (issue 19): their checks compare texts across requests, which float32 engines give the
-# same in any batch.
-def test_n_choices_share_one_prefill_and_seeds_repeat(client: openai.OpenAI) -> None:
-    messages = [{"role": "system", "content": "You are a storyteller who writes short, vivid tales for children."},
-                {"role": "user", "content": "Tell me a story about a brave little fox in the snowy forest."}]
-    reply = client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
-                                           max_tokens=24)
-    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
-    assert len({c.message.content for c in reply.choices}) > 1          # seed + j: different choices
-    prompt = reply.usage.prompt_tokens
-    per_choice = reply.model_extra["infermesh"]["choices"]  # type: ignore[index]
-    replicas = {c["replica"] for c in per_choice}
-    assert len(replicas) == 1                                            # the followers went to the leader's
-    assert all(c["cached_tokens"] >= prompt - 16 for c in per_choice[1:]), per_choice   # prefilled once
-    again = client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
-                                           max_tokens=24)
-    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=4, temperature=1.0, seed=11,
-                                                 max_tokens=24, stream=True))
-    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-             for i in range(4)]
-    assert texts == [c.message.content for c in reply.choices]
-
-
-def test_list_of_prompts_with_echo(client: openai.OpenAI) -> None:
-    prompts = ["The capital of France is", "Two plus two equals"]
-    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, echo=True)
-    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
-    for c in reply.choices:
-        assert c.text.startswith(prompts[c.index // 2]) and len(c.text) > len(prompts[c.index // 2])
-    assert reply.choices[0].text == reply.choices[1].text            # greedy: the same twice
-    alone = client.completions.create(model=MODEL, prompt=prompts[1], temperature=0, max_tokens=6)
-    assert reply.choices[2].text == prompts[1] + alone.choices[0].text
-    streamed = [""] * 4
-    for c in client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, echo=True,
-                                       stream=True):
-        for ch in c.choices:
-            streamed[ch.index] += ch.text
-    assert streamed == [c.text for c in reply.choices]
-    # echo with logprobs: the prompt's own tokens first (the first has none); max_tokens 0 scores the prompt alone
-    scored = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=0, echo=True, logprobs=1)
-    lp = scored.choices[0].logprobs
-    assert scored.choices[0].text == prompts[1] and "".join(lp.tokens) == prompts[1]
-    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
-    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
-    full = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6, echo=True, logprobs=1,
-                                     temperature=0)
-    lp2, k = full.choices[0].logprobs, len(lp.tokens)
-    assert lp2.tokens[:k] == lp.tokens and lp2.text_offset[k] == len(prompts[1])
-    assert all(abs(a - b) < 1e-4 for a, b in zip(lp2.token_logprobs[1:k], lp.token_logprobs[1:], strict=True))
-    assert "".join(lp2.tokens[k:]) == alone.choices[0].text

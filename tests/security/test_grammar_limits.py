@@ -230,6 +230,36 @@ def test_the_compiler_processs_start_is_not_counted_against_the_compiles_waiting
     assert not refused and g.compiles == 2
 
 
+def test_a_start_that_ends_while_a_compile_waits_leaves_it_a_whole_compile_limit(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiting compile looks at the start when it wakes (each compile limit): a start that ended just before
+    that wake, its compile still running, must not have used up the waiter's time (it did: refused at 4 s)."""
+    from services.engine import grammar as grammar_mod
+
+    g = grammars(model_dir, compile_timeout_s=2.0, compiles=1)
+    real = grammar_mod.CompileWorker(g._tokenizer_info().serialize_json())   # started before the clock runs
+
+    class SlowStart:                   # starts in 3.8 s: the waiter wakes at 2 s (starting) and at 4 s (not)
+        def __init__(self, _info: str) -> None:
+            time.sleep(3.8)
+
+        alive = True
+
+        def compile(self, c: Constraint, timeout_s: float) -> str:
+            time.sleep(0.6)            # a compile that runs past the waiter's 4 s wake
+            return real.compile(c, timeout_s)
+
+        def kill(self) -> None:
+            pass
+
+    monkeypatch.setattr(grammar_mod, "CompileWorker", SlowStart)
+    try:
+        refused = compile_at_once(g, ["late0", "late1"])
+    finally:
+        real.kill()
+    assert not refused and g.compiles == 2
+
+
 def test_a_slow_compile_is_stopped_refused_by_name_and_refused_at_once_after(model_dir: Path) -> None:
     g = grammars(model_dir, compile_timeout_s=0.5, compiles=1, queue=0)
     g.compile(schema("warm"))                                      # the compiler process is up
