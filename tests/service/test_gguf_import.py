@@ -52,6 +52,7 @@ def tokenizer(model_dir: Path) -> list[Field]:
     return tokenizer_fields(model_dir / "model.gguf", VOCAB)
 
 
+@pytest.mark.slow                    # writes a GGUF per type and imports it, as `model pull` (also slow) does
 @pytest.mark.parametrize("qtype", sorted(TOLERANCE))
 def test_register_a_gguf_file(qtype: str, tiny: Any, tokenizer: list[Field], tmp_path: Path,
                               monkeypatch: pytest.MonkeyPatch) -> None:

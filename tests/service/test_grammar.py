@@ -38,6 +38,7 @@ def constrained(engine: Engine, rid: str, ids: list[int], c: Constraint, **sampl
     return req
 
 
+@pytest.mark.slow                    # 20 compiles and a batch of 20 sampled rows; make test-fast keeps the small cases
 def test_twenty_schemas_sampled_in_one_batch_all_validate(runner: ModelRunner, tokenizer) -> None:  # type: ignore[no-untyped-def]
     engine = Engine(runner, speculation=SpeculationConfig(max_draft=3))
     requests = []

@@ -22,10 +22,11 @@ PROMPTS = [
 ON = SpeculationConfig(max_draft=3, max_rows=4)
 
 
-@pytest.fixture(scope="module", params=["exact", "fast"])
+@pytest.fixture(scope="module", params=[pytest.param("exact", marks=pytest.mark.slow), "fast"])
 def runner(model_dir: Path, request: pytest.FixtureRequest) -> ModelRunner:
     """--dtype float32 (transformers' math) and the CPU's fast kinds with the float16 KV cache (the
-    row budget stays within the small-batch kind, so both ways run the same kernels per row)."""
+    row budget stays within the small-batch kind, so both ways run the same kernels per row).  float32 steps
+    ~3x slower on a CPU: `make test-fast` runs the fast kinds only (marker `slow`)."""
     plan = decide(device="cpu", dtype="float32") if request.param == "exact" else \
         decide(device="cpu", dtype="float32", matmul="q4")
     return ModelRunner(model_dir, plan, kv_cache_bytes=64 << 20)
