@@ -1,6 +1,7 @@
-"""End to end, issue 19: structured outputs and tools through `infermesh up`, with the `openai` package and an
-agent framework's client (langchain-openai).  n and lists of prompts, whose checks compare texts across
-requests, are in test_openai_api.py (the session mesh's float32 engines give the same text in any batch)."""
+"""End to end, issue 19: structured outputs and tools (and logit_bias, another control of what may be sampled)
+through `infermesh up`, with the `openai` package and an agent framework's client (langchain-openai).  n and lists
+of prompts, whose checks compare texts across requests, are in test_openai_api.py (the session mesh's float32
+engines give the same text in any batch)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,26 @@ def test_twenty_json_schemas_sampled_all_validate(client: openai.OpenAI) -> None
     assert text.startswith("{"), text
     if [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_logit_bias_keeps_a_token_out_of_sampled_completions(client: openai.OpenAI, model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A -100 bias on the token the model would start with: absent from 20 sampled answers (read back token
+    by token through logprobs), while without the bias the greedy answer starts with it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    messages = [{"role": "user", "content": "Name a color."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                           temperature=0, logprobs=True)
+    token = first.choices[0].logprobs.content[0]                      # type: ignore[union-attr,index]
+    banned = tokenizer.encode(bytes(token.bytes or []).decode(), add_special_tokens=False)
+    assert len(banned) == 1
+    for seed in range(20):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=seed,  # type: ignore[arg-type]
+            logprobs=True, logit_bias={str(banned[0]): -100})
+        chosen = [bytes(t.bytes or []) for t in reply.choices[0].logprobs.content]  # type: ignore[union-attr]
+        assert bytes(token.bytes or []) not in chosen, f"seed {seed}"
 
 
 def test_regex_and_grammar_extensions(client: openai.OpenAI) -> None:
