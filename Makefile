@@ -10,11 +10,11 @@ STAMP := $(VENV)/.setup-stamp
 XDIST ?= -n auto
 
 # torch comes from pip, so the machine's pip configuration (a local CPU wheel, constraints) chooses the build;
-# the rest from uv where it installs (~10 s, pip takes ~60), pip otherwise.  Nothing is byte-compiled at install:
-# each module compiles once, when a process first imports it (PYTHONDONTWRITEBYTECODE is lifted for what make
-# runs), so only what runs is compiled; a venv compiled whole costs ~50 s of CPU more.
-INSTALL = if [ -x $(BIN)/uv ]; then $(BIN)/uv pip install -q --python $(BIN)/python $(1); \
-	else $(BIN)/pip install -q --no-compile $(1); fi
+# the rest from uv where it installs and works (~10 s, pip takes ~60), pip otherwise.  Nothing is byte-compiled
+# at install: each module compiles once, when a process first imports it (PYTHONDONTWRITEBYTECODE is lifted for
+# what make runs), so only what runs is compiled; a venv compiled whole costs ~50 s of CPU more.
+INSTALL = { [ -x $(BIN)/uv ] && $(BIN)/uv pip install -q --python $(BIN)/python $(1); } || \
+	$(BIN)/pip install -q --no-compile $(1)
 unexport PYTHONDONTWRITEBYTECODE
 PROJECT := .[test,bench]
 
