@@ -235,7 +235,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--session-store", default="embedded", metavar="embedded|URL",
                     help="where sessions live: 'embedded' (the cache service, kept in --cache-dir) or Redis, "
                          "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], with the same sliding TTL")
-    up.add_argument("--model", action="append", help="model NAME (default: the default model)")
+    up.add_argument("--model", action="append",
+                    help="model NAME; repeat to serve several, the engines dealt out over them "
+                         "(default: the default model)")
     up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto",
                     help="engines' compute: auto = the matmul kinds measured fastest on this machine, none less "
                          "precise than bf16 (`infermesh tune`); float32 = transformers' bits; int8 = int8 weights "

@@ -46,7 +46,7 @@ FALLBACK_CONFIDENCE = 0.8
 @dataclass(frozen=True)
 class MeshConfig:
     engines: int = 1
-    models: tuple[str, ...] = ("default",)
+    models: tuple[str, ...] = ("default",)   # engine i serves models[i % n]; the first is the fallback's
     dtype: str = "auto"
     discovery: str = "static"
     host: str = "127.0.0.1"
@@ -90,8 +90,11 @@ class MeshConfig:
             raise ValueError("--engine-threads must be 0 (the CPUs shared out among the engines) or more")
         if not 1 <= self.routers <= 9 or not 1 <= self.tokenizers <= 9:
             raise ValueError("--routers and --tokenizers must be between 1 and 9")
-        if self.engines < len(self.versions):
-            raise ValueError(f"{len(self.versions)} versions need at least as many --engines (got {self.engines})")
+        need, kind = max((len(self.versions), "versions"), (len(self.models), "models"))   # an engine each
+        if self.engines < need:
+            raise ValueError(f"{need} {kind} need at least as many --engines (got {self.engines})")
+        if min(len(self.models), len(self.versions)) > 1:
+            raise ValueError("--version is for one --model; several models each serve their one version")
         redis_address(self.session_store)           # refused here, before any child starts
 
     def port(self, base: int) -> int:
@@ -154,7 +157,7 @@ def plan(config: MeshConfig) -> list[list[Child]]:
     for i in range(config.engines):
         rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
         version, _, folder = config.versions[i % len(config.versions)].partition("=")
-        model = f"{served_name(config.models[0])}={folder}" if folder else config.models[0]
+        model = f"{served_name(config.models[0])}={folder}" if folder else config.models[i % len(config.models)]
         engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
                                    "--model", model, "--model-version", version, "--dtype", config.dtype, "--region",
                                    config.region, "--threads", str(threads), "--kv-cache-mb",

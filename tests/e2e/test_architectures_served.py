@@ -1,15 +1,17 @@
 """Bring your own model, end to end: a tiny random-weight model of each architecture (transformers builds it from
 a config, offline; the SmolLM2 tokenizer and chat template stand in for its own), registered with `infermesh
-model register` (its code run in the test's process), served by `infermesh up --model NAME --dtype float32`,
-and asked with the `openai` package for chat completions of mixed lengths at once: each answer equals
-transformers' greedy `generate` on the same chat. The requests leave temperature out: the model's
-generation_config.json (`do_sample: false`) makes them greedy, where OpenAI's default (1.0) would sample."""
+model register` (its code run in the test's process), all served by one `infermesh up --model NAME ...
+--dtype float32` (an engine per model), and asked with the `openai` package for chat completions of mixed
+lengths at once: each answer equals transformers' greedy `generate` on the same chat. The requests leave
+temperature out: the model's generation_config.json (`do_sample: false`) makes them greedy, where OpenAI's
+default (1.0) would sample."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,49 +38,61 @@ def tokenizer_files(model_dir: Path) -> list[Path]:
             if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json"]
 
 
-@pytest.mark.parametrize("name", ARCHITECTURES)
-def test_served_greedy_chat_equals_transformers(name: str, tmp_path: Path, tokenizer_files: list[Path],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: list[Path]) -> Iterator[tuple[str, dict]]:
+    """(the mesh's URL, each architecture's expected answers): every tiny model built, registered and answered
+    by transformers, then one mesh serving them all (`--model` once per model, an engine each)."""
     from transformers import AutoTokenizer
 
-    kind, extra = CASES[name]
-    folder = tmp_path / name
-    folder.mkdir()
-    model = build(kind, {**extra, "vocab_size": 49152}, folder)        # the SmolLM2 tokenizer's vocabulary
-    for f in tokenizer_files:
-        shutil.copy(f, folder / f.name)
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": []}))
-    monkeypatch.setenv("INFERMESH_HOME", str(tmp_path / "home"))
-    assert cli.main(["model", "register", f"tiny-{name}", str(folder)]) == 0     # the CLI's code, in process
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    want = []
-    for chat in CHATS:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-                               add_special_tokens=False)
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
-        want.append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
-    assert sum(len(w) for w in want) > 3 * NEW           # real text to compare, not empty strings
-
+    tmp = tmp_path_factory.mktemp("architectures")
+    home = tmp / "home"
+    want: dict[str, list[str]] = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("INFERMESH_HOME", str(home))
+        for name in ARCHITECTURES:
+            kind, extra = CASES[name]
+            folder = tmp / name
+            folder.mkdir()
+            model = build(kind, {**extra, "vocab_size": 49152}, folder)        # the SmolLM2 tokenizer's vocabulary
+            for f in tokenizer_files:
+                shutil.copy(f, folder / f.name)
+            (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": []}))
+            assert cli.main(["model", "register", f"tiny-{name}", str(folder)]) == 0   # the CLI's code, in process
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            want[name] = []
+            for chat in CHATS:
+                ids = tokenizer.encode(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                                       add_special_tokens=False)
+                with torch.inference_mode():
+                    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
+                want[name].append(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+    models = [a for name in ARCHITECTURES for a in ("--model", f"tiny-{name}")]
     offset = OFFSET + 2200         # apart from every other mesh's ports: under xdist it runs beside them
-    with running_mesh(["--model", f"tiny-{name}", "--dtype", "float32", "--engines", "1", "--insecure-mesh",
-                       "--kv-cache-mb", "64"],
-                      offset, tmp_path / "up.log", env={"INFERMESH_HOME": str(tmp_path / "home")}) as mesh:
-        client = openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key="unused", max_retries=0, timeout=120)
+    with running_mesh([*models, "--dtype", "float32", "--engines", str(len(ARCHITECTURES)), "--insecure-mesh",
+                       "--kv-cache-mb", "64"], offset, tmp / "up.log", env={"INFERMESH_HOME": str(home)}) as mesh:
+        yield mesh.http, want
 
-        async def ask(chat: list[dict[str, str]]) -> Any:
-            return await client.chat.completions.create(
-                model=f"tiny-{name}", messages=chat, max_tokens=NEW,  # type: ignore[arg-type]
-                extra_body={"ignore_eos": True})
 
-        async def all_at_once() -> list[Any]:
-            try:
-                return list(await asyncio.gather(*(ask(chat) for chat in CHATS)))
-            finally:
-                await client.close()
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_served_greedy_chat_equals_transformers(name: str, served: tuple[str, dict]) -> None:
+    http, want = served
+    expected = want[name]
+    assert sum(len(w) for w in expected) > 3 * NEW           # real text to compare, not empty strings
+    client = openai.AsyncOpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
 
-        replies = asyncio.run(all_at_once())
-    for chat, reply, expected in zip(CHATS, replies, want, strict=True):
-        assert reply.choices[0].message.content == expected, json.dumps(chat)
+    async def ask(chat: list[dict[str, str]]) -> Any:
+        return await client.chat.completions.create(
+            model=f"tiny-{name}", messages=chat, max_tokens=NEW,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True})
+
+    async def all_at_once() -> list[Any]:
+        try:
+            return list(await asyncio.gather(*(ask(chat) for chat in CHATS)))
+        finally:
+            await client.close()
+
+    replies = asyncio.run(all_at_once())
+    for chat, reply, text in zip(CHATS, replies, expected, strict=True):
+        assert reply.choices[0].message.content == text, json.dumps(chat)
         assert reply.usage.completion_tokens == NEW
+        assert reply.model == f"tiny-{name}"

@@ -33,6 +33,8 @@ ENGINE = (Endpoint("engine", "engine-0", "127.0.0.1:50060"),)
     (lambda: MeshConfig(engines=2, versions=("1", "1")), "names a version twice"),
     (lambda: MeshConfig(versions=("a b",)), "letters, digits"),
     (lambda: MeshConfig(engine_threads=-1), "--engine-threads"),
+    (lambda: MeshConfig(engines=1, models=("a", "b")), "2 models need at least as many --engines"),
+    (lambda: MeshConfig(engines=2, models=("a", "b"), versions=("1", "2")), "--version is for one --model"),
 ])
 def test_invalid_configs_are_refused(make, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
@@ -121,6 +123,14 @@ def test_versions_are_dealt_out_to_engines_and_the_first_is_the_default() -> Non
     assert [e.argv[e.argv.index("--model") + 1] for e in engines] == ["default", "smollm2-135m=/models/v2", "default"]
     router = stages[1][0]
     assert router.argv[router.argv.index("--default-version") + 1] == "smollm2-135m=1"
+
+
+def test_several_models_are_dealt_out_to_engines_and_all_reach_the_tokenizer() -> None:
+    stages = plan(MeshConfig(engines=4, models=("a", "b", "c")))
+    engines = stages[0][2:]
+    assert [e.argv[e.argv.index("--model") + 1] for e in engines] == ["a", "b", "c", "a"]
+    tokenizer = next(c for c in stages[0] if c.name.startswith("tokenizer"))
+    assert [tokenizer.argv[i + 1] for i, a in enumerate(tokenizer.argv) if a == "--model"] == ["a", "b", "c"]
 
 
 def test_admin_keys_are_read_from_their_own_variables() -> None:
