@@ -238,19 +238,20 @@ def test_a_start_that_ends_while_a_compile_waits_leaves_it_a_whole_compile_limit
         def __init__(self, _info: str) -> None:
             time.sleep(4.8)
 
-        alive = True
+        pid, alive = real.pid, property(lambda self: real.alive)
 
         def compile(self, c: Constraint, timeout_s: float) -> str:
             time.sleep(0.5)            # a compile that runs past the waiter's 5 s wake
             return real.compile(c, timeout_s)
 
         def kill(self) -> None:
-            pass
+            real.kill()
 
     monkeypatch.setattr(grammar_mod, "CompileWorker", SlowStart)
     try:
         refused = compile_at_once(g, ["late0", "late1"])
     finally:
+        g.close()                      # the idle pool is the process's, shared by the tests that follow
         real.kill()
     assert not refused and g.compiles == 2
 
