@@ -109,7 +109,6 @@ class ChatTemplate:
             self._compiled = {name: env.from_string(text) for name, text in templates.items()}
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"the chat template does not compile: {exc}") from exc
-        self.source = source
         self.special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
