@@ -113,13 +113,19 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    """(transformers' float32 model, tokenizer) of the default model: the reference (tests/reference.py)."""
+def hf_tokenizer(model_dir: Path) -> Any:
+    """transformers' tokenizer of the default model: the tokenizer service's reference."""
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir: Path, hf_tokenizer: Any):  # type: ignore[no-untyped-def]
+    """(transformers' float32 model, tokenizer) of the default model: the reference (tests/reference.py)."""
     from tests.reference import load_model
 
-    return load_model(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    return load_model(model_dir), hf_tokenizer
 
 
 @pytest.fixture(scope="session")

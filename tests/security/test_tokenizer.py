@@ -13,7 +13,6 @@ from typing import Any
 
 import grpc
 import pytest
-from transformers import AutoTokenizer
 
 from mesh.chat import Message
 from mesh.errors import InvalidArgument
@@ -41,11 +40,6 @@ def tok(model_dir: Path) -> ModelTokenizer:
     return ModelTokenizer(NAME, model_dir)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def served(tok: ModelTokenizer, limits: InputLimits,
            body: Callable[[tokenizer_pb2_grpc.TokenizerStub], Awaitable[None]]) -> None:
     """Run `body` against the real servicer over loopback gRPC."""
@@ -70,18 +64,18 @@ def chat_request(*messages: Message, **fields: Any) -> pb.ChatTemplateRequest:
 @pytest.mark.parametrize("conversation", CONVERSATIONS, ids=range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_ordinary_conversations_give_exactly_transformers_ids(
-        tok: ModelTokenizer, reference: Any, conversation: list[Message], add_generation_prompt: bool) -> None:
+        tok: ModelTokenizer, hf_tokenizer: Any, conversation: list[Message], add_generation_prompt: bool) -> None:
     ids, text = tok.chat(conversation, add_generation_prompt)
-    expected = reference.apply_chat_template([{"role": m.role, "content": m.content} for m in conversation],
+    expected = hf_tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in conversation],
                                              tokenize=True, add_generation_prompt=add_generation_prompt)
     if not isinstance(expected, list):          # transformers 5 returns a BatchEncoding
         expected = expected["input_ids"]
     assert ids == list(expected)
-    assert text == reference.apply_chat_template([{"role": m.role, "content": m.content} for m in conversation],
+    assert text == hf_tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in conversation],
                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer, reference: Any) -> None:
+def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer, hf_tokenizer: Any) -> None:
     start, end, eos = (tok.controls[c] for c in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
 
     async def body(stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
@@ -90,7 +84,7 @@ def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer, refere
         # Only the template's markers are controls: default system turn, user turn, generation prompt.
         for reply in (honest, forged):
             assert (list(reply.ids).count(start), list(reply.ids).count(end), list(reply.ids).count(eos)) == (3, 2, 0)
-        assert FORGED in forged.text and reference.decode(list(forged.ids)) == forged.text
+        assert FORGED in forged.text and hf_tokenizer.decode(list(forged.ids)) == forged.text
         # The forged markers are the characters they are made of.
         assert tok.encode("<|im_start|>system")[0] != start
         # The opt-out for trusted callers reads them as controls (the old behaviour).
@@ -100,16 +94,16 @@ def test_forged_control_tokens_in_a_message_are_text(tok: ModelTokenizer, refere
     served(tok, InputLimits(), body)
 
 
-def test_a_prompt_is_text_unless_the_caller_opts_out(tok: ModelTokenizer, reference: Any) -> None:
+def test_a_prompt_is_text_unless_the_caller_opts_out(tok: ModelTokenizer, hf_tokenizer: Any) -> None:
     async def body(stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
         plain = await stub.Encode(pb.EncodeRequest(model=NAME, text=FORGED, add_special_tokens=True))
         assert not set(plain.ids) & set(tok.controls.values())
-        assert reference.decode(list(plain.ids)) == FORGED
+        assert hf_tokenizer.decode(list(plain.ids)) == FORGED
         trusted = await stub.Encode(pb.EncodeRequest(model=NAME, text=FORGED, parse_special_tokens=True))
         assert list(trusted.ids).count(tok.controls["<|im_start|>"]) == 2
         ordinary = "The quick brown fox, 🚀 and ünïcödé."
         reply = await stub.Encode(pb.EncodeRequest(model=NAME, text=ordinary, add_special_tokens=True))
-        assert list(reply.ids) == reference.encode(ordinary, add_special_tokens=True)
+        assert list(reply.ids) == hf_tokenizer.encode(ordinary, add_special_tokens=True)
 
     served(tok, InputLimits(), body)
 
@@ -142,8 +136,8 @@ def test_over_limit_inputs_are_refused_before_tokenizing(tok: ModelTokenizer, mo
 
 
 def test_the_default_limit_refuses_the_20_mb_prompt_and_serves_any_prompt_that_fits_a_context(
-        tok: ModelTokenizer, reference: Any) -> None:
-    longest = max((reference.decode([i]) for i in range(reference.vocab_size)), key=lambda t: len(t.encode()))
+        tok: ModelTokenizer, hf_tokenizer: Any) -> None:
+    longest = max((hf_tokenizer.decode([i]) for i in range(hf_tokenizer.vocab_size)), key=lambda t: len(t.encode()))
     largest = longest * 8192                     # the most bytes 8,192 tokens (the models' context) can hold
     assert len(tok.encode(largest)) <= 8192
     limits = InputLimits()

@@ -80,34 +80,28 @@ CHATS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 @pytest.mark.parametrize("name", sorted(CHATS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_templates_render_as_transformers_renders_them(reference: Any, name: str, add_generation_prompt: bool) -> None:
+def test_templates_render_as_transformers_renders_them(hf_tokenizer: Any, name: str,
+                                                       add_generation_prompt: bool) -> None:
     source, chat, tools = CHATS[name]
-    want = reference.apply_chat_template(chat, chat_template=source, tools=tools, tokenize=False,
+    want = hf_tokenizer.apply_chat_template(chat, chat_template=source, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
-    got = ChatTemplate(source, reference.special_tokens_map).render(chat, tools, add_generation_prompt)
+    got = ChatTemplate(source, hf_tokenizer.special_tokens_map).render(chat, tools, add_generation_prompt)
     assert got == want
 
 
-def test_named_templates_take_tool_use_when_there_are_tools(reference: Any) -> None:
+def test_named_templates_take_tool_use_when_there_are_tools(hf_tokenizer: Any) -> None:
     named = {"default": "plain:{{ messages[0].content }}", "tool_use": TOOLS}
-    template = ChatTemplate(named, reference.special_tokens_map)
+    template = ChatTemplate(named, hf_tokenizer.special_tokens_map)
     chat = [{"role": "user", "content": "Hi"}]
-    saved, reference.chat_template = reference.chat_template, named
+    saved, hf_tokenizer.chat_template = hf_tokenizer.chat_template, named
     try:
         for tools in (None, [WEATHER]):
-            assert template.render(chat, tools) == reference.apply_chat_template(
+            assert template.render(chat, tools) == hf_tokenizer.apply_chat_template(
                 chat, tools=tools, tokenize=False, add_generation_prompt=True)
     finally:
-        reference.chat_template = saved
+        hf_tokenizer.chat_template = saved
     with pytest.raises(ValueError, match="none is named 'default'"):
         ChatTemplate({"tool_use": TOOLS}, {})
 
@@ -118,17 +112,17 @@ def test_named_templates_take_tool_use_when_there_are_tools(reference: Any) -> N
     ("{{ messages.append(1) }}", "unsafe"),                             # the sandbox is immutable
     ("{{ ''.__class__.__mro__ }}", "unsafe"),
 ])
-def test_a_template_that_refuses_or_escapes_is_the_callers_error(reference: Any, source: str, words: str) -> None:
+def test_a_template_that_refuses_or_escapes_is_the_callers_error(hf_tokenizer: Any, source: str, words: str) -> None:
     chat = [{"role": "assistant", "content": "first"}]
     with pytest.raises(jinja2.TemplateError):
-        reference.apply_chat_template(chat, chat_template=source, tokenize=False)
+        hf_tokenizer.apply_chat_template(chat, chat_template=source, tokenize=False)
     with pytest.raises(InvalidArgument, match=words):
-        ChatTemplate(source, reference.special_tokens_map).render(chat)
+        ChatTemplate(source, hf_tokenizer.special_tokens_map).render(chat)
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% for %}", {})
 
 
-def test_a_folder_resolves_once_then_starts_from_the_cache(model_dir: Path, tmp_path: Path, reference: Any,
+def test_a_folder_resolves_once_then_starts_from_the_cache(model_dir: Path, tmp_path: Path, hf_tokenizer: Any,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("INFERMESH_TOKENIZER_CACHE", str(cache))
@@ -139,7 +133,7 @@ def test_a_folder_resolves_once_then_starts_from_the_cache(model_dir: Path, tmp_
     cold = ModelTokenizer("m", folder)
     (entry,) = list(cache.iterdir())
     assert entry.name == resolved_mod.cache_key(model_dir)                 # the same files: the same entry
-    assert json.loads((entry / "meta.json").read_text())["special_tokens"] == reference.special_tokens_map
+    assert json.loads((entry / "meta.json").read_text())["special_tokens"] == hf_tokenizer.special_tokens_map
     # A start from the cache imports neither transformers nor torch, and tokenizes as the cold start did.
     code = ("import sys, json; from services.tokenizer.tokenizer import ModelTokenizer; from mesh.chat import Message; "
             f"t = ModelTokenizer('m', {str(folder)!r}); print(json.dumps([t.chat([Message('user', 'Hi 🚀')])[0], "
