@@ -27,6 +27,9 @@ SESSION_MESH_MODULES = ("test_edge_fuzz.py", "test_grpc.py", "test_http3.py", "t
                         "test_routing.py", "test_supervision.py")
 BESIDE_THE_SESSION_MESH = ("test_architectures_served.py",)
 ON_THEIR_OWN = ("test_fair_scheduling.py", "test_structured_outputs.py")
+# Modules whose tests share a session fixture that costs seconds (test_model_pull.py: a pull of the default model,
+# ~9 s): one unit of work under xdist, so the fixture runs on one worker, once.
+ONE_UNIT = ("tests/service/test_model_pull.py",)
 RESERVED = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 
 
@@ -64,6 +67,12 @@ def mesh_group(nodeid: str) -> str | None:
     return "session-mesh" if path.name in SESSION_MESH_MODULES + BESIDE_THE_SESSION_MESH else "own-meshes"
 
 
+def work_unit(nodeid: str) -> str:
+    """The unit of work under xdist a test belongs to: its mesh group, its module (ONE_UNIT), or itself."""
+    module = nodeid.split("::", 1)[0]
+    return mesh_group(nodeid) or (module if module in ONE_UNIT else nodeid)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The session mesh's group runs as one block where its first test stands (its modules are otherwise
     interleaved with the others in file order), so a serial run starts that mesh once and stops it after
@@ -78,12 +87,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's scheduler, each mesh group one unit of work (the two largest, so they start first, one
-    per worker) and every other test a unit of its own, handed to whichever worker is free."""
+    per worker), each ONE_UNIT module one, and every other test a unit of its own, handed to whichever worker
+    is free."""
     from xdist.scheduler import LoadScopeScheduling
 
     class MeshGroups(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return mesh_group(nodeid) or nodeid
+            return work_unit(nodeid)
 
     return MeshGroups(config, log)
 

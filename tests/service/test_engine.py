@@ -324,13 +324,15 @@ def test_fused_q4_decode_layers_equal_the_op_by_op_forward(model_dir: Path) -> N
     assert results[0] == results[1]
 
 
-def test_logit_bias_penalties_and_min_tokens_on_the_model(runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
+def test_logit_bias_penalties_and_min_tokens_on_the_model(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     """Logits processing on the real model: a -100 bias keeps the greedy token out (and the logprobs stay the
     model's own); min_tokens holds the end of sequence back; a frequency penalty changes a repetitive
-    answer; speculation leaves processed requests alone."""
+    answer; speculation leaves processed requests alone.  What is checked is the processing, not parity, so
+    on the q4 plan (the model's own quantized weights), whose steps are ~3x faster than float32's."""
     from services.engine.speculate import SpeculationConfig
 
     _, tokenizer = hf
+    runner = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="q4"), kv_cache_bytes=64 << 20)
     ids = chat_ids(tokenizer, "Say hello.")
     engine = Engine(runner, speculation=SpeculationConfig(max_draft=3, max_rows=4))
     plain = tokens(run(engine, engine.make_request("a", ids, SamplingParams(max_tokens=8)))["a"])

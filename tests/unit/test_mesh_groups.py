@@ -9,7 +9,15 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import BESIDE_THE_SESSION_MESH, MESH_PORTS, ON_THEIR_OWN, SESSION_MESH_MODULES, mesh_group
+from tests.conftest import (
+    BESIDE_THE_SESSION_MESH,
+    MESH_PORTS,
+    ON_THEIR_OWN,
+    ONE_UNIT,
+    SESSION_MESH_MODULES,
+    mesh_group,
+    work_unit,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = [*sorted((ROOT / "tests" / "e2e").glob("test_*.py")), *(ROOT / "tests" / "multihost").glob("test_*.py")]
@@ -48,6 +56,14 @@ def test_the_session_mesh_group_is_the_modules_that_take_the_session_mesh() -> N
     assert mesh_group("tests/multihost/test_multihost.py::test_x") == "own-meshes"
     assert mesh_group("tests/service/test_engine.py::test_x") is None
     assert mesh_group("tests/e2e/test_fair_scheduling.py::test_x") == "tests/e2e/test_fair_scheduling.py"
+
+
+def test_units_of_work_under_xdist() -> None:
+    assert work_unit("tests/e2e/test_grpc.py::test_x") == "session-mesh"
+    assert work_unit("tests/service/test_model_pull.py::test_a") == work_unit(
+        "tests/service/test_model_pull.py::test_b") == "tests/service/test_model_pull.py"
+    assert work_unit("tests/service/test_engine.py::test_x[a]") == "tests/service/test_engine.py::test_x[a]"
+    assert all((ROOT / m).is_file() for m in ONE_UNIT)
 
 
 def test_meshes_that_run_at_once_take_no_port_of_each_other() -> None:
