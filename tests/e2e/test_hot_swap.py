@@ -140,12 +140,17 @@ def test_a_hot_swap_under_16_streams(swap_mesh: Mesh, v2_folder: Path) -> None:
 
     from mesh.models.gguf import load_float32
 
-    tokenizer = AutoTokenizer.from_pretrained(str(v2_folder))
-    model = load_float32(v2_folder)
+    def ask(prompt: str) -> Any:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=24, temperature=0)
+
+    with ThreadPoolExecutor(3) as pool:          # the mesh answers while transformers computes the references
+        replies = pool.map(ask, PROMPTS[:3])
+        tokenizer = AutoTokenizer.from_pretrained(str(v2_folder))
+        model = load_float32(v2_folder)
+        replies = list(replies)
     changed = 0
-    for prompt, old in zip(PROMPTS[:3], before[:3], strict=True):
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=24, temperature=0)
+    for prompt, old, reply in zip(PROMPTS[:3], before[:3], replies, strict=True):
         assert reply.model_extra["infermesh"]["model_version"] == "2"      # type: ignore[index]
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
