@@ -7,13 +7,24 @@ CLI never touch protobuf.  The HTTP/3 client lives in mesh/clients/http3.py.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from mesh.chat import Message, to_pb
-from mesh.constraints import Constraint
+from mesh.clients.values import (
+    Delta,
+    GenerateSpec,
+    ModelCard,
+    ModelRouting,
+    Sampling,
+    ServedBy,
+    TokenizeSpec,
+    TokenLogprob,
+    Tokens,
+    TopLogprob,
+    VersionLoaded,
+)
 from mesh.grpcutil import channel, check_health
 from mesh.telemetry import outgoing_metadata
 from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -26,131 +37,6 @@ FINISH_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 0
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    model_defaults: tuple[str, ...] = ()   # fields the client left unset: the model's generation_config decides
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    constraint: Constraint | None = None   # structured output (mesh/constraints.py)
-    prompt_logprobs: bool = False          # also the prompt tokens' logprobs (completions' echo)
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """What to generate, as the edge understood the client's request."""
-
-    model: str
-    sampling: Sampling
-    messages: tuple[Message, ...] = ()     # chat; or
-    prompt: str | None = None              # a raw completion prompt
-    session_id: str = ""
-    pinned_replica: str = ""
-    request_id: str = ""
-    model_version: str = ""                # pin a version (also `model@version`)
-    tenant: str = ""                       # who asks (never a secret): sessions are namespaced by it
-    tools: str = ""                        # chat: OpenAI's `tools` list as JSON text, for the chat template
-    # The answer's shape, for the edge (the router sees one prompt and one choice per call):
-    n: int = 1                             # choices per prompt
-    prompts: tuple[str, ...] = ()          # completions: every prompt (`prompt` is the first)
-    echo: bool = False                     # completions: the prompt before each choice's text
-    prompt_only: bool = False              # completions: echo with max_tokens 0 (the generated token dropped)
-    tool_calls: str = ""                   # read tool calls out of the answer: "", "single" or "parallel"
-    # The caller's tier (services/edge/tenants.py): scheduling class and share in the engine, KV-cache eviction class.
-    priority: str = "interactive"          # interactive | batch
-    cache_class: str = ""                  # premium | standard | batch; "": the engine's own
-    weight: float = 0.0                    # the tier's weight in fair scheduling between tenants; 0: 1
-
-
-@dataclass(frozen=True)
-class ServedBy:
-    replica: str
-    model: str
-    model_version: str
-    region: str
-    degraded: bool
-    confidence: float
-    confidence_source: str = ""       # degraded: configured | offline | shadow | offline+shadow ...
-    degraded_by: str = ""             # degraded: capacity | latency
-
-    def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"replica": self.replica, "model_version": self.model_version,
-                                  "region": self.region, "degraded": self.degraded,
-                                  "confidence": round(self.confidence, 4)}
-        if self.degraded:
-            out.update(degraded_by=self.degraded_by, confidence_source=self.confidence_source)
-        return out
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    token: str                  # the token's own text (the router decodes it alone)
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's logprob under the unmodified distribution, and its top alternatives."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    served_by: ServedBy | None = None
-    ids: tuple[int, ...] = field(default=())
-    logprobs: tuple[TokenLogprob, ...] = ()     # the tokens behind this delta, when Sampling.logprobs
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # first delta, with Sampling.prompt_logprobs (first: NaN)
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    name: str
-    version: str
-    replicas: int
-    max_context: int
-    versions: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ModelRouting:
-    model: str
-    default_version: str
-    canary: dict[str, float]
-    versions: tuple[str, ...]
-    shadow: dict[str, Any] | None = None   # {"version", "share", "mirrored", "matched", ...} while shadowing
-
-    def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"model": self.model, "default_version": self.default_version,
-                                  "canary": {v: round(s, 6) for v, s in sorted(self.canary.items())},
-                                  "versions": list(self.versions)}
-        if self.shadow is not None:
-            out["shadow"] = self.shadow
-        return out
-
-
 def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.RouterGenerateRequest:
     s = spec.sampling
     sampling = common_pb2.SamplingParams(
@@ -159,7 +45,7 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
         model_defaults=list(s.model_defaults), presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, min_p=s.min_p,
         logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-        prompt_logprobs=s.prompt_logprobs)
+        prompt_logprobs=s.prompt_logprobs, pooling=s.pooling)
     if s.seed is not None:
         sampling.seed = s.seed
     if s.constraint is not None:
@@ -174,7 +60,9 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
         pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant,
         include_token_ids=True, resume_ids=list(resume_ids), cache_class=spec.cache_class, weight=spec.weight,
         priority=common_pb2.PRIORITY_BATCH if spec.priority == "batch" else common_pb2.PRIORITY_INTERACTIVE)
-    if spec.prompt is not None:
+    if spec.prompt_ids is not None:
+        req.prompt_ids.ids.extend(spec.prompt_ids)
+    elif spec.prompt is not None:
         req.prompt = spec.prompt
     else:
         req.chat.tools = spec.tools
@@ -219,6 +107,7 @@ class RouterClient:
                     ids=tuple(r.ids),
                     logprobs=_logprobs(r.logprobs),
                     prompt_logprobs=_logprobs(r.prompt_logprobs),
+                    embedding=tuple(r.embedding),
                 )
         finally:
             call.cancel()
@@ -244,6 +133,22 @@ class RouterClient:
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)
         return [ModelCard(m.name, m.version, m.replicas, m.max_context, tuple(m.versions)) for m in reply.models]
+
+    async def tokenize(self, spec: TokenizeSpec, timeout: float = 30.0) -> Tokens:
+        request = router_pb2.TokenizeRequest(model=spec.model, add_special_tokens=spec.add_special_tokens,
+                                             add_generation_prompt=spec.add_generation_prompt,
+                                             return_token_strs=spec.return_token_strs)
+        if spec.messages is not None:
+            request.chat.CopyFrom(router_pb2.ChatInput(messages=[to_pb(m) for m in spec.messages], tools=spec.tools))
+        else:
+            request.prompt = spec.prompt or ""
+        r = await self._stub.Tokenize(request, timeout=timeout, metadata=outgoing_metadata())
+        return Tokens(r.model, tuple(r.ids), r.max_context, tuple(r.token_strs) if spec.return_token_strs else None)
+
+    async def detokenize(self, model: str, ids: Sequence[int], timeout: float = 30.0) -> str:
+        r = await self._stub.Detokenize(router_pb2.DetokenizeRequest(model=model, ids=ids), timeout=timeout,
+                                        metadata=outgoing_metadata())
+        return str(r.text)
 
     async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:
         return _routing(await self._stub.GetModelRouting(router_pb2.ModelRoutingRequest(model=model), timeout=timeout))
@@ -279,17 +184,6 @@ class RouterClient:
         return _routing(await self._stub.SetModelRouting(request, timeout=timeout))
 
 
-@dataclass(frozen=True)
-class VersionLoaded:
-    """A hot swap's outcome: each replica's versions, and the model's routing after it."""
-
-    replicas: tuple[dict[str, Any], ...]
-    routing: ModelRouting
-
-    def as_dict(self) -> dict[str, object]:
-        return {"replicas": list(self.replicas), "routing": self.routing.as_dict()}
-
-
 def _logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
     return tuple(TokenLogprob(lp.token_id, lp.token, lp.logprob,
                               tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top)) for lp in entries)
@@ -307,4 +201,4 @@ def _routing(r: router_pb2.ModelRouting) -> ModelRouting:
 
 
 __all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "ModelRouting", "RouterClient", "Sampling", "ServedBy",
-           "TokenLogprob", "TopLogprob", "VersionLoaded", "grpc"]
+           "TokenizeSpec", "Tokens", "TokenLogprob", "TopLogprob", "VersionLoaded", "grpc"]

@@ -28,6 +28,8 @@ from mesh.clients.router_client import (
     ModelRouting,
     RouterClient,
     ServedBy,
+    TokenizeSpec,
+    Tokens,
     VersionLoaded,
 )
 from mesh.discovery import Discovery
@@ -208,6 +210,14 @@ class RouterPool:
 
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
         result: list[ModelCard] = await self._first(lambda c: c.models(timeout))
+        return result
+
+    async def tokenize(self, spec: TokenizeSpec, timeout: float = 30.0) -> Tokens:
+        result: Tokens = await self._first(lambda c: c.tokenize(spec, timeout))
+        return result
+
+    async def detokenize(self, model: str, ids: Sequence[int], timeout: float = 30.0) -> str:
+        result: str = await self._first(lambda c: c.detokenize(model, ids, timeout))
         return result
 
     async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:

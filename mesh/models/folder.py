@@ -73,6 +73,21 @@ def sampling_defaults(folder: str | Path) -> dict[str, float]:
     return defaults
 
 
+POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+def pooling_mode(folder: str | Path) -> str:
+    """How the model pools an embedding: its sentence-transformers pooling config (`1_Pooling/config.json`:
+    the CLS token, the last token or the mean of the tokens) where it has one, else the mean."""
+    file = Path(folder) / "1_Pooling" / "config.json"
+    try:
+        config = json.loads(file.read_text()) if file.exists() else {}
+    except (OSError, ValueError):
+        return "mean"
+    return next((mode for key, mode in POOLING_MODES.items() if isinstance(config, dict) and config.get(key) is True),
+                "mean")
+
+
 def is_present(folder: str | Path) -> bool:
     """True when `folder` holds a completed conversion (its marker file exists)."""
     return (Path(folder) / MARKER).is_file()

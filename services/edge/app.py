@@ -1,6 +1,7 @@
 """The edge's ASGI application: one app behind both HTTP/1.1 and HTTP/3.
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings
+(services/edge/embeddings.py), POST /tokenize and POST /detokenize (services/edge/tokenizing.py),
 GET|PUT /admin/models/{model}/routing and GET /admin/console (admin keys only), GET /metrics,
 GET /openapi.json, and the web page (GET /, /static/app.js, /static/style.css: services/edge/console.py).
 Bad requests are answered here, in OpenAI's error shape, and never reach the router.
@@ -29,9 +30,11 @@ from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read
 from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
 from services.edge.console import FILES, Page
+from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
+from services.edge.tokenizing import Tokenizing
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,8 @@ REPLICAS = "/admin/replicas"
 CONSOLE = "/admin/console"
 # No API key needed: the page's static files, liveness, Prometheus' scrape, the API's description.
 PUBLIC = ("/health", "/metrics", "/openapi.json", *FILES)
-ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions", *FILES)
+ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions",
+          "/v1/embeddings", "/tokenize", "/detokenize", *FILES)
 
 
 class EdgeApp:
@@ -52,6 +56,8 @@ class EdgeApp:
         self.router = router
         self.admission = Admission(config)
         self.completions = Completions(config, router, self.admission)
+        self.tokenizing = Tokenizing(config, router, self.completions.read_json)
+        self.embeddings = Embeddings(config, router, self.admission, self.completions.read_json)
         self.openapi = json.dumps(openapi.document(config)).encode()
         self.page = Page(router)
         self.alt_svc = f'h3=":{config.http3_port}"; ma=86400'.encode() if config.http3_port else b""
@@ -63,6 +69,9 @@ class EdgeApp:
             ("GET", "/openapi.json"): self.openapi_json,
             ("POST", "/v1/chat/completions"): self.completions.chat,
             ("POST", "/v1/completions"): self.completions.completions,
+            ("POST", "/v1/embeddings"): self.embeddings.embeddings,
+            ("POST", "/tokenize"): self.tokenizing.tokenize,
+            ("POST", "/detokenize"): self.tokenizing.detokenize,
             ("GET", CONSOLE): self.page.console,
             **{("GET", path): self.page.static for path in FILES},
         }

@@ -13,7 +13,7 @@ from typing import Any
 from mesh.chat import ROLES
 from mesh.constraints import MAX_CONSTRAINT_CHARS
 from mesh.tools import MAX_TOOLS
-from services.edge import requests
+from services.edge import embeddings, requests, tokenizing
 from services.edge.config import EdgeConfig
 from services.edge.fields import MAX_NAME_CHARS
 
@@ -158,7 +158,8 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
             "best_of": _nullable("integer", minimum=1, maximum=1),
         },
     }
-    return {"ChatMessage": message, "ChatCompletionRequest": chat, "CompletionRequest": completion}
+    return {"ChatMessage": message, "ChatCompletionRequest": chat, "CompletionRequest": completion,
+            **tokenizing.schemas(config.max_messages, _tool_fields()["tools"]), **embeddings.schemas()}
 
 
 def _response_schemas() -> dict[str, Any]:
@@ -285,6 +286,12 @@ def document(config: EdgeConfig) -> dict[str, Any]:
             },
         }
 
+    def plain(summary: str, request: str, reply: str) -> dict[str, Any]:
+        return {"summary": summary, **security,
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+                "responses": {"200": {"description": reply, "content": {JSON: {"schema": _ref(reply)}}},
+                              **_errors(400, *auth_errors, 404, 408, 413, 500, 502, 503, 504)}}
+
     return {
         "openapi": "3.1.0",
         "info": {"title": "infermesh edge", "version": "1",
@@ -301,6 +308,12 @@ def document(config: EdgeConfig) -> dict[str, Any]:
                                                         "ChatCompletion", "ChatCompletionChunk")},
             "/v1/completions": {"post": completion("text completion", "CompletionRequest", "Completion",
                                                    "CompletionChunk")},
+            "/v1/embeddings": {"post": plain("embeddings: each input's pooled final hidden states, normalized",
+                                             "EmbeddingRequest", "EmbeddingResponse")},
+            "/tokenize": {"post": plain("a prompt or conversation as the model's tokenizer sees it (vLLM's shape)",
+                                        "TokenizeRequest", "TokenizeResponse")},
+            "/detokenize": {"post": plain("token ids back to text, special tokens kept (vLLM's shape)",
+                                          "DetokenizeRequest", "DetokenizeResponse")},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "this document", "responses": {

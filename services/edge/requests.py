@@ -229,6 +229,15 @@ def _message(m: Any, i: int) -> Message:
                    _tool_calls(calls, i) if calls else "", call_id or "")
 
 
+def parse_messages(raw: Any, max_messages: int = MAX_MESSAGES) -> tuple[Message, ...]:
+    """A request's `messages`: a non-empty list of at most `max_messages` chat messages."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    if len(raw) > max_messages:
+        raise ApiError(400, f"'messages' holds at most {max_messages} messages, got {len(raw)}", "messages")
+    return tuple(_message(m, i) for i, m in enumerate(raw))
+
+
 def _tool_calls(calls: Any, i: int) -> str:
     """An assistant message's tool_calls (as a client echoes them back) -> JSON text for the template."""
     where = f"messages[{i}].tool_calls"
@@ -258,12 +267,7 @@ def parse_chat(body: dict[str, Any], session_id: str = "", pinned: str = "",
                max_messages: int = MAX_MESSAGES) -> GenerateSpec:
     n = _check_fields(body, CHAT_FIELDS, session_id)
     model = string(body, "model", required=True)
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages")
-    if len(raw) > max_messages:
-        raise ApiError(400, f"'messages' holds at most {max_messages} messages, got {len(raw)}", "messages")
-    messages = tuple(_message(m, i) for i, m in enumerate(raw))
+    messages = parse_messages(body.get("messages"), max_messages)
     logprobs, top = _chat_logprobs(body)
     shape = structured.parse(body, chat=True)
     sampling = dataclasses.replace(_sampling(body, "max_completion_tokens", logprobs, top), constraint=shape.constraint)

@@ -114,6 +114,11 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def tools_json(value: Any) -> str:
+    """A request's `tools` as the template gets them (JSON text; "" for none)."""
+    return Structured(tools=_tools(value)).tools_json if value is not None else ""
+
+
 def _tool_choice(value: Any, names: set[str]) -> tuple[str, str]:
     """(mode, function name): mode none | auto | required | named."""
     if value is None:

@@ -47,6 +47,7 @@ def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float]
         min_tokens=s.min_tokens,
         constraint=constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
         prompt_logprobs=s.prompt_logprobs,
+        pooling=s.pooling,
     )
 
 
@@ -55,7 +56,7 @@ def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:
         return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[
             common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
     reply = engine_pb2.GenerateResponse(ids=out.new_ids, logprobs=entries(out.logprobs),
-                                        prompt_logprobs=entries(out.prompt_logprobs))
+                                        prompt_logprobs=entries(out.prompt_logprobs), embedding=out.embedding)
     if out.finish_reason is not None:
         reply.finish_reason = FINISH[out.finish_reason]
         reply.usage.prompt_tokens = out.prompt_tokens

@@ -247,7 +247,7 @@ class Engine:
         classes: list[str] = []
         for chunk in batch.chunks:
             req = chunk.request
-            if req.sampling.prompt_logprobs or req.version != self.versions.active:
+            if req.sampling.prompt_logprobs or req.sampling.pooling or req.version != self.versions.active:
                 continue            # a namespace of its own (make_request), or a version on its way out
             end = min(chunk.start + chunk.num_tokens, len(req.prompt_ids) + len(req.resume_ids))
             for i in range(chunk.start // bs, end // bs):
@@ -344,4 +344,5 @@ class Engine:
         self.stats.finished(req.request_id)
         return StepOutput(req.request_id, tokens, logprobs, reason,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
-                          cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt)
+                          cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt,
+                          embedding=req.embedding() if reason is not FinishReason.ERROR else ())

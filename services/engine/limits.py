@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from mesh.errors import InvalidArgument
+from mesh.models.folder import pooling_mode
 from services.engine.block_manager import BlockManager
 from services.engine.fairness import check_weight
 from services.engine.model_runner import ModelRunner
@@ -51,9 +54,12 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
     if getattr(runner.model, "dynamic", False) and len(prompt_ids) > runner.config.max_position:
         # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
         cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
-    if sampling.prompt_logprobs:
-        # Every prompt position is computed (its logits are wanted): a namespace no other request shares.
-        cache_salt = cache_salt + b"|prompt-logprobs:" + request_id.encode()
+    if sampling.pooling == "model":
+        sampling = dataclasses.replace(sampling, pooling=pooling_mode(runner.folder))
+    if sampling.prompt_logprobs or sampling.pooling:
+        # Every prompt position is computed (its logits or hidden states are wanted): a namespace no other
+        # request shares.
+        cache_salt = cache_salt + b"|whole-prompt:" + request_id.encode()
     req = Request(request_id, list(prompt_ids), sampling, max_tokens, resume_ids=resume, cache_salt=cache_salt)
     req.priority, req.tenant, req.weight = owner
     if sampling.prompt_logprobs:

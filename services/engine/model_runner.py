@@ -9,6 +9,7 @@ more than the block manager hands out: the scratch block that padded graph rows 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -48,6 +49,67 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)      # the tensor keeps `memory`
+
+
+def pooled_positions(pooling: str, start: int, n: int, prompt_len: int) -> range:
+    """The prompt positions of a chunk (positions start .. start + n - 1) an embedding pools: every prompt
+    token's ("mean"), the first's ("cls") or the last's ("last")."""
+    end = min(start + n, prompt_len)
+    if pooling == "cls":
+        return range(0, 1) if start == 0 else range(0)
+    if pooling == "last":
+        return range(prompt_len - 1, prompt_len) if start < prompt_len <= start + n else range(0)
+    return range(start, max(start, end))
+
+
+class _ExtraRows:
+    """Rows a step computes beyond its sampled ones: prompt tokens' logprobs (sampling.prompt_logprobs) and the
+    rows an embedding pools (sampling.pooling)."""
+
+    def __init__(self) -> None:
+        self.prompt_rows: list[int] = []
+        self.prompt_targets: list[tuple[Request, int]] = []
+        self.pool_rows: list[int] = []
+        self.pool_targets: list[Request] = []
+
+    @property
+    def rows(self) -> list[int]:
+        return self.prompt_rows + self.pool_rows
+
+    def add(self, req: Request, row: int, start: int, n: int) -> None:
+        """A chunk's extra rows (its first row is `row`, its positions start .. start + n - 1)."""
+        if req.sampling.prompt_logprobs:
+            # Row p predicts prompt token p + 1; entries the request holds already (a preempted
+            # request computes its prompt again) are not asked for twice.
+            for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, len(req.prompt_ids) - 1)):
+                self.prompt_rows.append(row + p - start)
+                self.prompt_targets.append((req, p + 1))
+        if req.sampling.pooling:
+            if start == 0:
+                req.pooled, req.pooled_rows = None, 0      # (a preempted request computes its prompt again)
+            pooled = pooled_positions(req.sampling.pooling, start, n, len(req.prompt_ids))
+            self.pool_rows.extend(row + p - start for p in pooled)
+            self.pool_targets.extend(req for _ in pooled)
+
+    def take(self, runner: ModelRunner, hidden: torch.Tensor) -> None:
+        """The extra rows' final hidden states (in `rows` order) into their requests."""
+        if self.prompt_rows:
+            runner.prompt_logprobs(hidden[:len(self.prompt_rows)], self.prompt_targets)
+        if self.pool_rows:
+            _pool(hidden[len(self.prompt_rows):], self.pool_targets)
+
+
+def _pool(hidden: torch.Tensor, targets: Sequence[Request]) -> None:
+    """Add each request's pooled rows (consecutive in `hidden`, in `targets` order) into its sum."""
+    rows = hidden.float().cpu()
+    first = 0
+    for _, group in itertools.groupby(targets, key=id):
+        members = list(group)
+        req, count = members[0], len(members)
+        total = rows[first:first + count].sum(dim=0)
+        req.pooled = total if req.pooled is None else req.pooled + total
+        req.pooled_rows += count
+        first += count
 
 
 class ModelRunner:
@@ -134,8 +196,7 @@ class ModelRunner:
         prefill_tables: list[list[int]] = []
         logits_rows: list[int] = []
         lengths: list[int] = []          # dynamic NTK RoPE: the sequence length each row is rotated at
-        prompt_rows: list[int] = []      # rows whose logits give a prompt token's logprob (prompt_logprobs)
-        prompt_targets: list[tuple[Request, int]] = []
+        extra = _ExtraRows()
         limit = self.config.max_position
         for chunk in chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
@@ -159,16 +220,11 @@ class ModelRunner:
                 prefill_tables.append(req.table.blocks)
             if chunk.sample:
                 logits_rows.extend(range(row + n - 1 - chunk.draft, row + n))
-            if req.sampling.prompt_logprobs:
-                # Row p predicts prompt token p + 1; entries the request holds already (a preempted
-                # request computes its prompt again) are not asked for twice.
-                for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, len(req.prompt_ids) - 1)):
-                    prompt_rows.append(row + p - start)
-                    prompt_targets.append((req, p + 1))
+            extra.add(req, row, start, n)
         width = max((len(t) for t in decode_tables), default=0)
         flat_tables = padded_tables(decode_tables, width)
         t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = kv_transfer.int64_parts(
-            self.device, ids, positions, slots, logits_rows + prompt_rows, decode_rows, decode_lens, flat_tables,
+            self.device, ids, positions, slots, logits_rows + extra.rows, decode_rows, decode_lens, flat_tables,
             *prefill_tables)
         tables = lens = mask = None
         if decode_rows:
@@ -184,8 +240,8 @@ class ModelRunner:
         )
         rope_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device) if lengths else None
         hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows, rope_lengths)
-        if prompt_rows:
-            self._prompt_logprobs(hidden[len(logits_rows):], prompt_targets)
+        if extra.rows:
+            extra.take(self, hidden[len(logits_rows):])
             hidden = hidden[:len(logits_rows)]
         if greedy and hidden.shape[0]:
             tokens = self.model.greedy(hidden)
@@ -197,7 +253,7 @@ class ModelRunner:
 
     PROMPT_LOGITS_ROWS = 256         # full-vocabulary logits computed at a time for prompt logprobs
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, targets: Sequence[tuple[Request, int]]) -> None:
+    def prompt_logprobs(self, hidden: torch.Tensor, targets: Sequence[tuple[Request, int]]) -> None:
         """Append each target's logprob (and its top alternatives) to its request's prompt_logprobs."""
         for i in range(0, len(targets), self.PROMPT_LOGITS_ROWS):
             logits = self.model.logits(hidden[i:i + self.PROMPT_LOGITS_ROWS]).cpu()

@@ -29,6 +29,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+POOLINGS = ("", "model", "mean", "cls", "last")     # "model": the model's own (mesh/models/folder.py: pooling_mode)
 GREEDY_BELOW = 1e-5     # temperatures below this sample greedily (SamplingParams.greedy)
 
 
@@ -52,6 +53,7 @@ class SamplingParams:
     min_tokens: int = 0
     constraint: Constraint | None = None     # structured output (services/engine/grammar.py)
     prompt_logprobs: bool = False            # also each prompt token's logprob (completions' echo)
+    pooling: str = ""                        # an embedding: "mean", "cls" or "last" of the prompt's hidden states
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -74,6 +76,9 @@ class SamplingParams:
             raise InvalidArgument("logit_bias values must be between -100 and 100")
         if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
             raise InvalidArgument(f"min_tokens {self.min_tokens} must be between 0 and max_tokens")
+        if self.pooling not in POOLINGS:
+            raise InvalidArgument(f"pooling {self.pooling!r} is not one of {', '.join(p for p in POOLINGS if p)} "
+                                  "(or empty: none)")
 
     @property
     def greedy(self) -> bool:
@@ -156,10 +161,19 @@ class Request:
     matcher: Matcher | None = None        # the grammar's state when sampling.constraint is set (set by the server)
     # With sampling.prompt_logprobs: entry k is prompt token k's (entry 0's logprob is NaN), filled by the runner.
     prompt_logprobs: list[EngineTokenLogprob] = field(default_factory=list)
+    # With sampling.pooling: the sum of the pooled rows' final hidden states (float32), filled by the runner.
+    pooled: torch.Tensor | None = None
+    pooled_rows: int = 0
 
     def __post_init__(self) -> None:
         # prompt + resumed + generated tokens, kept as one list: the scheduler reads it every step.
         self.all_ids: list[int] = self.prompt_ids + self.resume_ids + self.output_ids
+
+    def embedding(self) -> tuple[float, ...]:
+        """The pooled hidden state (the mean of the pooled rows; not normalized); () without pooling."""
+        if self.pooled is None or not self.pooled_rows:
+            return ()
+        return tuple((self.pooled / self.pooled_rows).tolist())
 
     def append(self, token: int) -> None:
         self.output_ids.append(token)
@@ -181,3 +195,4 @@ class StepOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: tuple[EngineTokenLogprob, ...] = ()     # the request's first output only
+    embedding: tuple[float, ...] = ()                        # with sampling.pooling: the final output only

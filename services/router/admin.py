@@ -55,6 +55,10 @@ class Admin:
         """`name`, `name@version` or "" -> the served model's name (NotFound otherwise)."""
         return resolve_model(model, "", self.default_model, self.table.models())[0]
 
+    def max_context(self, model: str) -> int:
+        """The longest context among `model`'s replicas (0 while none is known)."""
+        return max((r.max_context for r in self.table.all() if r.model == model), default=0)
+
     def models(self) -> list[ModelSummary]:
         summaries = []
         for name in self.table.models():

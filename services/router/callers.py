@@ -143,7 +143,8 @@ class Callers:
             self.tokens.give(charge.key, back, now)
 
     def check_user(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
-        """A read-only user RPC (ListModels, ListReplicas, GetModelRouting): an API key when keys are set."""
+        """A read-only user RPC (ListModels, ListReplicas, GetModelRouting, Tokenize, Detokenize): an API key
+        when keys are set."""
         caller = peers.kind(context)
         if caller is None or caller == peers.TENANT_KIND or not self.keys.enabled:
             return

@@ -84,7 +84,8 @@ class Stream:
             usage = chunk.usage if final else self.usage()
             return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
                                                      finish_reason=reason, usage=usage, served_by=served_by,
-                                                     prompt_logprobs=chunk.prompt_logprobs)
+                                                     prompt_logprobs=chunk.prompt_logprobs,
+                                                     embedding=chunk.embedding)
         # The first message names the replica and counts the prompt too, so callers can label the
         # stream early (and account for a stream they end themselves, as the edge's content filter does).
         first, self.sent_first = not self.sent_first, True

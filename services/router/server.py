@@ -7,6 +7,7 @@ The parts it is built from do the work:
     upstream.py  the tokenizer and session-store clients, behind their breakers
     engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf)
     admin.py     Admin: models, version routing and replicas, as plain values
+    tokens.py    TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
 
 The policies (policies/), failover (failover/) and stop strings (stops.py) are pure code.
 """
@@ -37,12 +38,13 @@ from services.router.failover import Failover, Saturated
 from services.router.policies import PolicyConfig, make_policy
 from services.router.replicas import ReplicaTable
 from services.router.swap import add, drain, load_everywhere
+from services.router.tokens import TokenRPCs
 from services.router.upstream import Sessions, Tokenizer
 from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch
 
 
-class RouterServicer(router_pb2_grpc.RouterServicer):
+class RouterServicer(TokenRPCs, router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig):
         self.config = config
         self.table = ReplicaTable()
@@ -173,8 +175,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             reply.replicas.add(replica_id=r.replica_id, address=r.address, model=r.model,
                                model_version=r.model_version, region=r.region, healthy=r.healthy,
                                load=load_to_pb(r.replica_id, r.load), breaker=state.breaker, in_flight=r.in_flight,
-                               weight=r.weight,
-                               isolation=state.isolation)
+                               weight=r.weight, isolation=state.isolation)
         RECENT.fill(reply)
         return reply
 

@@ -66,6 +66,7 @@ class Tokenizer:
         self.healthy = [True] * len(self.addresses)     # the router's probes (probed), one per replica
         self._turn = 0
         self._decoders: dict[str, Callable[[Sequence[int]], str]] = {}
+        self._vocabularies: dict[str, Vocabulary] = {}
         self._loading: dict[str, asyncio.Future[Callable[[Sequence[int]], str]]] = {}
 
     def probed(self, healthy: list[bool]) -> None:
@@ -99,8 +100,13 @@ class Tokenizer:
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message],
                        deadline_s: float | None = None) -> list[int]:
-        """The prompt's ids: the chat template over `conversation`, or the raw prompt encoded."""
+        """The prompt's ids: the chat template over `conversation`, the raw prompt encoded, or the ids given
+        (the engine checks them against the vocabulary)."""
         kind = request.WhichOneof("input")
+        if kind == "prompt_ids":
+            if not request.prompt_ids.ids:
+                raise InvalidArgument("prompt_ids is empty")
+            return list(request.prompt_ids.ids)
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
         timeout = within(deadline_s, 30.0)
@@ -114,6 +120,24 @@ class Tokenizer:
                     model=model, text=request.prompt, add_special_tokens=True), timeout)
             span.set_attribute("prompt_tokens", len(enc.ids))
         return list(enc.ids)
+
+    async def encode(self, request: router_pb2.TokenizeRequest, model: str, timeout: float = 30.0) -> list[int]:
+        """A Tokenize request's ids: its conversation through the chat template, or its prompt encoded."""
+        kind = request.WhichOneof("input")
+        with client_span("router.tokenize", model=model, input=kind or "none"):
+            if kind == "chat":
+                enc = await self._call("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest(
+                    model=model, messages=request.chat.messages, add_generation_prompt=request.add_generation_prompt,
+                    tools=request.chat.tools), timeout)
+            else:
+                enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
+                    model=model, text=request.prompt, add_special_tokens=request.add_special_tokens), timeout)
+        return list(enc.ids)
+
+    async def vocabulary(self, model: str) -> Vocabulary:
+        """`model`'s `tokenizers` vocabulary (fetched once, as for `decoder`)."""
+        await self.decoder(model)
+        return self._vocabularies[model]
 
     async def decoder(self, model: str) -> Callable[[Sequence[int]], str]:
         """ids -> text for `model`, from the tokenizer service's `tokenizers` JSON, fetched once.
@@ -143,6 +167,7 @@ class Tokenizer:
         def decode(ids: Sequence[int]) -> str:
             return str(vocabulary.decode(list(ids), skip_special_tokens=True))
 
+        self._vocabularies[model] = vocabulary
         self._decoders[model] = decode
         return decode
 

@@ -87,3 +87,30 @@ def test_list_replicas_carries_each_engines_load_report(mesh: Mesh) -> None:
         assert r.healthy and r.model == "smollm2-135m"
         assert r.load.kv_blocks_total > 0 and 0 < r.load.kv_blocks_free <= r.load.kv_blocks_total
         assert r.load.unix_ms > 0
+
+
+def test_router_tokenize_and_detokenize_with_grpc_stubs(mesh: Mesh, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    messages = [tokenizer_pb2.ChatMessage(role="user", content="Name three colors.")]
+
+    async def scenario() -> tuple[router_pb2.TokenizeResponse, str, list[grpc.StatusCode]]:
+        async with mesh.channel(mesh.router) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            tokens = await stub.Tokenize(router_pb2.TokenizeRequest(
+                chat=router_pb2.ChatInput(messages=messages), add_generation_prompt=True), timeout=30)
+            text = (await stub.Detokenize(router_pb2.DetokenizeRequest(ids=tokens.ids), timeout=30)).text
+            codes = []
+            chat = router_pb2.ChatInput(messages=messages)
+            for bad in (router_pb2.TokenizeRequest(prompt="x", model="no-such-model"),
+                        router_pb2.TokenizeRequest(chat=chat, add_special_tokens=True),
+                        router_pb2.TokenizeRequest()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Tokenize(bad, timeout=30)
+                codes.append(err.value.code())
+            return tokens, text, codes
+
+    tokens, text, codes = asyncio.run(scenario())
+    rendered = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}], tokenize=False,
+                                                add_generation_prompt=True)
+    assert list(tokens.ids) == hf_tokenizer.encode(rendered, add_special_tokens=False) and text == rendered
+    assert tokens.model == "smollm2-135m" and tokens.max_context > 0 and not tokens.token_strs
+    assert codes == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT]

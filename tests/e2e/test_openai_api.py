@@ -192,3 +192,91 @@ def test_precise_errors(client: openai.OpenAI, mesh: Mesh) -> None:
     ok = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
                                         max_tokens=2)
     assert ok.choices[0].message.content is not None
+
+
+def post(mesh: Mesh, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(f"{mesh.http}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_tokenize_and_detokenize_agree_with_transformers(mesh: Mesh, client: openai.OpenAI, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """POST /tokenize and /detokenize (vLLM's shapes): the ids transformers' tokenizer gives, the count a
+    completion is charged, and text back from ids."""
+    text = "Tokenizers split words like 'unbelievable' into pieces."
+    status, body = post(mesh, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert status == 200, body
+    assert body["tokens"] == hf_tokenizer.encode(text, add_special_tokens=True) and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == hf_tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert body["max_model_len"] > 0 and body["model"] == MODEL
+    status, back = post(mesh, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == hf_tokenizer.decode(body["tokens"]), back
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    status, chat = post(mesh, "/tokenize", {"messages": messages})       # model absent: the default
+    rendered = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert status == 200 and chat["tokens"] == hf_tokenizer.encode(rendered, add_special_tokens=False), chat
+    assert chat["token_strs"] is None
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage   # type: ignore[arg-type]
+    assert usage is not None and usage.prompt_tokens == chat["count"]
+    status, back = post(mesh, "/detokenize", {"tokens": chat["tokens"]})
+    assert status == 200 and back["prompt"] == rendered                   # special tokens kept: the template
+    status, open_turn = post(mesh, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and chat["tokens"][:open_turn["count"]] == open_turn["tokens"] < chat["tokens"]
+
+    refused = [({"prompt": text, "messages": messages}, 400, "exactly one of"),
+               ({"messages": messages, "add_special_tokens": True}, 400, "add_special_tokens"),
+               ({"prompt": text, "add_generation_prompt": True}, 400, "add_generation_prompt"),
+               ({"prompt": text, "model": "no-such-model"}, 404, "no-such-model")]
+    for request, code, words in refused:
+        status, answer = post(mesh, "/tokenize", request)
+        assert status == code and words in answer["error"]["message"], (request, answer)
+    status, answer = post(mesh, "/detokenize", {"tokens": [1, 10**9]})
+    assert status == 400 and "outside the vocabulary" in answer["error"]["message"], answer
+    status, answer = post(mesh, "/detokenize", {"tokens": [1, -2]})
+    assert status == 400 and answer["error"]["param"] == "tokens[1]", answer
+
+
+EMBED = ["The cat sat on the mat.", "A cat was sitting on the mat.", "Stock markets fell sharply on Tuesday.",
+         "How do I bake bread at home?", "What is the recipe for homemade bread?",
+         "The spacecraft entered orbit around Mars.", "Interest rates were raised by the central bank.",
+         "My favourite colour is blue."]
+PARAPHRASES = ((0, 1), (3, 4))
+
+
+def test_embeddings_are_normalized_pooled_states_where_a_paraphrase_is_nearest(  # type: ignore[no-untyped-def]
+        mesh: Mesh, client: openai.OpenAI, hf) -> None:
+    """client.embeddings.create (the openai package asks for base64): 8 inputs, each the mean of transformers'
+    final hidden states scaled to length 1; each paraphrase is its sentence's nearest neighbour."""
+    import torch
+
+    model, tokenizer = hf
+    reply = client.embeddings.create(model=MODEL, input=EMBED)
+    vectors = torch.tensor([d.embedding for d in reply.data])
+    assert [d.index for d in reply.data] == list(range(8)) and vectors.shape == (8, model.config.hidden_size)
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(8), atol=1e-5)
+    ids = [tokenizer.encode(t) for t in EMBED]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, ids))
+    with torch.inference_mode():
+        mean = model.model(torch.tensor([ids[0]])).last_hidden_state[0].float().mean(0)
+    assert torch.allclose(vectors[0], mean / mean.norm(), atol=1e-4)
+    cosine = vectors @ vectors.T - 2 * torch.eye(8)          # self-similarity out of the way
+    for a, b in PARAPHRASES:
+        assert int(cosine[a].argmax()) == b and int(cosine[b].argmax()) == a, cosine
+
+    floats = client.embeddings.create(model=MODEL, input=[ids[0]], encoding_format="float")   # token ids in
+    assert torch.allclose(torch.tensor(floats.data[0].embedding), vectors[0], atol=1e-6)
+    short = client.embeddings.create(model=MODEL, input=EMBED[0], dimensions=64).data[0].embedding
+    assert len(short) == 64 and torch.allclose(torch.tensor(short), vectors[0, :64] / vectors[0, :64].norm(),
+                                               atol=1e-5)
+    for body, param in (({"model": MODEL, "input": ""}, "input[0]"),
+                        ({"model": MODEL, "input": "x", "dimensions": 1000}, "dimensions"),
+                        ({"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format")):
+        status, answer = post(mesh, "/v1/embeddings", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, answer = post(mesh, "/v1/embeddings", {"model": "no-such-model", "input": "x"})
+    assert status == 404, answer

@@ -17,7 +17,7 @@ def test_generated_modules_import(name: str) -> None:
     ("tokenizer", {"ApplyChatTemplate", "Encode", "GetTokenizerJson"}),
     ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo", "LoadVersion", "Drain"}),
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
-                "DrainReplica", "AddReplica"}),
+                "DrainReplica", "AddReplica", "Tokenize", "Detokenize"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
                "DeleteSession", "GetCheckpointFile", "GetResponse", "PutResponse"}),
     ("safety", {"Classify"}),
