@@ -24,7 +24,7 @@ MESH_PORTS = (50000, 53199)
 # and the offsets.  A module in ON_THEIR_OWN is a unit by itself, handed to whichever worker is free, so its
 # meshes may run beside those of either group: its offsets clash with none.
 SESSION_MESH_MODULES = ("test_edge_fuzz.py", "test_grpc.py", "test_http3.py", "test_openai_api.py",
-                        "test_routing.py", "test_supervision.py")
+                        "test_responses_api.py", "test_routing.py", "test_supervision.py")
 BESIDE_THE_SESSION_MESH = ("test_architectures_served.py",)
 ON_THEIR_OWN = ("test_fair_scheduling.py", "test_structured_outputs.py")
 # Modules whose tests share a session fixture that costs seconds (test_model_pull.py: a pull of the default model,

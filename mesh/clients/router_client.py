@@ -57,6 +57,7 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
             setattr(sampling.constraint, c.kind, c.text)
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
+        history_from=spec.history_from,
         pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant,
         include_token_ids=True, resume_ids=list(resume_ids), cache_class=spec.cache_class, weight=spec.weight,
         priority=common_pb2.PRIORITY_BATCH if spec.priority == "batch" else common_pb2.PRIORITY_INTERACTIVE)

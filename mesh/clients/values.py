@@ -44,6 +44,7 @@ class GenerateSpec:
     prompt: str | None = None              # a raw completion prompt; or
     prompt_ids: tuple[int, ...] | None = None   # a prompt already tokenized
     session_id: str = ""
+    history_from: str = ""                 # with session_id: continue the conversation stored under this one
     pinned_replica: str = ""
     request_id: str = ""
     model_version: str = ""                # pin a version (also `model@version`)

@@ -1,7 +1,8 @@
 """The edge's ASGI application: one app behind both HTTP/1.1 and HTTP/3.
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings
-(services/edge/embeddings.py), POST /tokenize and POST /detokenize (services/edge/tokenizing.py),
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(services/edge/responses_api.py), POST /v1/embeddings (services/edge/embeddings.py), POST /tokenize and
+POST /detokenize (services/edge/tokenizing.py),
 GET|PUT /admin/models/{model}/routing and GET /admin/console (admin keys only), GET /metrics,
 GET /openapi.json, and the web page (GET /, /static/app.js, /static/style.css: services/edge/console.py).
 Bad requests are answered here, in OpenAI's error shape, and never reach the router.
@@ -34,6 +35,7 @@ from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
+from services.edge.responses_api import Responses
 from services.edge.tokenizing import Tokenizing
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ CONSOLE = "/admin/console"
 # No API key needed: the page's static files, liveness, Prometheus' scrape, the API's description.
 PUBLIC = ("/health", "/metrics", "/openapi.json", *FILES)
 ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions",
-          "/v1/embeddings", "/tokenize", "/detokenize", *FILES)
+          "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", *FILES)
 
 
 class EdgeApp:
@@ -58,6 +60,7 @@ class EdgeApp:
         self.completions = Completions(config, router, self.admission)
         self.tokenizing = Tokenizing(config, router, self.completions.read_json)
         self.embeddings = Embeddings(config, router, self.admission, self.completions.read_json)
+        self.responses = Responses(config, router, self.completions)
         self.openapi = json.dumps(openapi.document(config)).encode()
         self.page = Page(router)
         self.alt_svc = f'h3=":{config.http3_port}"; ma=86400'.encode() if config.http3_port else b""
@@ -70,6 +73,7 @@ class EdgeApp:
             ("POST", "/v1/chat/completions"): self.completions.chat,
             ("POST", "/v1/completions"): self.completions.completions,
             ("POST", "/v1/embeddings"): self.embeddings.embeddings,
+            ("POST", "/v1/responses"): self.responses.create,
             ("POST", "/tokenize"): self.tokenizing.tokenize,
             ("POST", "/detokenize"): self.tokenizing.detokenize,
             ("GET", CONSOLE): self.page.console,

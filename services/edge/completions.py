@@ -74,7 +74,7 @@ class Completions:
         if self.classifier is not None:
             await self.classifier.close()
 
-    async def _check_input(self, policy: ContentPolicy, body: dict[str, Any], caller: AuthenticatedCaller) -> None:
+    async def check_input(self, policy: ContentPolicy, body: dict[str, Any], caller: AuthenticatedCaller) -> None:
         """400 `content_filter` for an input the rules or the classifier block: every text of the request
         that reaches the model (services/edge/model_inputs.py)."""
         texts = model_inputs.texts(body)
@@ -109,7 +109,7 @@ class Completions:
         stream, include_usage = requests.stream_options(body)
         caller: AuthenticatedCaller = scope["infermesh.caller"]
         policy = self.safety.current()
-        await self._check_input(policy, body, caller)
+        await self.check_input(policy, body, caller)
         pinned = headers.get("x-infermesh-model-version", "").strip()
         key = cache_key(chat, caller.tenant, body, spec, pinned) if self.cache.enabled else None
         if key is not None:

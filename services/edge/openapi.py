@@ -13,7 +13,7 @@ from typing import Any
 from mesh.chat import ROLES
 from mesh.constraints import MAX_CONSTRAINT_CHARS
 from mesh.tools import MAX_TOOLS
-from services.edge import embeddings, requests, tokenizing
+from services.edge import embeddings, requests, responses_input, tokenizing
 from services.edge.config import EdgeConfig
 from services.edge.fields import MAX_NAME_CHARS
 
@@ -159,7 +159,8 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
         },
     }
     return {"ChatMessage": message, "ChatCompletionRequest": chat, "CompletionRequest": completion,
-            **tokenizing.schemas(config.max_messages, _tool_fields()["tools"]), **embeddings.schemas()}
+            **tokenizing.schemas(config.max_messages, _tool_fields()["tools"]), **embeddings.schemas(),
+            **responses_input.schemas(requests.MAX_TOKENS)}
 
 
 def _response_schemas() -> dict[str, Any]:
@@ -173,9 +174,10 @@ def _response_schemas() -> dict[str, Any]:
     completion_logprobs = {"type": ["object", "null"],
                            "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
                            "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
-                                          "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                                          # null for an echoed prompt's first token, as OpenAI answers
+                                          "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
                                           "top_logprobs": {"type": "array", "items": {
-                                              "type": "object", "additionalProperties": {"type": "number"}}},
+                                              "type": ["object", "null"], "additionalProperties": {"type": "number"}}},
                                           "text_offset": {"type": "array", "items": {"type": "integer"}}}}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer", "minimum": 0}
@@ -308,6 +310,15 @@ def document(config: EdgeConfig) -> dict[str, Any]:
                                                         "ChatCompletion", "ChatCompletionChunk")},
             "/v1/completions": {"post": completion("text completion", "CompletionRequest", "Completion",
                                                    "CompletionChunk")},
+            "/v1/responses": {"post": {**plain("the Responses API: a response (stream: true gives its typed events)",
+                                               "ResponseRequest", "Response"),
+                                         "responses": {
+                                             "200": {"description": "the response, or server-sent events",
+                                                     "content": {JSON: {"schema": _ref("Response")},
+                                                                 "text/event-stream": {"schema": {
+                                                                     "type": "object", "required": ["data"],
+                                                                     "properties": {"data": {"type": "string"}}}}}},
+                                             **_errors(400, *auth_errors, 404, 408, 413, 500, 502, 503, 504)}}},
             "/v1/embeddings": {"post": plain("embeddings: each input's pooled final hidden states, normalized",
                                              "EmbeddingRequest", "EmbeddingResponse")},
             "/tokenize": {"post": plain("a prompt or conversation as the model's tokenizer sees it (vLLM's shape)",

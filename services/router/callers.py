@@ -191,6 +191,7 @@ def refusal(request: RouterGenerateRequest) -> str | None:
                                               s.presence_penalty, s.frequency_penalty, s.repetition_penalty or 1.0,
                                               s.min_p, dict(s.logit_bias), s.min_tokens))
             or name_problem("session_id", request.session_id) or name_problem("model", request.model)
+            or name_problem("history_from", request.history_from)
             or name_problem("pinned_replica", request.pinned_replica)
             or name_problem("request_id", request.request_id)
             or (f"cache_class {request.cache_class[:32]!r} is not premium, standard or batch"

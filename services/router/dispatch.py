@@ -65,8 +65,10 @@ class Dispatcher:
                                               self.table.models())
         # Everything kept per conversation is the caller's own: keyed by tenant and session id.
         key = session_key(request.tenant, request.session_id)
-        session = key if request.WhichOneof("input") == "chat" else ""
-        conversation, new = merge(await self.sessions.history(session), incoming)
+        chat = request.WhichOneof("input") == "chat"
+        session = key if chat else ""
+        history, branched = await self.sessions.continued(request, session, chat)
+        conversation, new = merge(history, incoming)
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
@@ -80,7 +82,8 @@ class Dispatcher:
             async for reply in self._attempts(hop):
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    await self.sessions.remember(session, [*new, Message("assistant", "".join(answer))])
+                    await self.sessions.remember(session, [*(history if branched else ()), *new,
+                                                           Message("assistant", "".join(answer))])
                     # Before the last message (the caller may close us after it).  A degraded answer is
                     # a fallback's, not the primary's: no mirror compares with it.
                     served = None if reply.served_by.degraded else ("".join(answer), time.monotonic() - started)

@@ -18,10 +18,11 @@ from circuitbreaker import CircuitBreaker, CircuitBreakerError
 from tokenizers import Tokenizer as Vocabulary
 
 from mesh.chat import Message, from_pb, to_pb
-from mesh.errors import InvalidArgument, MeshError, Unavailable
+from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.grpcutil import channel, retry_after
 from mesh.telemetry import client_span, outgoing_metadata
 from meshpb.v1 import cache_pb2, cache_pb2_grpc, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.router.sessions import session_key
 
 # What the dependency breakers count: the service failing, not a request it refused.
 _DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
@@ -190,6 +191,19 @@ class Sessions:
         wait = max(1, self.breaker.open_remaining) if isinstance(err, CircuitBreakerError) else 1
         return Unavailable(f"the session store {self.address} is unreachable ({_why(err)}): {what}; "
                            f"retry in {wait} s", retry_after_s=wait)
+
+    async def continued(self, request: router_pb2.RouterGenerateRequest, session: str, chat: bool
+                        ) -> tuple[list[Message], bool]:
+        """The stored conversation a chat continues (its session's, or history_from's), and whether it came
+        from another session (history_from: the whole of it is stored again under the request's own)."""
+        if not request.history_from:
+            return await self.history(session), False
+        if not chat:
+            raise InvalidArgument("history_from needs chat messages")
+        history = await self.history(session_key(request.tenant, request.history_from))
+        if not history:
+            raise NotFound(f"no stored conversation {request.history_from!r}")
+        return history, True
 
     async def history(self, session_id: str) -> list[Message]:
         """The stored conversation, or [] (no session store, no session id, or a new session)."""

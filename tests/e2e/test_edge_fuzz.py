@@ -33,6 +33,9 @@ from tests.e2e.conftest import Mesh
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 4          # per generated request: the model must not generate for ages on CPUs
+# The routes that generate, and their length fields (the first is set when none is given).
+GENERATING = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"), "/v1/completions": ("max_tokens",),
+              "/v1/responses": ("max_output_tokens",)}
 EXAMPLES = 100          # per generation mode, spread over the operations (about a minute in all)
 RETRIES = 3             # of a 503 with Retry-After (load shed): a neighbour's load may slow grammar compiles
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -53,14 +56,15 @@ def served(mesh: Mesh) -> list[str]:
 
 
 def clamp_max_tokens(case: Any) -> None:
-    """Keep generation short without changing whether the request is valid: a missing max_tokens is
-    set, and a valid one above MAX_TOKENS is lowered; an invalid value is left for the server to refuse."""
-    body = case.body
-    if not isinstance(body, dict):
+    """Keep generation short without changing whether the request is valid: on a route that generates, a
+    missing length field is set, and a valid one above MAX_TOKENS is lowered; an invalid value is left for the
+    server to refuse."""
+    body, names = case.body, GENERATING.get(case.path)
+    if not isinstance(body, dict) or names is None:
         return
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS
-    for name in ("max_tokens", "max_completion_tokens"):
+    if all(body.get(name) is None for name in names):
+        body[names[0]] = MAX_TOKENS
+    for name in names:
         value = body.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool) and MAX_TOKENS < value <= 1 << 20:
             body[name] = MAX_TOKENS

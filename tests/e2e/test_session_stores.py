@@ -63,10 +63,14 @@ def test_a_session_survives_a_killed_cache_service(store: tuple[str, Mesh, str])
 
     in_session: dict[str, Any] = {"extra_headers": {"x-session-id": SESSION}}
     prompt_tokens("My name is Ada and I live in Lisbon.", max_tokens=6, **in_session)
+    # A stored response (the Responses API) is a conversation in the same store.
+    stored = client.responses.create(model="smollm2-135m", input="My name is Ada and I live in Lisbon.",
+                                     max_output_tokens=6, temperature=0)
     kept = mesh.log.parent / "cache-service" / "sessions.jsonl"
     if kind == "redis":
         keys = [str(k) for k in redis.Redis.from_url(url, decode_responses=True).keys(f"{PREFIX}*")]
-        assert len(keys) == 1 and keys[0].endswith(SESSION), keys
+        assert len(keys) == 2 and any(k.endswith(SESSION) for k in keys) and any(k.endswith(stored.id) for k in keys), \
+            keys
         assert not kept.exists()                  # nothing of the session on the cache service's disk
     else:
         assert SESSION in kept.read_text()
@@ -78,7 +82,7 @@ def test_a_session_survives_a_killed_cache_service(store: tuple[str, Mesh, str])
         time.sleep(0.5)
     after = mesh.log.read_text().partition("cache-0 restarted")[2]
     expected = (rf"sessions kept in Redis at {re.escape(url)} \(keys {PREFIX}\*\)" if kind == "redis"
-                else r"sessions kept in \S+sessions\.jsonl \(1 brought back\)")
+                else r"sessions kept in \S+sessions\.jsonl \(2 brought back\)")
     assert re.search(expected, after), after[-2000:]
 
     alone = prompt_tokens("And?")
@@ -92,3 +96,6 @@ def test_a_session_survives_a_killed_cache_service(store: tuple[str, Mesh, str])
             time.sleep(0.5)
     # The first turn (about 12 tokens of question, 6 of answer) came back from the store.
     assert with_history >= alone + 12, (alone, with_history)
+    continued = client.responses.create(model="smollm2-135m", input="And?", previous_response_id=stored.id,
+                                        max_output_tokens=1, temperature=0)
+    assert continued.usage is not None and continued.usage.input_tokens >= alone + 12, (alone, continued.usage)

@@ -1,0 +1,197 @@
+"""POST /v1/responses (OpenAI's Responses API), whole or streamed as its typed server-sent events.
+
+A request runs as one chat completion (services/edge/responses_input.py makes it one): the same admission,
+content rules, tool calls and structured outputs.  With `store` (the default) the conversation, this answer
+included, is kept in the cache service's session store under the response's id, namespaced by the caller's
+tenant as sessions are (the router stores it: RouterGenerateRequest.session_id); `previous_response_id`
+continues one (history_from), on any router and after a restart of the cache service, as sessions do.
+
+Streamed events: response.created, response.in_progress, then per output item response.output_item.added,
+for a message response.content_part.added, response.output_text.delta ..., response.output_text.done,
+response.content_part.done, for a function call response.function_call_arguments.delta and .done, then
+response.output_item.done; last response.completed (or response.incomplete at max_output_tokens), each with
+its sequence_number.  An error after the stream began is an `error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from mesh import tools
+from mesh.clients.router_client import Delta, GenerateSpec
+from mesh.clients.router_pool import Routers
+from services.edge import requests
+from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
+from services.edge.choices import Choice, fan_out
+from services.edge.completions import Completions
+from services.edge.config import EdgeConfig
+from services.edge.errors import ApiError, error_body, from_grpc
+from services.edge.metrics import TENANT_TOKENS
+from services.edge.responses_input import ResponsesRequest, parse_responses
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+class Output:
+    """The response object being built, item by item, and the events that tell a stream about it."""
+
+    def __init__(self, rid: str, model: str, request: ResponsesRequest, emit: Emit):
+        self.rid, self.model, self.request, self.emit = rid, model, request, emit
+        self.created = int(time.time())
+        self.items: list[dict[str, Any]] = []
+        self.message: dict[str, Any] | None = None       # the message item being written
+        self.final: Delta | None = None
+
+    def body(self, status: str) -> dict[str, Any]:
+        final = self.final
+        usage = None if final is None else {
+            "input_tokens": final.prompt_tokens, "output_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "input_tokens_details": {"cached_tokens": final.cached_tokens},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": list(self.items), "usage": usage, "error": None,
+                "incomplete_details": incomplete, **self.request.echo}
+
+    async def text(self, piece: str) -> None:
+        if self.message is None:
+            self.message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                            "content": []}
+            await self.emit("response.output_item.added", {"output_index": len(self.items), "item": self.message})
+            await self.emit("response.content_part.added", {**self._where(), "part": _part("")})
+        self.message["content"] = [_part(self.message["content"][0]["text"] + piece if self.message["content"]
+                                         else piece)]
+        await self.emit("response.output_text.delta", {**self._where(), "delta": piece})
+
+    async def close_message(self) -> None:
+        if self.message is None:
+            return
+        item, self.message = self.message, None
+        text = item["content"][0]["text"] if item["content"] else ""
+        item.update(status="completed", content=[_part(text)])
+        where = {"item_id": item["id"], "output_index": len(self.items), "content_index": 0}
+        await self.emit("response.output_text.done", {**where, "text": text})
+        await self.emit("response.content_part.done", {**where, "part": _part(text)})
+        await self.emit("response.output_item.done", {"output_index": len(self.items), "item": item})
+        self.items.append(item)
+
+    async def call(self, call: tools.ToolCall) -> None:
+        await self.close_message()
+        item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+                "arguments": "", "status": "in_progress"}
+        index = len(self.items)
+        await self.emit("response.output_item.added", {"output_index": index, "item": dict(item)})
+        await self.emit("response.function_call_arguments.delta",
+                        {"item_id": item["id"], "output_index": index, "delta": call.arguments})
+        await self.emit("response.function_call_arguments.done",
+                        {"item_id": item["id"], "output_index": index, "arguments": call.arguments})
+        item.update(arguments=call.arguments, status="completed")
+        await self.emit("response.output_item.done", {"output_index": index, "item": item})
+        self.items.append(item)
+
+    def _where(self) -> dict[str, Any]:
+        assert self.message is not None
+        return {"item_id": self.message["id"], "output_index": len(self.items), "content_index": 0}
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+class Responses:
+    """The route's handler (app.py routes it; the caller is admitted by then)."""
+
+    def __init__(self, config: EdgeConfig, router: Routers, completions: Completions):
+        self.config, self.router, self.completions = config, router, completions
+
+    async def create(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        request = parse_responses(await self.completions.read_json(scope, receive, headers))
+        caller = scope["infermesh.caller"]
+        policy = self.completions.safety.current()
+        await self.completions.check_input(policy, request.chat, caller)
+        spec = requests.parse_chat(request.chat, max_messages=self.config.max_messages)
+        rid = new_id("resp")
+        spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
+                                   cache_class=caller.tier.cache_class, weight=caller.tier.weight,
+                                   session_id=rid if request.store else "", history_from=request.previous,
+                                   model_version=headers.get("x-infermesh-model-version", "").strip())
+        charge = self.completions.admission.enter(caller, spec)
+        try:
+            if request.stream:
+                return await self._stream(request, spec, Choice(0, True, spec, "", policy), charge, receive, send)
+            output = Output(rid, spec.model, request, _silent)
+            done = await unless_gone(self._run(spec, Choice(0, True, spec, "", policy), output, charge), receive)
+            if done is None:
+                return 499
+            await send_json(send, 200, output.body(done))
+            return 200
+        finally:
+            self.completions.admission.leave(charge)
+            if charge.used:
+                TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
+
+    async def _run(self, spec: GenerateSpec, choice: Choice, output: Output, charge: Any) -> str:
+        """Relay the answer into `output`; its final status (completed, incomplete)."""
+        try:
+            async for _, delta in fan_out(self.router, [spec], 1, self.config.request_timeout_s):
+                charge.started = True
+                output.model = delta.served_by.model if delta.served_by else output.model
+                for piece in choice.add(delta):
+                    if isinstance(piece, tools.ToolCall):
+                        await output.call(piece)
+                    elif piece:
+                        await output.text(piece)
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        await output.close_message()
+        output.final = choice.final
+        if choice.final is not None:
+            charge.used = choice.final.prompt_tokens + choice.final.completion_tokens
+        return "incomplete" if choice.finish_reason in ("length", "content_filter") else "completed"
+
+    async def _stream(self, request: ResponsesRequest, spec: GenerateSpec, choice: Choice, charge: Any,
+                      receive: Receive, send: Send) -> int:
+        sequence = 0
+
+        async def emit(kind: str, fields: dict[str, Any]) -> None:
+            nonlocal sequence
+            event = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode()})
+
+        output = Output(spec.request_id, spec.model, request, emit)
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await emit("response.created", {"response": output.body("in_progress")})
+        await emit("response.in_progress", {"response": output.body("in_progress")})
+        try:
+            done = await unless_gone(self._run(spec, choice, output, charge), receive)
+            if done is None:
+                return 499
+            await emit(f"response.{done}", {"response": output.body(done)})
+        except ApiError as exc:
+            await emit("error", {"code": exc.code, "message": exc.message, "param": exc.param})
+        except asyncio.CancelledError:
+            raise
+        except Exception:        # noqa: BLE001 - the stream is open: the client learns of it in an event
+            await emit("error", error_body("internal error", "server_error", None)["error"])
+        await send({"type": "http.response.body", "body": b""})
+        return 200
+
+
+async def _silent(kind: str, fields: dict[str, Any]) -> None:
+    """A whole answer's events: none."""
