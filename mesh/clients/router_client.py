@@ -109,6 +109,7 @@ class RouterClient:
                     logprobs=_logprobs(r.logprobs),
                     prompt_logprobs=_logprobs(r.prompt_logprobs),
                     embedding=tuple(r.embedding),
+                    reasoning=r.reasoning,
                 )
         finally:
             call.cancel()

@@ -111,6 +111,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()     # the tokens behind this delta, when Sampling.logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] = ()   # first delta, with Sampling.prompt_logprobs (first: NaN)
     embedding: tuple[float, ...] = ()           # the last delta, with Sampling.pooling (not normalized)
+    reasoning: str = ""                         # a reasoning model's thoughts (think tags), apart from `text`
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,9 @@ class Choice:
         self.final: Delta | None = None
         self.started = False
         self.guard = OutputGuard(policy)       # output content rules (services/edge/safety.py)
+        self.think_guard = OutputGuard(policy)  # the same rules over a reasoning model's thoughts
+        self.reasoning: list[str] = []         # reasoning_content released so far
+        self.new_reasoning = ""                # released by the last delta
         self.first: Delta | None = None
         self.generated = 0                     # token ids so far
         self.cut = False                       # its last chunk is out: later deltas are dropped
@@ -142,7 +145,7 @@ class Choice:
     @property
     def blocked(self) -> bool:
         """The output rules stopped this choice (its final is then made here)."""
-        return self.guard.blocked is not None
+        return self.guard.blocked is not None or self.think_guard.blocked is not None
 
     def add(self, d: Delta) -> list[str | tools.ToolCall]:
         """What this delta adds for the client: text pieces and whole tool calls (none once blocked)."""
@@ -157,7 +160,10 @@ class Choice:
         if self.prompt_only:
             return []
         entries = self._screened(d.logprobs)
+        self.new_reasoning = self.think_guard.feed(d.reasoning) + (self.think_guard.finish() if self.final else "")
         text = self.guard.feed(d.text) + (self.guard.finish() if self.final else "")
+        if self.new_reasoning and not self.blocked:
+            self.reasoning.append(self.new_reasoning)
         if self.blocked:                       # the rest of this choice is not generated
             self.final = dataclasses.replace(
                 d, text="", finish_reason="content_filter", prompt_tokens=self.first.prompt_tokens,
@@ -232,6 +238,8 @@ class Choice:
                                       self.prompt_logprobs + self.logprobs) if self.lp else None}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text.strip() if self.calls else text}
+            if self.reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
             if self.calls:
                 message["content"] = message["content"] or None
                 message["tool_calls"] = [c.as_dict() for c in self.calls]
@@ -247,7 +255,9 @@ class Choice:
             delta["role"] = "assistant"
             self.started = True
         text = "".join(p for p in pieces if isinstance(p, str))
-        if text or not pieces:
+        if self.new_reasoning and not self.blocked:
+            delta["reasoning_content"] = self.new_reasoning
+        if text or not (pieces or "reasoning_content" in delta):
             delta["content"] = text
         calls = [p for p in pieces if isinstance(p, tools.ToolCall)]
         if calls:

@@ -241,7 +241,7 @@ class Completions:
                                                     logprobs=answer.echo_logprobs()))
                 # A delta's logprobs ride on its text chunk (the stop matcher may hold text back, so a
                 # chunk can carry tokens and no text yet).
-                if pieces or logprobs or not answer.started:
+                if pieces or logprobs or answer.new_reasoning or not answer.started:
                     await emit(responses.chunk_body(head, "".join(p for p in pieces if isinstance(p, str)),
                                                     logprobs=logprobs, index=index,
                                                     delta=answer.delta(pieces) if chat else None))
@@ -273,6 +273,7 @@ def _blocked(policy: ContentPolicy, entry: Entry) -> bool:
     if not policy.output:
         return False
     texts = [c.get("text") or (c.get("message") or {}).get("content") or "" for c in entry.body["choices"]]
+    texts += [(c.get("message") or {}).get("reasoning_content") or "" for c in entry.body["choices"]]
     texts += [t for c in entry.body["choices"] for t in _alternatives(c.get("logprobs"))]
     return any(policy.first_match(t, policy.output) for t in texts)
 

@@ -109,8 +109,10 @@ class Grammars:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
                 tokenizer = AutoTokenizer.from_pretrained(self.folder)
+                # A model with no end-of-sequence id (generation_config's eos_token_id: []): xgrammar takes the
+                # tokenizer's own (it refuses an empty list).
                 self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                                stop_token_ids=self.eos_token_ids)
+                                                                stop_token_ids=self.eos_token_ids or None)
             return self._info
 
     def compile(self, c: Constraint, tenant: bytes = b"") -> Any:

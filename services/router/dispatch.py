@@ -161,9 +161,10 @@ class Dispatcher:
         """Token ids, a client stream and the routing request, for `model`'s tokenizer; the stream
         starts after the request's `resume_ids` (their text appended to `sent`)."""
         request = hop.request
-        prompt_ids = await self.tokenizer.tokenize(request, model, hop.conversation, hop.context.time_remaining())
+        prompt_ids, reasoning = await self.tokenizer.tokenize(request, model, hop.conversation,
+                                                             hop.context.time_remaining())
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
-                        request.include_token_ids)
+                        request.include_token_ids, reasoning)
         if request.resume_ids:
             text = stream.resume(request.resume_ids)
             if sent is not None:

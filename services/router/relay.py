@@ -22,6 +22,7 @@ import grpc
 from mesh.detokenize import IncrementalDecoder
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import caller_limit
+from mesh.reasoning import ThinkSplitter
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from services.router.stops import StopMatcher
 
@@ -43,10 +44,11 @@ class EngineFailed(Exception):
 
 class Stream:
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str], prompt_tokens: int,
-                 include_ids: bool):
+                 include_ids: bool, reasoning: str = ""):
         self.decode = decode
         self.decoder = IncrementalDecoder(decode)
         self.stops = StopMatcher(list(stop))
+        self.think = ThinkSplitter(reasoning)      # a reasoning model's thoughts apart from its answer
         self.prompt_tokens = prompt_tokens
         self.include_ids = include_ids
         self.sent_first = False
@@ -63,7 +65,15 @@ class Stream:
         text, stopped = self.stops.push(self.decoder.push(list(ids), False))
         if stopped:
             raise InvalidArgument("resume_ids already end the stream (they contain a stop string)")
-        return text
+        return self.think.push(text)[1]
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) of the text about to be sent; at the end, with what the splitter held back."""
+        thought, answer = self.think.push(text)
+        if final:
+            more = self.think.finish()
+            thought, answer = thought + more[0], answer + more[1]
+        return thought, answer
 
     def push(self, chunk: engine_pb2.GenerateResponse, served_by: common_pb2.ServedBy
              ) -> router_pb2.RouterGenerateResponse:
@@ -79,17 +89,19 @@ class Stream:
         if final or stopped:
             if not stopped:
                 emit += self.stops.flush()
+            thought, emit = self._split(emit, True)
             self.finished = True
             reason = common_pb2.FINISH_REASON_STOP if stopped else chunk.finish_reason
             usage = chunk.usage if final else self.usage()
             return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
                                                      finish_reason=reason, usage=usage, served_by=served_by,
                                                      prompt_logprobs=chunk.prompt_logprobs,
-                                                     embedding=chunk.embedding)
+                                                     embedding=chunk.embedding, reasoning=thought)
         # The first message names the replica and counts the prompt too, so callers can label the
         # stream early (and account for a stream they end themselves, as the edge's content filter does).
         first, self.sent_first = not self.sent_first, True
-        return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
+        thought, emit = self._split(emit, False)
+        return router_pb2.RouterGenerateResponse(text=emit, reasoning=thought, ids=ids, logprobs=chunk.logprobs,
                                                  served_by=served_by if first else None,
                                                  usage=self.usage() if first else None,
                                                  prompt_logprobs=chunk.prompt_logprobs)
@@ -101,8 +113,9 @@ class Stream:
         """The engine died after the last token but before its final message: end the stream here."""
         emit = self.decoder.push([], True)
         text, _ = self.stops.push(emit)
+        thought, text = self._split(text + self.stops.flush(), True)
         self.finished = True
-        return router_pb2.RouterGenerateResponse(text=text + self.stops.flush(),
+        return router_pb2.RouterGenerateResponse(text=text, reasoning=thought,
                                                  finish_reason=common_pb2.FINISH_REASON_LENGTH,
                                                  usage=self.usage(), served_by=served_by)
 

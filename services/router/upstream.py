@@ -100,14 +100,15 @@ class Tokenizer:
                           retry_after_s=wait)
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message],
-                       deadline_s: float | None = None) -> list[int]:
+                       deadline_s: float | None = None) -> tuple[list[int], str]:
         """The prompt's ids: the chat template over `conversation`, the raw prompt encoded, or the ids given
-        (the engine checks them against the vocabulary)."""
+        (the engine checks them against the vocabulary); and the answer's reasoning format (mesh/reasoning.py:
+        "" unless a chat template writes think tags)."""
         kind = request.WhichOneof("input")
         if kind == "prompt_ids":
             if not request.prompt_ids.ids:
                 raise InvalidArgument("prompt_ids is empty")
-            return list(request.prompt_ids.ids)
+            return list(request.prompt_ids.ids), ""
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
         timeout = within(deadline_s, 30.0)
@@ -120,7 +121,7 @@ class Tokenizer:
                 enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
                     model=model, text=request.prompt, add_special_tokens=True), timeout)
             span.set_attribute("prompt_tokens", len(enc.ids))
-        return list(enc.ids)
+        return list(enc.ids), enc.reasoning if kind == "chat" else ""
 
     async def encode(self, request: router_pb2.TokenizeRequest, model: str, timeout: float = 30.0) -> list[int]:
         """A Tokenize request's ids: its conversation through the chat template, or its prompt encoded."""

@@ -10,6 +10,7 @@ from mesh import peers, tools
 from mesh.chat import from_pb
 from mesh.errors import NotFound
 from mesh.grpcutil import Service, rpc_errors
+from mesh.reasoning import reasoning_format
 from mesh.telemetry import server_span
 from meshpb.v1 import tokenizer_pb2 as pb
 from meshpb.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -50,7 +51,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             ids, text = await asyncio.to_thread(tok.chat, messages, request.add_generation_prompt,
                                                 request.parse_special_tokens, request.tools)
             metrics.TOKENS.labels("chat_template").inc(len(ids))
-            return pb.EncodeResponse(ids=ids, text=text)
+            return pb.EncodeResponse(ids=ids, text=text, reasoning=reasoning_format(tok.think_tags, text))
 
     @rpc_errors
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:

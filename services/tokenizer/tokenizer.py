@@ -59,6 +59,8 @@ class ModelTokenizer:
             for _, t in sorted(specials, key=lambda s: -len(s[1].content))) or "(?!)")   # (?!): no controls
         # A template that reads `tools` renders them (and tool calls and results) its own way.
         self.knows_tools = "tools" in str(resolved.chat_template)
+        # A reasoning model's template (Qwen3, DeepSeek-R1 style) writes its thoughts between think tags.
+        self.think_tags = "</think>" in str(resolved.chat_template)
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     tools_json: str = "") -> str:

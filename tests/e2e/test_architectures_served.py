@@ -30,6 +30,22 @@ CHATS = [[{"role": "user", "content": "Hi"}],
           {"role": "user", "content": "Describe the water cycle in detail, step by step, for a child of ten."}],
          [{"role": "user", "content": "Count: one two three four five six seven eight nine ten eleven twelve"}]]
 NEW = 12
+# A reasoning template in Qwen3's style (written for this test): thoughts between think tags, dropped from the
+# assistant turns of the history; `enable_thinking=false` closes an empty think block in the prompt.
+THINKING_TEMPLATE = """{%- for m in messages -%}
+{%- set content = m.content if m.content is string else '' -%}
+{%- if m.role == 'assistant' and '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip() -%}
+{%- endif -%}
+<|im_start|>{{ m.role }}
+{{ content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif -%}{%- endif -%}"""
+THINKING = "qwen3"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +72,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: list[Path]
             model = build(kind, {**extra, "vocab_size": 49152}, folder)        # the SmolLM2 tokenizer's vocabulary
             for f in tokenizer_files:
                 shutil.copy(f, folder / f.name)
+            if name == THINKING:
+                (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE)
             (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": []}))
             assert cli.main(["model", "register", f"tiny-{name}", str(folder)]) == 0   # the CLI's code, in process
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -96,3 +114,24 @@ def test_served_greedy_chat_equals_transformers(name: str, served: tuple[str, di
         assert reply.choices[0].message.content == text, json.dumps(chat)
         assert reply.usage.completion_tokens == NEW
         assert reply.model == f"tiny-{name}"
+
+
+def test_a_reasoning_models_thoughts_come_apart_whole_and_streamed(served: tuple[str, dict]) -> None:
+    """The Qwen3-style template writes think tags, so the router splits the answer: between the tags is
+    `reasoning_content`, after them `content` (the random model is held to that shape by a regex)."""
+    http, _ = served
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask: dict[str, Any] = {"model": f"tiny-{THINKING}", "max_tokens": 48,
+                           "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+                           "extra_body": {"regex": "<think>[a-z]{4,12}</think>[a-z]{4,12}"}}
+    whole = client.chat.completions.create(**ask).choices[0].message
+    thought = (whole.model_extra or {}).get("reasoning_content")
+    assert isinstance(thought, str) and thought.isalpha() and 4 <= len(thought) <= 12, whole
+    assert whole.content is not None and whole.content.isalpha() and "think" not in whole.content
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    # Another model's template has no think tags: the same text stays content.
+    plain = client.chat.completions.create(**{**ask, "model": "tiny-qwen2"}).choices[0].message
+    assert plain.content is not None and plain.content.startswith("<think>") and "reasoning_content" not in (
+        plain.model_extra or {})

@@ -372,3 +372,14 @@ def test_the_router_relays_a_tenants_compile_limit_with_its_retry_after_and_no_f
             assert all(b._consecutive == 0 and not b.opened for b in breakers)     # no failure recorded
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_model_without_an_end_of_sequence_id_still_compiles(model_dir: Path) -> None:
+    """generation_config's eos_token_id: [] (a model that never ends by itself): xgrammar refuses an empty
+    stop list, so the tokenizer's own end token stands in (a regex constraint failed as INTERNAL before)."""
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    g = Grammars(model_dir, vocab_size, (), GrammarLimits())
+    try:
+        assert g.compile(Constraint("regex", "[a-z]{4,12}")).memory_size_bytes > 0
+    finally:
+        g.close()
