@@ -5,13 +5,16 @@ One format throughout, the one Hermes and Qwen models are trained on: a call is 
 that knows tools (it reads a `tools` variable) renders them its own way; for one that does not,
 `generic_messages` puts the tool list into the system message, earlier calls into the assistant's
 text and tool results into `<tool_response>` user turns.  `tool_choice` "required" or a named function
-constrains the answer to one such call (`call_constraint`, enforced by the engine's grammar).
+constrains the answer to one such call (`call_constraint`, enforced by the engine's grammar).  An answer
+made only of calls in Llama 3.1's or Mistral's format is read too (`bare_calls`).
 Pure code: the tokenizer renders with it, the edge parses answers with it.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,6 +178,10 @@ def _call(body: str, names: set[str]) -> ToolCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
+    return _call_of(obj, names)
+
+
+def _call_of(obj: Any, names: set[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -183,6 +190,54 @@ def _call(body: str, names: set[str]) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+# Answers that are calls and nothing else, in the other families' formats: Llama 3.1's JSON calls (one object,
+# or several separated by ";", after <|python_tag|> or not; its built-in tools' `name.call(key=value, ...)`),
+# Mistral's `[TOOL_CALLS]` list of {"name", "arguments"} (the tag is a control token: the router's decoder
+# drops it, so the list comes bare) or its newer `[TOOL_CALLS]name[ARGS]{...}`.
+PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+BARE_STARTS = ("{", "[", PYTHON_TAG)
+_PYTHON_CALL = re.compile(r"([A-Za-z_][\w-]*)\.call\((.*)\)", re.S)
+
+
+def bare_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls a whole answer is made of, in any family's format above ([] when it is not only calls)."""
+    body = text.strip()
+    for tag in (PYTHON_TAG, MISTRAL_CALLS):
+        body = body.removeprefix(tag).strip()
+    if MISTRAL_ARGS in body:
+        parts = body.split(MISTRAL_CALLS)
+        objs: list[Any] = []
+        for part in parts:
+            name, _, args = part.strip().partition(MISTRAL_ARGS)
+            objs.append({"name": name.strip(), "arguments": _loads_or_text(args.strip())})
+    else:
+        objs = _json_objects(body)
+    calls = [_call_of(o, names) for o in objs]
+    return [c for c in calls if c is not None] if calls and all(calls) else []
+
+
+def _json_objects(body: str) -> list[Any]:
+    """One JSON object, a JSON list of them, objects separated by ";", or one `name.call(k=v, ...)`."""
+    try:
+        value = json.loads(body)
+        return value if isinstance(value, list) else [value]
+    except ValueError:
+        pass
+    python = _PYTHON_CALL.fullmatch(body)
+    if python is not None:
+        try:
+            node = ast.parse(f"f({python.group(2)})", mode="eval").body
+            assert isinstance(node, ast.Call) and not node.args
+            return [{"name": python.group(1),
+                     "arguments": {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}}]
+        except (SyntaxError, ValueError, AssertionError):
+            return []
+    try:
+        return [json.loads(part) for part in body.split(";") if part.strip()]
+    except ValueError:
+        return []
 
 
 class CallParser:
@@ -203,7 +258,7 @@ class CallParser:
         out: list[str | ToolCall] = []
         if not self._started and self._buf.strip():
             self._started = True
-            self._bare = self._buf.lstrip().startswith("{")
+            self._bare = self._buf.lstrip().startswith(BARE_STARTS)
         if self._bare:
             return out
         while self._buf:
@@ -232,10 +287,9 @@ class CallParser:
     def finish(self) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
         if self._bare:
-            call = _call(self._buf.strip(), self.names)
-            out.append(call if call is not None else self._buf)
-            if call is not None:
-                self.calls.append(call)
+            calls = bare_calls(self._buf, self.names)
+            out.extend(calls or [self._buf])
+            self.calls.extend(calls)
         elif self._in_call:
             self._emit_call(self._buf, out, unclosed=True)
         elif self._buf:
