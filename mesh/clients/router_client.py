@@ -67,6 +67,7 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
         req.prompt = spec.prompt
     else:
         req.chat.tools = spec.tools
+        req.chat.template_kwargs = spec.template_kwargs
         req.chat.messages.extend(
             to_pb(m) for m in spec.messages)
     return req

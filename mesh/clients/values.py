@@ -50,6 +50,7 @@ class GenerateSpec:
     model_version: str = ""                # pin a version (also `model@version`)
     tenant: str = ""                       # who asks (never a secret): sessions are namespaced by it
     tools: str = ""                        # chat: OpenAI's `tools` list as JSON text, for the chat template
+    template_kwargs: str = ""              # chat: the template's variables as a JSON object (enable_thinking, ...)
     # The answer's shape, for the edge (the router sees one prompt and one choice per call):
     n: int = 1                             # choices per prompt
     prompts: tuple[str, ...] = ()          # completions: every prompt (`prompt` is the first)

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from mesh.request_limits import MAX_NAME_CHARS
+from mesh.request_limits import MAX_NAME_CHARS, template_kwargs_problem
 from services.edge.errors import ApiError, shown
 
 # A \uD800-\uDFFF escape may leave a lone surrogate in a parsed string, which cannot travel as UTF-8.
@@ -97,3 +97,22 @@ def no_unknown(body: dict[str, Any], allowed: set[str], where: str = "") -> None
         listed = ", ".join(shown(where + k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
         raise ApiError(400, f"unrecognized request argument supplied: {listed}",
                        where + unknown[0], code="unknown_parameter")
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def template_kwargs(body: dict[str, Any]) -> str:
+    """`chat_template_kwargs` (vLLM's: enable_thinking, ...) and `reasoning_effort` (OpenAI's, given to the
+    template as that variable): the chat template's variables as JSON text ("" for none)."""
+    variables, effort = body.get("chat_template_kwargs"), body.get("reasoning_effort")
+    if variables is None and effort is None:
+        return ""
+    problem = template_kwargs_problem({} if variables is None else variables)
+    if problem:
+        raise ApiError(400, problem, "chat_template_kwargs")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+        variables = {**(variables or {}), "reasoning_effort": effort}
+    return json.dumps(variables)

@@ -15,7 +15,7 @@ from mesh.constraints import MAX_CONSTRAINT_CHARS
 from mesh.tools import MAX_TOOLS
 from services.edge import embeddings, requests, responses_input, tokenizing
 from services.edge.config import EdgeConfig
-from services.edge.fields import MAX_NAME_CHARS
+from services.edge.fields import MAX_NAME_CHARS, REASONING_EFFORTS
 
 JSON = "application/json"
 
@@ -138,6 +138,10 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
             "logprobs": _nullable("boolean"),
             "top_logprobs": _nullable("integer", minimum=0, maximum=requests.MAX_TOP_LOGPROBS,
                                       description="needs logprobs: true"),
+            "chat_template_kwargs": {"type": ["object", "null"], "maxProperties": 16, "additionalProperties": {
+                "type": ["boolean", "number", "string"], "maxLength": 64, "pattern": "^[A-Za-z0-9_.-]*$"},
+                "description": "variables for the chat template (enable_thinking, ...): booleans, numbers, words"},
+            "reasoning_effort": {"enum": [*REASONING_EFFORTS, None], "description": "given to the template"},
             **_tool_fields(),
         },
     }

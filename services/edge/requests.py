@@ -28,7 +28,7 @@ from mesh.request_limits import (
 )
 from services.edge import structured
 from services.edge.errors import ApiError, shown
-from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string
+from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string, template_kwargs
 
 MAX_MESSAGES = 1_000            # default; the edge's --max-messages
 MAX_COMPLETION_LOGPROBS = 5     # completions `logprobs`, as in OpenAI
@@ -42,8 +42,8 @@ PROCESSING_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "rep
 MAX_STOP_TOKEN_IDS = 64
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens",
            "stop", "n", "user", "ignore_eos", *PROCESSING_FIELDS, *IGNORED_FIELDS}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                         *structured.CONSTRAINT_FIELDS, *structured.TOOL_FIELDS}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs",
+                         "reasoning_effort", *structured.CONSTRAINT_FIELDS, *structured.TOOL_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", *structured.CONSTRAINT_FIELDS}
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 # What clients echo back from an assistant reply (`message.model_dump()`): accepted when null or empty.
@@ -273,7 +273,7 @@ def parse_chat(body: dict[str, Any], session_id: str = "", pinned: str = "",
     sampling = dataclasses.replace(_sampling(body, "max_completion_tokens", logprobs, top), constraint=shape.constraint)
     return GenerateSpec(model=model, sampling=sampling, messages=messages,
                         session_id=session_id or string(body, "user"), pinned_replica=pinned,
-                        tools=shape.tools_json, n=n,
+                        tools=shape.tools_json, n=n, template_kwargs=template_kwargs(body),
                         tool_calls="" if not shape.parse_calls else "parallel" if shape.parallel else "single")
 
 

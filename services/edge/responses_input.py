@@ -17,7 +17,7 @@ from services.edge.errors import ApiError
 from services.edge.fields import MAX_NAME_CHARS, boolean, no_unknown, string
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
-          "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "user"}
+          "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "user", "reasoning"}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
 MAX_METADATA = 16             # key-value pairs, as OpenAI allows
@@ -151,13 +151,20 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         if value is not None:
             chat[field] = value
     string(body, "user")
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise ApiError(400, "'reasoning' must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
+        no_unknown(reasoning, {"effort", "summary"}, "reasoning.")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]         # given to the template (services/edge/fields.py)
     store = True if body.get("store") is None else boolean(body, "store")
     echo = {"instructions": instructions or None, "metadata": metadata or {}, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls")
             is not False, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}}, "previous_response_id": previous or None,
-            "store": store, "user": body.get("user")}
+            "store": store, "user": body.get("user"), "reasoning": reasoning or {}}
     return ResponsesRequest(chat, boolean(body, "stream"), store, previous, echo)
 
 
@@ -181,7 +188,7 @@ def schemas(max_tokens: int) -> dict[str, Any]:
         "previous_response_id": nullable("string", maxLength=MAX_NAME_CHARS),
         "metadata": nullable("object", maxProperties=MAX_METADATA,
                              additionalProperties={"type": "string", "maxLength": 512}),
-        "user": nullable("string", maxLength=MAX_NAME_CHARS)}}
+        "user": nullable("string", maxLength=MAX_NAME_CHARS), "reasoning": nullable("object")}}
     reply = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
              "properties": {"id": {"type": "string"}, "object": {"const": "response"},
                             "status": {"enum": ["completed", "incomplete", "in_progress"]},

@@ -116,7 +116,7 @@ class Tokenizer:
             if kind == "chat":
                 enc = await self._call("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest(
                     model=model, messages=_chat(conversation), add_generation_prompt=True,
-                    tools=request.chat.tools), timeout)
+                    tools=request.chat.tools, template_kwargs=request.chat.template_kwargs), timeout)
             else:
                 enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
                     model=model, text=request.prompt, add_special_tokens=True), timeout)

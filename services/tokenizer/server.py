@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import grpc
 
 from mesh import peers, tools
 from mesh.chat import from_pb
-from mesh.errors import NotFound
+from mesh.errors import InvalidArgument, NotFound
 from mesh.grpcutil import Service, rpc_errors
 from mesh.reasoning import reasoning_format
+from mesh.request_limits import template_kwargs_problem
 from mesh.telemetry import server_span
 from meshpb.v1 import tokenizer_pb2 as pb
 from meshpb.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -49,7 +52,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             self.limits.check_messages(messages, request.tools)
             tools.check(request.tools, messages)
             ids, text = await asyncio.to_thread(tok.chat, messages, request.add_generation_prompt,
-                                                request.parse_special_tokens, request.tools)
+                                                request.parse_special_tokens, request.tools,
+                                                template_variables(request.template_kwargs))
             metrics.TOKENS.labels("chat_template").inc(len(ids))
             return pb.EncodeResponse(ids=ids, text=text, reasoning=reasoning_format(tok.think_tags, text))
 
@@ -75,3 +79,17 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 
 def add_to(service: Service, servicer: TokenizerServicer) -> None:
     pb_grpc.add_TokenizerServicer_to_server(servicer, service.server)
+
+
+def template_variables(text: str) -> dict[str, Any]:
+    """A request's template variables (ChatTemplateRequest.template_kwargs, JSON), checked."""
+    if not text:
+        return {}
+    try:
+        variables = json.loads(text)
+    except ValueError:
+        raise InvalidArgument("template_kwargs is not JSON") from None
+    problem = template_kwargs_problem(variables)
+    if problem:
+        raise InvalidArgument(problem)
+    return dict(variables)

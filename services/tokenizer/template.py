@@ -112,13 +112,14 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
-               add_generation_prompt: bool = True) -> str:
+               add_generation_prompt: bool = True, variables: Mapping[str, Any] | None = None) -> str:
+        """`variables`: a request's own (enable_thinking, ...), checked by the caller; never the names below."""
         name = "tool_use" if tools is not None and "tool_use" in self._compiled else "default"
         chat = [_with_reasoning_names({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
             return self._compiled[name].render(
-                messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens)
+                **(variables or {}), messages=chat, tools=tools, documents=None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from exc
 

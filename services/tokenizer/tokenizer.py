@@ -22,8 +22,9 @@ import dataclasses
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -63,21 +64,24 @@ class ModelTokenizer:
         self.think_tags = "</think>" in str(resolved.chat_template)
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    tools_json: str = "") -> str:
+                    tools_json: str = "", variables: Mapping[str, Any] | None = None) -> str:
         """The template over the conversation.  Tools (OpenAI's `tools` list as JSON text) go through the
         template when it knows tools; otherwise into plain turns (mesh/tools.py: generic_messages)."""
         validate_messages(messages)
         tools = json.loads(tools_json, strict=False) if tools_json else []
         if not self.knows_tools:
             messages, tools = tools_mod.generic_messages(messages, tools), []
-        return self.template.render(tools_mod.template_messages(messages), tools or None, add_generation_prompt)
+        return self.template.render(tools_mod.template_messages(messages), tools or None, add_generation_prompt,
+                                    variables)
 
     def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-             parse_special: bool = False, tools_json: str = "") -> tuple[list[int], str]:
+             parse_special: bool = False, tools_json: str = "", variables: Mapping[str, Any] | None = None
+             ) -> tuple[list[int], str]:
         """(ids, rendered text) of a conversation.  parse_special: control strings in the contents
-        are control tokens too; only for callers that wrote every message themselves."""
+        are control tokens too; only for callers that wrote every message themselves.  variables: the
+        request's template variables (booleans, numbers, short words: mesh/request_limits.py)."""
         if parse_special:
-            text = self.render_chat(messages, add_generation_prompt, tools_json)
+            text = self.render_chat(messages, add_generation_prompt, tools_json, variables)
             return self.encode(text, parse_special=True), text
         placeholders = self._placeholders([*messages, Message("tools", tools_json)])
         if placeholders:
@@ -88,7 +92,7 @@ class ModelTokenizer:
             messages = [dataclasses.replace(m, content=hide(m.content), name=hide(m.name),
                                             tool_calls=hide(m.tool_calls)) for m in messages]
             tools_json = hide(tools_json)
-        rendered = self.render_chat(messages, add_generation_prompt, tools_json)
+        rendered = self.render_chat(messages, add_generation_prompt, tools_json, variables)
         pieces, marks = self._cut_at_controls(rendered)
         if placeholders:
             restore = {p: c for c, p in placeholders.items()}

@@ -135,3 +135,21 @@ def test_a_reasoning_models_thoughts_come_apart_whole_and_streamed(served: tuple
     plain = client.chat.completions.create(**{**ask, "model": "tiny-qwen2"}).choices[0].message
     assert plain.content is not None and plain.content.startswith("<think>") and "reasoning_content" not in (
         plain.model_extra or {})
+
+
+def test_template_variables_reach_the_template(served: tuple[str, dict], model_dir: Path) -> None:
+    """chat_template_kwargs {"enable_thinking": false}: the Qwen3-style template closes an empty think block in
+    the prompt (its tokens counted in usage); a variable that could carry text is refused."""
+    from transformers import AutoTokenizer
+
+    http, _ = served
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask: dict[str, Any] = {"model": f"tiny-{THINKING}", "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "Hi"}]}
+    plain = client.chat.completions.create(**ask).usage
+    off = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage
+    block = AutoTokenizer.from_pretrained(str(model_dir)).encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert plain is not None and off is not None and off.prompt_tokens == plain.prompt_tokens + len(block)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"x": "<|im_start|>system"}})
+    assert err.value.param == "chat_template_kwargs"

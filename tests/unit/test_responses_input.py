@@ -44,6 +44,9 @@ def test_a_string_input_and_a_json_schema_format() -> None:
     assert request.chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
     assert parse_chat(request.chat).sampling.constraint is not None
     assert request.echo["metadata"] == {"k": "v"}
+    effort = parse_responses({"model": "m", "input": "x", "reasoning": {"effort": "low"}})
+    assert effort.chat["reasoning_effort"] == "low" and parse_chat(effort.chat).template_kwargs == \
+        '{"reasoning_effort": "low"}'
 
 
 @pytest.mark.parametrize("body, param", [
@@ -58,7 +61,8 @@ def test_a_string_input_and_a_json_schema_format() -> None:
     ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"model": "m", "input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"model": "m", "input": "x", "store": "yes"}, "store"),
-    ({"model": "m", "input": "x", "reasoning": {}}, "reasoning"),
+    ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
+    ({"model": "m", "input": "x", "reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget"),
 ])
 def test_refused_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as err:
