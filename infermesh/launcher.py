@@ -199,10 +199,10 @@ def plan(config: MeshConfig) -> list[list[Child]]:
                  f"http://127.0.0.1:{http_port}/health" if config.host in ("127.0.0.1", "0.0.0.0", "localhost")
                  else f"http://{config.host}:{http_port}/health")
     kept = config.cache_folder()
-    # The cache keeps its KV blocks' disk tier and its sessions here, so a restart loses neither
+    # The cache keeps its KV blocks' disk tier, sessions and stored objects here, so a restart loses none
     # (sessions in Redis stay there).  A Redis URL with a password goes by the environment: `ps`
     # shows every command line.
-    state = ["--cold-dir", str(kept / "blocks")] if kept else []
+    state = ["--cold-dir", str(kept / "blocks"), "--objects-dir", str(kept)] if kept else []
     redis, secret = redis_address(config.session_store), {}
     if redis is not None and redis.password:
         secret = {"INFERMESH_CACHE_SESSION_STORE": config.session_store}

@@ -153,6 +153,12 @@ class RouterClient:
                                         metadata=outgoing_metadata())
         return str(r.text)
 
+    async def forget_conversation(self, session_id: str, tenant: str = "", timeout: float = 10.0) -> bool:
+        """Delete a stored conversation (a session, a stored response) of `tenant` (the edge's) or the caller's."""
+        r = await self._stub.ForgetConversation(router_pb2.ForgetConversationRequest(
+            session_id=session_id, tenant=tenant), timeout=timeout, metadata=outgoing_metadata())
+        return bool(r.found)
+
     async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:
         return _routing(await self._stub.GetModelRouting(router_pb2.ModelRoutingRequest(model=model), timeout=timeout))
 

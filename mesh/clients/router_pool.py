@@ -220,6 +220,10 @@ class RouterPool:
         result: str = await self._first(lambda c: c.detokenize(model, ids, timeout))
         return result
 
+    async def forget_conversation(self, session_id: str, tenant: str = "", timeout: float = 10.0) -> bool:
+        result: bool = await self._first(lambda c: c.forget_conversation(session_id, tenant, timeout))
+        return result
+
     async def model_routing(self, model: str, timeout: float = 5.0) -> ModelRouting:
         result: ModelRouting = await self._first(lambda c: c.model_routing(model, timeout))
         return result

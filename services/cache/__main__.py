@@ -15,6 +15,7 @@ from services.cache.block_metrics import watch
 from services.cache.config import EMBEDDED, REDIS_FORM, CacheConfig
 from services.cache.eviction import POLICIES
 from services.cache.journal import SessionJournal
+from services.cache.objects import ObjectStore
 from services.cache.server import CacheServicer, add_to
 from services.cache.session_backends import EmbeddedSessions, SessionBackend
 from services.cache.sessions import SessionStore
@@ -53,6 +54,9 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
                         "off the command line)")
     p.add_argument("--sessions-dir", default="", metavar="DIR",
                    help="the embedded store: keep sessions across restarts in DIR/sessions.jsonl (default: memory)")
+    p.add_argument("--objects-dir", default="", metavar="DIR",
+                   help="keep the edges' stored objects (stored responses) across restarts in DIR/objects.jsonl "
+                        "(default: --sessions-dir, else memory)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on this port; 0: off")
     apply_env(p, "INFERMESH_CACHE")
     a = p.parse_args(argv)
@@ -61,7 +65,7 @@ def parse(argv: list[str] | None = None) -> CacheConfig:
                            discovery=a.discovery, hot_mb=a.hot_mb, cold_dir=a.cold_dir, cold_mb=a.cold_mb,
                            eviction=a.eviction, tenant_weights=a.tenant_weights, max_block_mb=a.max_block_mb,
                            metrics_port=a.metrics_port, advertise=a.advertise, tls_dir=a.tls_dir,
-                           session_store=a.session_store, sessions_dir=a.sessions_dir,
+                           session_store=a.session_store, sessions_dir=a.sessions_dir, objects_dir=a.objects_dir,
                            checkpoint_store=a.checkpoint_store)
     except ValueError as exc:
         p.error(str(exc))
@@ -92,8 +96,10 @@ async def serve(config: CacheConfig) -> None:
     blocks = BlockStore.create(config.hot_mb << 20, config.cold_dir or None, config.cold_mb << 20, config.eviction,
                                dict(config.tenant_weights), config.max_block_mb << 20)
     service = Service("meshpb.v1.Cache", config.host, config.port, max_receive_bytes=MAX_MESSAGE_BYTES)
+    objects = ObjectStore(config.objects_dir or config.sessions_dir or None)
     add_to(service, CacheServicer(sessions, blocks,
-                                  checkpoint_store=Path(config.checkpoint_store) if config.checkpoint_store else None))
+                                  checkpoint_store=Path(config.checkpoint_store) if config.checkpoint_store else None,
+                                  objects=objects))
     if config.metrics_port:
         watch(blocks, config.replica_id)        # registered before /metrics is served
     log.info("cache %s serving on %s (KV blocks: %d MiB hot, %s, %s eviction)", config.replica_id, service.address,
@@ -103,6 +109,7 @@ async def serve(config: CacheConfig) -> None:
     async def stop() -> None:
         await blocks.flush()     # blocks still being written to the cold tier are finished first
         await sessions.close()
+        objects.close()
 
     await serve_grpc("cache", config, service, metrics_port=config.metrics_port, on_stop=stop)
 

@@ -61,6 +61,7 @@ class CacheConfig:
     # (services/cache/redis_sessions.py), where every cache replica pointed at it shares them.
     session_store: str = EMBEDDED
     sessions_dir: str = ""              # the embedded store's journal (services/cache/journal.py); "": memory
+    objects_dir: str = ""               # the edges' stored objects (services/cache/objects.py); "": sessions_dir's
     checkpoint_store: str = ""          # a checkpoint store served to other regions (GetCheckpointFile); "": none
     discovery: str = "static"           # static | consul: where this process announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host

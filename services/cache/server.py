@@ -1,6 +1,6 @@
 """Cache gRPC servicer: session context here (kept by a SessionBackend, session_backends.py); the KV
 block RPCs come from BlockRPCs (block_rpcs.py), the edges' response cache from ResponseRPCs
-(response_rpcs.py)."""
+(response_rpcs.py), the edges' stored objects from ObjectRPCs (object_rpcs.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.cache import metrics
 from services.cache.block_rpcs import BlockRPCs
 from services.cache.journal import SessionJournal
+from services.cache.object_rpcs import ObjectRPCs
+from services.cache.objects import ObjectStore
 from services.cache.response_rpcs import ResponseRPCs
 from services.cache.responses import ResponseStore
 from services.cache.session_backends import EmbeddedSessions, SessionBackend
@@ -48,14 +50,16 @@ def session_to_pb(session_id: str, session: Session | None) -> cache_pb2.Session
     )
 
 
-class CacheServicer(BlockRPCs, ResponseRPCs, cache_pb2_grpc.CacheServicer):
+class CacheServicer(BlockRPCs, ResponseRPCs, ObjectRPCs, cache_pb2_grpc.CacheServicer):
     def __init__(self, sessions: SessionBackend | SessionStore, blocks: BlockStore,
-                 journal: SessionJournal | None = None, checkpoint_store: Path | None = None):
+                 journal: SessionJournal | None = None, checkpoint_store: Path | None = None,
+                 objects: ObjectStore | None = None):
         # A bare SessionStore (with its journal, if any) is the embedded backend.
         self.sessions = EmbeddedSessions(sessions, journal) if isinstance(sessions, SessionStore) else sessions
         self.checkpoint_store = checkpoint_store      # served to other regions' `model sync` (GetCheckpointFile)
         self.blocks = blocks            # the KV block store (services/cache/block_rpcs.py serves it)
         self.responses = ResponseStore()    # the edges' shared response cache (response_rpcs.py)
+        self.objects = objects if objects is not None else ObjectStore()   # the edges' stored objects
         if isinstance(self.sessions, EmbeddedSessions):
             # Counted at scrape time; Redis's sessions are shared by every replica and counted by GetStats.
             store = self.sessions.store

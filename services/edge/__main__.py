@@ -138,6 +138,7 @@ async def serve(config: EdgeConfig) -> None:
         http3.close()
     await asyncio.gather(http_task, return_exceptions=True)
     await app.completions.close()
+    await app.responses.stored.close()
     await router.close()
     if registry is not None:
         await registry.close()

@@ -35,6 +35,7 @@ from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
+from services.edge.responses_api import PREFIX as RESPONSES_PREFIX
 from services.edge.responses_api import Responses
 from services.edge.tokenizing import Tokenizing
 
@@ -120,7 +121,9 @@ class EdgeApp:
         route = self.routes.get((method, path))
         admin = (path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
                  or path == CONSOLE)
-        if path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
+        if path.startswith(RESPONSES_PREFIX) and method in ("GET", "DELETE"):
+            route = self.responses.stored_response
+        elif path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
             route = self.admin
         elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):
             route = self.replicas

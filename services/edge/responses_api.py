@@ -36,7 +36,9 @@ from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.metrics import TENANT_TOKENS
 from services.edge.responses_input import ResponsesRequest, parse_responses
+from services.edge.stored import StoredObjects
 
+PREFIX = "/v1/responses/"
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 Emit = Callable[[str, dict[str, Any]], Awaitable[None]]
 
@@ -117,6 +119,29 @@ class Responses:
 
     def __init__(self, config: EdgeConfig, router: Routers, completions: Completions):
         self.config, self.router, self.completions = config, router, completions
+        self.stored = StoredObjects(config.cache_service)     # stored responses, for GET (services/edge/stored.py)
+
+    async def stored_response(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        """GET /v1/responses/{id}: a stored response as it was answered; DELETE: it and its conversation (a
+        previous_response_id naming it is then a 404 too).  Another tenant's ids are not found."""
+        rid = scope["path"].removeprefix(PREFIX)
+        tenant = scope["infermesh.caller"].tenant
+        if not rid or "/" in rid or len(rid) > 128:
+            raise ApiError(404, f"no route {scope['method']} {scope['path'][:80]}", kind="not_found_error", code=None)
+        if scope["method"] == "GET":
+            value = await self.stored.get(tenant, "response", rid)
+            if value is None:
+                raise ApiError(404, f"Response with id '{rid}' not found.", kind="not_found_error", code=None)
+            await send_json(send, 200, json.loads(value))
+            return 200
+        try:
+            forgotten = await self.router.forget_conversation(rid, tenant)
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        if not (await self.stored.delete(tenant, "response", rid) or forgotten):
+            raise ApiError(404, f"Response with id '{rid}' not found.", kind="not_found_error", code=None)
+        await send_json(send, 200, {"id": rid, "object": "response", "deleted": True})
+        return 200
 
     async def create(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         request = parse_responses(await self.completions.read_json(scope, receive, headers))
@@ -137,7 +162,10 @@ class Responses:
             done = await unless_gone(self._run(spec, Choice(0, True, spec, "", policy), output, charge), receive)
             if done is None:
                 return 499
-            await send_json(send, 200, output.body(done))
+            body = output.body(done)
+            if request.store:
+                await self.stored.put(caller.tenant, "response", rid, json.dumps(body).encode())
+            await send_json(send, 200, body)
             return 200
         finally:
             self.completions.admission.leave(charge)
@@ -182,7 +210,10 @@ class Responses:
             done = await unless_gone(self._run(spec, choice, output, charge), receive)
             if done is None:
                 return 499
-            await emit(f"response.{done}", {"response": output.body(done)})
+            body = output.body(done)
+            if request.store:
+                await self.stored.put(spec.tenant, "response", spec.request_id, json.dumps(body).encode())
+            await emit(f"response.{done}", {"response": body})
         except ApiError as exc:
             await emit("error", {"code": exc.code, "message": exc.message, "param": exc.param})
         except asyncio.CancelledError:

@@ -8,6 +8,7 @@ The parts it is built from do the work:
     engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf)
     admin.py     Admin: models, version routing and replicas, as plain values
     tokens.py    TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
+    conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted)
 
 The policies (policies/), failover (failover/) and stop strings (stops.py) are pure code.
 """
@@ -31,6 +32,7 @@ from services.router import metrics
 from services.router.admin import Admin, Routing
 from services.router.callers import Callers, refusal
 from services.router.config import RouterConfig
+from services.router.conversations import ConversationRPCs
 from services.router.dispatch import Dispatcher
 from services.router.engines import Engines, load_to_pb
 from services.router.events import RECENT
@@ -44,7 +46,7 @@ from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch
 
 
-class RouterServicer(TokenRPCs, router_pb2_grpc.RouterServicer):
+class RouterServicer(TokenRPCs, ConversationRPCs, router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig):
         self.config = config
         self.table = ReplicaTable()

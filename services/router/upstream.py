@@ -210,36 +210,39 @@ class Sessions:
         """The stored conversation, or [] (no session store, no session id, or a new session)."""
         if self.stub is None or not session_id:
             return []
-        try:
-            with client_span("router.session_lookup", session_id=session_id) as span:
-                found = await self.breaker.call_async(
-                    self.stub.GetSession, cache_pb2.SessionRequest(session_id=session_id),
-                    metadata=outgoing_metadata(), timeout=5.0)
-                span.set_attributes({"found": found.found, "messages": len(found.messages)})
-        except grpc.aio.AioRpcError as err:
-            if err.code() not in _DOWN_CODES:
-                raise relay_error("session store", err) from None
-            raise self._unavailable(err, "the session's history cannot be read") from None
-        except CircuitBreakerError as err:
-            raise self._unavailable(err, "the session's history cannot be read") from None
+        with client_span("router.session_lookup", session_id=session_id) as span:
+            found = await self._call(self.stub.GetSession, cache_pb2.SessionRequest(session_id=session_id),
+                                     "the session's history cannot be read")
+            span.set_attributes({"found": found.found, "messages": len(found.messages)})
         return [from_pb(m) for m in found.messages]
+
+    async def forget(self, session_id: str) -> bool:
+        """Delete the session; whether it was there (no store: False)."""
+        if self.stub is None or not session_id:
+            return False
+        reply = await self._call(self.stub.DeleteSession, cache_pb2.SessionRequest(session_id=session_id),
+                                 "the conversation was not deleted; send it again")
+        return bool(reply.found)
 
     async def remember(self, session_id: str, messages: list[Message]) -> None:
         """Append the turn (before the answer's last message goes out)."""
         if self.stub is None or not session_id or not messages:
             return
+        with client_span("router.session_store", session_id=session_id, messages=len(messages)):
+            await self._call(self.stub.AppendSession,
+                             cache_pb2.AppendSessionRequest(session_id=session_id, messages=_chat(messages)),
+                             "this turn could not be stored; send it again")
+
+    async def _call(self, method: Any, request: Any, failed: str) -> Any:
+        """`method` behind the breaker; the store down (or its breaker open) is UNAVAILABLE saying `failed`."""
         try:
-            with client_span("router.session_store", session_id=session_id, messages=len(messages)):
-                await self.breaker.call_async(
-                    self.stub.AppendSession,
-                    cache_pb2.AppendSessionRequest(session_id=session_id, messages=_chat(messages)),
-                    metadata=outgoing_metadata(), timeout=5.0)
+            return await self.breaker.call_async(method, request, metadata=outgoing_metadata(), timeout=5.0)
         except grpc.aio.AioRpcError as err:
             if err.code() not in _DOWN_CODES:
                 raise relay_error("session store", err) from None
-            raise self._unavailable(err, "this turn could not be stored; send it again") from None
+            raise self._unavailable(err, failed) from None
         except CircuitBreakerError as err:
-            raise self._unavailable(err, "this turn could not be stored; send it again") from None
+            raise self._unavailable(err, failed) from None
 
 
 def _why(err: grpc.aio.AioRpcError | CircuitBreakerError) -> str:

@@ -80,3 +80,19 @@ def test_precise_errors(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(model=MODEL, max_output_tokens=4, **kwargs)   # type: ignore[arg-type]
         assert err.value.param == param, (kwargs, err.value)
+
+
+def test_a_stored_response_is_read_back_and_deleted(client: openai.OpenAI) -> None:
+    made = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4, temperature=0)
+    again = client.responses.retrieve(made.id)
+    assert again.id == made.id and again.output_text == made.output_text and again.usage == made.usage
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):              # its conversation went with it
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=made.id, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(made.id)
+    unstored = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)

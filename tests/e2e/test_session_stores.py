@@ -99,3 +99,4 @@ def test_a_session_survives_a_killed_cache_service(store: tuple[str, Mesh, str])
     continued = client.responses.create(model="smollm2-135m", input="And?", previous_response_id=stored.id,
                                         max_output_tokens=1, temperature=0)
     assert continued.usage is not None and continued.usage.input_tokens >= alone + 12, (alone, continued.usage)
+    assert client.responses.retrieve(stored.id).output_text == stored.output_text     # kept on the cache's disk

@@ -111,6 +111,7 @@ def test_launch_plan_with_replicated_routers_and_tokenizers(tmp_path) -> None:  
     assert flag("edge-0", "--router") == "127.0.0.1:50151,127.0.0.1:50131"
     assert flag("cache-0", "--cold-dir") == str(tmp_path / "blocks")
     assert flag("cache-0", "--sessions-dir") == str(tmp_path)
+    assert flag("cache-0", "--objects-dir") == str(tmp_path)          # stored responses, with Redis sessions too
     assert "--sessions-dir" not in plan(MeshConfig(cache_dir="none"))[0][0].argv
     with pytest.raises(ValueError, match="--routers"):
         MeshConfig(routers=0)

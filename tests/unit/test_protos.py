@@ -17,9 +17,10 @@ def test_generated_modules_import(name: str) -> None:
     ("tokenizer", {"ApplyChatTemplate", "Encode", "GetTokenizerJson"}),
     ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo", "LoadVersion", "Drain"}),
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
-                "DrainReplica", "AddReplica", "Tokenize", "Detokenize"}),
+                "DrainReplica", "AddReplica", "Tokenize", "Detokenize", "ForgetConversation"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
-               "DeleteSession", "GetCheckpointFile", "GetResponse", "PutResponse"}),
+               "DeleteSession", "GetCheckpointFile", "GetResponse", "PutResponse", "PutObject", "GetObject",
+               "DeleteObject"}),
     ("safety", {"Classify"}),
 ])
 def test_service_contracts(service: str, rpcs: set[str]) -> None:
