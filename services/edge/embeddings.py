@@ -156,7 +156,14 @@ class Embeddings:
                                    code=None)
                 return dataclasses.replace(final, served_by=final.served_by or served)
 
-        return list(await asyncio.gather(*(one(s) for s in specs)))
+        tasks = [asyncio.ensure_future(one(s)) for s in specs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:              # one failed (or the client left): the others stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
 
 def schemas() -> dict[str, Any]:

@@ -280,3 +280,5 @@ def test_embeddings_are_normalized_pooled_states_where_a_paraphrase_is_nearest( 
         assert status == 400 and answer["error"]["param"] == param, answer
     status, answer = post(mesh, "/v1/embeddings", {"model": "no-such-model", "input": "x"})
     assert status == 404, answer
+    status, answer = post(mesh, "/v1/embeddings", {"model": MODEL, "input": [[1, 2], [3, 10**9]]})
+    assert status == 400 and "outside the vocabulary" in answer["error"]["message"], answer
