@@ -34,11 +34,14 @@ Key = tuple[str, str, str]
 
 
 class ObjectStore:
-    def __init__(self, folder: str | Path | None = None, max_bytes: int = 256 << 20,
+    def __init__(self, folder: str | Path | None = None, max_bytes: int = 256 << 20, tenant_share: float = 0.25,
                  clock: Callable[[], float] = time.time):
+        """`tenant_share`: the part of `max_bytes` one tenant may hold, so no tenant fills the store for all."""
         self.clock = clock
         self.max_bytes = max_bytes
+        self.max_tenant_bytes = int(max_bytes * tenant_share)
         self.bytes = 0
+        self.tenant_bytes: dict[str, int] = {}
         self._items: dict[Key, tuple[bytes, float]] = {}
         self.path = Path(folder) / FILE if folder else None
         self._file: IO[str] | None = None
@@ -75,14 +78,17 @@ class ObjectStore:
             raise InvalidArgument(f"ttl_s {ttl_s:g} must be above 0 and at most {MAX_TTL_S:g}")
         self._expire()
         old = self._items.get(key)
-        if self.bytes - (len(old[0]) if old else 0) + len(value) > self.max_bytes:
+        before = len(old[0]) if old else 0
+        held = self.tenant_bytes.get(key[0], 0)
+        if held - before + len(value) > self.max_tenant_bytes:
+            raise ResourceExhausted(f"this tenant's stored objects hold {held} of the {self.max_tenant_bytes} bytes "
+                                    "it may keep; delete some (DELETE /v1/responses/ID) or store less")
+        if self.bytes - before + len(value) > self.max_bytes:
             raise ResourceExhausted(f"the object store holds {self.bytes} of its {self.max_bytes} bytes; "
                                     "delete stored objects or retry later")
-        if old is not None:
-            self.bytes -= len(old[0])
         expires = self.clock() + ttl_s
+        self._account(key, len(value) - before)
         self._items[key] = (value, expires)
-        self.bytes += len(value)
         self._write({"k": list(key), "e": round(expires, 3), "v": base64.b64encode(value).decode("ascii")})
 
     def delete(self, key: Key) -> bool:
@@ -92,9 +98,17 @@ class ObjectStore:
             self._drop(key, journal=True)
         return found
 
+    def _account(self, key: Key, change: int) -> None:
+        self.bytes += change
+        held = self.tenant_bytes.get(key[0], 0) + change
+        if held:
+            self.tenant_bytes[key[0]] = held
+        else:
+            self.tenant_bytes.pop(key[0], None)
+
     def _drop(self, key: Key, journal: bool) -> None:
         value, _ = self._items.pop(key)
-        self.bytes -= len(value)
+        self._account(key, -len(value))
         if journal:
             self._write({"k": list(key), "d": 1})
 
@@ -114,11 +128,11 @@ class ObjectStore:
                         key: Key = tuple(record["k"])          # type: ignore[assignment]
                         if record.get("d"):
                             if key in self._items:
-                                self.bytes -= len(self._items.pop(key)[0])
+                                self._drop(key, journal=False)
                             continue
                         value = base64.b64decode(record["v"])
                         old = self._items.get(key)
-                        self.bytes += len(value) - (len(old[0]) if old else 0)
+                        self._account(key, len(value) - (len(old[0]) if old else 0))
                         self._items[key] = (value, float(record["e"]))
                     except (ValueError, TypeError, KeyError) as exc:
                         log.warning("%s line %d skipped (%s)", self.path, number, exc)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -37,6 +38,8 @@ from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.metrics import TENANT_TOKENS
 from services.edge.responses_input import ResponsesRequest, parse_responses
 from services.edge.stored import StoredObjects
+
+log = logging.getLogger(__name__)
 
 PREFIX = "/v1/responses/"
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -164,13 +167,21 @@ class Responses:
                 return 499
             body = output.body(done)
             if request.store:
-                await self.stored.put(caller.tenant, "response", rid, json.dumps(body).encode())
+                await self._keep(caller.tenant, rid, body)
             await send_json(send, 200, body)
             return 200
         finally:
             self.completions.admission.leave(charge)
             if charge.used:
                 TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
+
+    async def _keep(self, tenant: str, rid: str, body: dict[str, Any]) -> None:
+        """Store the response for GET; a store that refuses (full, unreachable) costs the caller only that: the
+        answer still goes out (its conversation is in the session store either way)."""
+        try:
+            await self.stored.put(tenant, "response", rid, json.dumps(body).encode())
+        except ApiError as exc:
+            log.warning("response %s not kept for GET /v1/responses/%s: %s", rid, rid, exc.message)
 
     async def _run(self, spec: GenerateSpec, choice: Choice, output: Output, charge: Any) -> str:
         """Relay the answer into `output`; its final status (completed, incomplete)."""
@@ -212,7 +223,7 @@ class Responses:
                 return 499
             body = output.body(done)
             if request.store:
-                await self.stored.put(spec.tenant, "response", spec.request_id, json.dumps(body).encode())
+                await self._keep(spec.tenant, spec.request_id, body)
             await emit(f"response.{done}", {"response": body})
         except ApiError as exc:
             await emit("error", {"code": exc.code, "message": exc.message, "param": exc.param})

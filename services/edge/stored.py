@@ -51,6 +51,9 @@ class StoredObjects:
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ApiError(400, err.details() or "refused by the object store") from None
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ApiError(429, err.details() or "the object store is full", kind="insufficient_quota",
+                               code="insufficient_quota", retry_after_s=60) from None
             raise ApiError(503, f"the object store is unreachable ({err.code().name}); retry shortly",
                            kind="service_unavailable", code="overloaded", retry_after_s=1) from None
 

@@ -32,8 +32,19 @@ def test_a_tenants_objects_are_its_own_and_expire() -> None:
     assert store.delete(("t:a", "response", "resp_2")) and not store.delete(("t:a", "response", "resp_2"))
 
 
+def test_one_tenant_keeps_at_most_its_share() -> None:
+    store = ObjectStore(max_bytes=100, tenant_share=0.25)
+    store.put(("t:a", "response", "1"), b"x" * 20, 60)
+    with pytest.raises(ResourceExhausted, match="this tenant's stored objects hold 20 of the 25 bytes"):
+        store.put(("t:a", "response", "2"), b"x" * 6, 60)
+    store.put(("t:b", "response", "1"), b"x" * 25, 60)                  # another tenant's share is its own
+    store.delete(("t:a", "response", "1"))
+    store.put(("t:a", "response", "2"), b"x" * 25, 60)
+    assert store.tenant_bytes == {"t:a": 25, "t:b": 25} and store.bytes == 50
+
+
 def test_limits_are_refused_precisely() -> None:
-    store = ObjectStore(max_bytes=10)
+    store = ObjectStore(max_bytes=10, tenant_share=1.0)
     with pytest.raises(InvalidArgument, match="kind 'file' is not one of response"):
         store.put(("t", "file", "x"), b"v", 60)
     with pytest.raises(InvalidArgument, match="ttl_s 0 must be above 0"):
@@ -43,8 +54,8 @@ def test_limits_are_refused_precisely() -> None:
     with pytest.raises(InvalidArgument, match="id is 1 to 128"):
         store.get(("t", "response", ""))
     store.put(("t", "response", "a"), b"12345678", 60)
-    with pytest.raises(ResourceExhausted, match="holds 8 of its 10 bytes"):
-        store.put(("t", "response", "b"), b"123", 60)
+    with pytest.raises(ResourceExhausted, match="the object store holds 8 of its 10 bytes"):
+        store.put(("u", "response", "b"), b"123", 60)
     store.put(("t", "response", "a"), b"1234567890", 60)                # a replacement counts its own size once
 
 
@@ -62,6 +73,6 @@ def test_the_journal_brings_back_what_was_live(tmp_path: Path) -> None:
     again = ObjectStore(tmp_path, clock=clock)
     assert again.get(("t", "response", "kept")) == b"\x00binary\xff"
     assert again.get(("t", "response", "short")) is None and again.get(("t", "response", "gone")) is None
-    assert len(again) == 1 and again.bytes == len(b"\x00binary\xff")
+    assert len(again) == 1 and again.bytes == len(b"\x00binary\xff") == again.tenant_bytes["t"]
     lines = (tmp_path / FILE).read_text().splitlines()          # rewritten with the live object alone
     assert len(lines) == 1 and json.loads(lines[0])["k"] == ["t", "response", "kept"]
