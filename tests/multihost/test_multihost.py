@@ -355,12 +355,14 @@ def test_host_a_killed_mid_stream_loses_nothing(hosts: Hosts, client: Any,
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(stream, client, p, progress, i) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 120
-        # All four on region a (4 outstanding is not overloaded), each with tokens already streamed.
-        while min(progress) < 4 or router_metric(hosts, "infermesh_router_in_flight", replica="engine-a") < 4:
+        # The streams under way on region a (4 outstanding is not overloaded), each with tokens already streamed.
+        # A load report a moment behind may still send one to region b (seen once in six full runs of the suite):
+        # it then runs there from the start, and the others are what the kill moves.
+        while not (router_metric(hosts, "infermesh_router_in_flight", replica="engine-a") >= 3
+                   and all(progress[i] >= 4 or f.done() for i, f in enumerate(futures))):
             assert time.monotonic() < deadline, f"streams did not get under way on engine-a: {progress}"
-            assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
             time.sleep(0.05)
-        assert router_metric(hosts, "infermesh_router_in_flight", replica="engine-b") == 0
+        on_a = int(router_metric(hosts, "infermesh_router_in_flight", replica="engine-a"))
         at_kill = list(progress)
         started = time.monotonic()
         killed = hosts.kill_host("engine-a")
@@ -368,8 +370,8 @@ def test_host_a_killed_mid_stream_loses_nothing(hosts: Hosts, client: Any,
         moved_in = time.monotonic() - started
     assert killed, "no process was running on host engine-a"
     assert hosts.procs["engine-a"].wait(10) == -signal.SIGKILL
-    print(f"\nmultihost: killed host engine-a (pids {killed}) with {at_kill} chunks streamed; "
-          f"all {len(prompts)} streams finished on engine-b {moved_in:.1f}s later")
+    print(f"\nmultihost: killed host engine-a (pids {killed}) with {at_kill} chunks streamed, {on_a} of the "
+          f"{len(prompts)} streams on it; all finished on engine-b {moved_in:.1f}s later")
     for prompt, r in zip(prompts, results, strict=True):
         assert r["error"] is None, r
         assert (r["finish"], r["tokens"]) == ("length", TOKENS), r
