@@ -28,13 +28,12 @@ from services.edge.admission import Admission
 from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, from_grpc
-from services.edge.fields import integer, no_unknown, string
+from services.edge.fields import MAX_TOKEN_ID, integer, is_token_id, no_unknown, string
 from services.edge.metrics import TENANT_TOKENS
 
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 MAX_INPUTS = 2048             # OpenAI's limit on inputs per request
 MAX_DIMENSIONS = 1 << 16
-MAX_ID = (1 << 32) - 1
 PARALLEL = 32                 # one request's inputs in flight at once (the engines batch them)
 SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
@@ -47,14 +46,10 @@ class EmbeddingRequest:
     dimensions: int | None = None     # truncate to this many (then normalize)
 
 
-def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ID
-
-
 def _inputs(raw: Any) -> tuple[str | tuple[int, ...], ...]:
     if raw is None:
         raise ApiError(400, "you must provide an 'input' parameter", "input", code="missing_required_parameter")
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_id(t) for t in raw)):
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(is_token_id(t) for t in raw)):
         raw = [raw]                                  # one string, or one list of token ids
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, f"'input' must be {SHAPES}", "input", code="invalid_type")
@@ -64,7 +59,7 @@ def _inputs(raw: Any) -> tuple[str | tuple[int, ...], ...]:
     for i, item in enumerate(raw):
         if isinstance(item, str) and item:
             out.append(item)
-        elif isinstance(item, list) and item and all(_is_id(t) for t in item):
+        elif isinstance(item, list) and item and all(is_token_id(t) for t in item):
             out.append(tuple(item))
         else:
             raise ApiError(400, f"'input[{i}]' must be a non-empty string or a non-empty list of token ids "
@@ -168,7 +163,7 @@ class Embeddings:
 
 def schemas() -> dict[str, Any]:
     """The OpenAPI schemas of the route's body and answer (services/edge/openapi.py)."""
-    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}
     text = {"type": "string", "minLength": 1}
     request = {"type": "object", "additionalProperties": False, "required": ["model", "input"], "properties": {
         "model": {"type": "string", "description": "a served model (GET /v1/models)"},

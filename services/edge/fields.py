@@ -68,13 +68,22 @@ def integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def boolean(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """`name`'s value; `default` when it is absent or null."""
+    value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ApiError(400, f"'{name}' must be a boolean, got {type(value).__name__}", name, code="invalid_type")
     return value
+
+
+MAX_TOKEN_ID = (1 << 32) - 1        # uint32, as the mesh carries token ids
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer (not a boolean) the mesh can carry as a token id; the engine checks it against the vocabulary."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
 
 def string(body: dict[str, Any], name: str, required: bool = False, max_len: int = MAX_NAME_CHARS) -> str:

@@ -26,7 +26,7 @@ from mesh.request_limits import (
     TEMPERATURE,
     TOP_P,
 )
-from services.edge import structured
+from services.edge import fields, structured
 from services.edge.errors import ApiError, shown
 from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string, template_kwargs
 
@@ -140,8 +140,7 @@ def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return ()
-    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 1 << 32
-                                        for i in ids):
+    if not isinstance(ids, list) or not all(fields.is_token_id(i) for i in ids):
         raise ApiError(400, "'stop_token_ids' must be a list of token ids", "stop_token_ids", code="invalid_type")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"'stop_token_ids' holds at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")

@@ -158,7 +158,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
         no_unknown(reasoning, {"effort", "summary"}, "reasoning.")
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]         # given to the template (services/edge/fields.py)
-    store = True if body.get("store") is None else boolean(body, "store")
+    store = boolean(body, "store", True)
     echo = {"instructions": instructions or None, "metadata": metadata or {}, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls")
             is not False, "max_output_tokens": body.get("max_output_tokens"),

@@ -19,18 +19,13 @@ from services.edge import structured
 from services.edge.asgi import Receive, Scope, Send, send_json
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, from_grpc
-from services.edge.fields import MAX_NAME_CHARS, boolean, no_unknown, string
+from services.edge.fields import MAX_NAME_CHARS, MAX_TOKEN_ID, boolean, is_token_id, no_unknown, string
 from services.edge.requests import MAX_MESSAGES, parse_messages
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
                    "return_token_strs"}
 CHAT_ONLY = ("add_generation_prompt", "tools")
 MAX_IDS = 1 << 17              # token ids in one /detokenize (the 1 MiB body holds ~150k short ones)
-MAX_ID = (1 << 32) - 1         # uint32, as the mesh carries ids
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    return default if body.get(name) is None else boolean(body, name)
 
 
 def parse_tokenize(body: dict[str, Any], max_messages: int = MAX_MESSAGES) -> TokenizeSpec:
@@ -49,14 +44,15 @@ def parse_tokenize(body: dict[str, Any], max_messages: int = MAX_MESSAGES) -> To
         for name in CHAT_ONLY:
             if body.get(name) is not None:
                 raise ApiError(400, f"'{name}' is for 'messages', not 'prompt'", name)
-        return TokenizeSpec(model, prompt=body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True),
+        return TokenizeSpec(model, prompt=body["prompt"], add_special_tokens=boolean(body, "add_special_tokens", True),
                             return_token_strs=token_strs)
     messages = parse_messages(body["messages"], max_messages)
-    if _flag(body, "add_special_tokens", False):
+    if boolean(body, "add_special_tokens"):
         raise ApiError(400, "'add_special_tokens' is for 'prompt': a chat template places the model's special tokens "
                        "itself", "add_special_tokens")
     return TokenizeSpec(model, messages=messages, tools=structured.tools_json(body.get("tools")),
-                        add_generation_prompt=_flag(body, "add_generation_prompt", True), return_token_strs=token_strs)
+                        add_generation_prompt=boolean(body, "add_generation_prompt", True),
+                        return_token_strs=token_strs)
 
 
 def parse_detokenize(body: dict[str, Any]) -> tuple[str, list[int]]:
@@ -70,7 +66,7 @@ def parse_detokenize(body: dict[str, Any]) -> tuple[str, list[int]]:
     if len(ids) > MAX_IDS:
         raise ApiError(400, f"'tokens' holds at most {MAX_IDS} ids, got {len(ids)}", "tokens")
     for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_ID:
+        if not is_token_id(t):
             raise ApiError(400, f"'tokens[{i}]' must be a token id (an integer from 0), got {str(t)[:40]}",
                            f"tokens[{i}]")
     return model, ids
@@ -131,7 +127,7 @@ def schemas(max_messages: int, tools: dict[str, Any]) -> dict[str, Any]:
         "DetokenizeRequest": {"type": "object", "additionalProperties": False, "required": ["tokens"],
                               "properties": {"model": model, "tokens": {
                                   "type": "array", "maxItems": MAX_IDS,
-                                  "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}}}},
+                                  "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}}},
         "DetokenizeResponse": {"type": "object", "required": ["prompt"],
                                "properties": {"model": {"type": "string"}, "prompt": {"type": "string"}}},
     }
