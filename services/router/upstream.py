@@ -111,30 +111,33 @@ class Tokenizer:
             return list(request.prompt_ids.ids), ""
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
-        timeout = within(deadline_s, 30.0)
-        with client_span("router.tokenize", model=model, input=kind) as span:
-            if kind == "chat":
-                enc = await self._call("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest(
-                    model=model, messages=_chat(conversation), add_generation_prompt=True,
-                    tools=request.chat.tools, template_kwargs=request.chat.template_kwargs), timeout)
-            else:
-                enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
-                    model=model, text=request.prompt, add_special_tokens=True), timeout)
-            span.set_attribute("prompt_tokens", len(enc.ids))
-        return list(enc.ids), enc.reasoning if kind == "chat" else ""
+        chat = kind == "chat"
+        enc = await self._encode(model, request.chat if chat else None, _chat(conversation) if chat else (),
+                                 request.prompt, True, True, within(deadline_s, 30.0))
+        return list(enc.ids), enc.reasoning if chat else ""
 
     async def encode(self, request: router_pb2.TokenizeRequest, model: str, timeout: float = 30.0) -> list[int]:
         """A Tokenize request's ids: its conversation through the chat template, or its prompt encoded."""
-        kind = request.WhichOneof("input")
-        with client_span("router.tokenize", model=model, input=kind or "none"):
-            if kind == "chat":
+        chat = request.chat if request.WhichOneof("input") == "chat" else None
+        enc = await self._encode(model, chat, request.chat.messages, request.prompt, request.add_generation_prompt,
+                                 request.add_special_tokens, timeout)
+        return list(enc.ids)
+
+    async def _encode(self, model: str, chat: router_pb2.ChatInput | None,
+                      messages: Sequence[tokenizer_pb2.ChatMessage], prompt: str, add_generation_prompt: bool,
+                      add_special_tokens: bool, timeout: float) -> tokenizer_pb2.EncodeResponse:
+        """The tokenizer service's ids for `messages` through the chat template (with `chat`'s tools and
+        template variables), or, without `chat`, for `prompt`."""
+        with client_span("router.tokenize", model=model, input="chat" if chat is not None else "prompt") as span:
+            if chat is not None:
                 enc = await self._call("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest(
-                    model=model, messages=request.chat.messages, add_generation_prompt=request.add_generation_prompt,
-                    tools=request.chat.tools), timeout)
+                    model=model, messages=messages, add_generation_prompt=add_generation_prompt, tools=chat.tools,
+                    template_kwargs=chat.template_kwargs), timeout)
             else:
                 enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
-                    model=model, text=request.prompt, add_special_tokens=request.add_special_tokens), timeout)
-        return list(enc.ids)
+                    model=model, text=prompt, add_special_tokens=add_special_tokens), timeout)
+            span.set_attribute("prompt_tokens", len(enc.ids))
+        return enc
 
     async def vocabulary(self, model: str) -> Vocabulary:
         """`model`'s `tokenizers` vocabulary (fetched once, as for `decoder`)."""
