@@ -58,6 +58,7 @@ class Output:
         self.created = int(time.time())
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None       # the message item being written
+        self.written: list[str] = []                       # its text so far
         self.final: Delta | None = None
 
     def body(self, status: str) -> dict[str, Any]:
@@ -78,15 +79,14 @@ class Output:
                             "content": []}
             await self.emit("response.output_item.added", {"output_index": len(self.items), "item": self.message})
             await self.emit("response.content_part.added", {**self._where(), "part": _part("")})
-        self.message["content"] = [_part(self.message["content"][0]["text"] + piece if self.message["content"]
-                                         else piece)]
+        self.written.append(piece)
         await self.emit("response.output_text.delta", {**self._where(), "delta": piece})
 
     async def close_message(self) -> None:
         if self.message is None:
             return
         item, self.message = self.message, None
-        text = item["content"][0]["text"] if item["content"] else ""
+        text, self.written = "".join(self.written), []
         item.update(status="completed", content=[_part(text)])
         where = {"item_id": item["id"], "output_index": len(self.items), "content_index": 0}
         await self.emit("response.output_text.done", {**where, "text": text})
