@@ -16,8 +16,8 @@ then off (a fresh mesh, `--fair-scheduling off`):
    printed beside).  Off, beta's first request waits behind alpha's queue (the run gives up on it
    after --starved-after s).  Then the same with a batch-class flood (tenant delta, tier "jobs").
 3. Split (fair scheduling on only): alpha (weight 1) and gamma (weight 3) each keep 24 streams
-   open for --split-seconds; the engine's tokens per tenant (infermesh_engine_tenant_tokens_total)
-   over that window, whose ratio should be 3.
+   open (alpha's all in the engine before gamma's start) for --split-seconds; the engine's tokens per
+   tenant (infermesh_engine_tenant_tokens_total) over that window, whose ratio should be 3.
 
 Every prompt carries a per-run tag, so the edge's response cache and the prefix cache answer nothing.
 """
@@ -229,14 +229,34 @@ def flood_run(http: str, metrics_url: str, flood: int = 48, flood_tokens: int = 
 
 def split_run(http: str, metrics_url: str, seconds: float = 60.0, streams: int = 24, settle_s: float = 5.0
               ) -> dict[str, float]:
-    """Tokens the engine computed for alpha (weight 1) and gamma (weight 3) over `seconds`, both saturating."""
+    """Tokens the engine computed for alpha (weight 1) and gamma (weight 3) over `seconds`, both saturating.
+
+    Alpha's streams all reach the engine before gamma's start: two floods started together race, and the one
+    whose first prompts land first runs them alone, its virtual time ahead of what its tokens show in the
+    window; gamma then catches up for as long as the machine takes to prefill them (seconds, on a busy one)."""
     tag = uuid.uuid4().hex[:8]
-    with flooding(http, "alpha", streams, 2048, tag + "a"), flooding(http, "gamma", streams, 2048, tag + "g"):
-        time.sleep(settle_s)                      # both queues full, the admissions' prefills done
-        before = tenant_tokens(metrics_url)
-        time.sleep(seconds)
-        after = tenant_tokens(metrics_url)
+    with flooding(http, "alpha", streams, 2048, tag + "a"):
+        _all_in_engine(metrics_url, "alpha", streams)
+        with flooding(http, "gamma", streams, 2048, tag + "g"):
+            _all_in_engine(metrics_url, "gamma", streams)
+            time.sleep(settle_s)                  # gamma's prefills done
+            before = tenant_tokens(metrics_url)
+            time.sleep(seconds)
+            after = tenant_tokens(metrics_url)
+            held = {t: in_engine(metrics_url, t) for t in ("alpha", "gamma")}
+            if min(held.values()) < streams:
+                raise RuntimeError(f"streams ended during the split (did a client's stream fail?): in the engine "
+                                   f"{held} of {streams} each")
     return {t: after.get(f"t:{t}", 0.0) - before.get(f"t:{t}", 0.0) for t in ("alpha", "gamma")}
+
+
+def _all_in_engine(metrics_url: str, tenant: str, streams: int, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while in_engine(metrics_url, tenant) < streams:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{tenant}'s {streams} streams did not reach the engine in {seconds:.0f} s: "
+                               f"{in_engine(metrics_url, tenant)} did")
+        time.sleep(0.1)
 
 
 @contextmanager
