@@ -53,6 +53,8 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_edge_response_cache_total", "counter", "edge", "outcome",
        "Response cache: hit_memory, hit_shared, miss, stale_version (the default version changed), bypass, "
        "stored, shared_error"),
+    _m("infermesh_edge_batch_lines_total", "counter", "edge", "outcome",
+       "Batch lines (/v1/batches): completed, failed (answered 4xx/5xx), retried (a 429/503 tried again)"),
     _m("infermesh_edge_content_filtered_total", "counter", "edge", "direction category",
        "Inputs refused (400 content_filter) and outputs cut (finish_reason content_filter) by the content "
        "policy, by direction (input, output) and category"),

@@ -1,4 +1,4 @@
-"""The object RPCs of meshpb.v1.Cache (PutObject, GetObject, DeleteObject), as a mixin for the cache servicer
+"""The object RPCs of meshpb.v1.Cache (PutObject, GetObject, DeleteObject, ListObjects), as a mixin for the cache servicer
 (which sets `self.objects`, an ObjectStore: services/cache/objects.py).  Edge certificates only: the edge
 names the tenant, whose values no other tenant's request can reach."""
 
@@ -38,3 +38,11 @@ class ObjectRPCs:
                            ) -> cache_pb2.DeleteObjectReply:
         peers.require(context, "DeleteObject", peers.RESPONSES)
         return cache_pb2.DeleteObjectReply(found=self.objects.delete(_key(request)))
+
+
+    @rpc_errors
+    async def ListObjects(self, request: cache_pb2.ListObjectsRequest, context: grpc.aio.ServicerContext
+                          ) -> cache_pb2.ListObjectsReply:
+        peers.require(context, "ListObjects", peers.RESPONSES)
+        keys = self.objects.keys(None if request.all_tenants else request.tenant, request.kind)
+        return cache_pb2.ListObjectsReply(keys=[cache_pb2.ObjectKey(tenant=t, kind=k, id=i) for t, k, i in keys])

@@ -1,4 +1,4 @@
-"""What the edges keep for the API (stored responses of the Responses API): a tenant's values by kind and id,
+"""What the edges keep for the API (stored Responses API responses, files, batches): a tenant's values by kind and id,
 each with a time to live on the wall clock, bounded in bytes.
 
 With a folder (the embedded session store's --sessions-dir) every change is a JSON line appended to
@@ -24,7 +24,8 @@ from mesh.files import write_atomic
 log = logging.getLogger(__name__)
 
 FILE = "objects.jsonl"
-KINDS = ("response",)
+KINDS = ("response", "file", "batch")
+MAX_LISTED = 10_000
 MAX_VALUE_BYTES = 4 << 20
 MAX_TTL_S = 30 * 86400.0
 MAX_ID_CHARS = 128
@@ -90,6 +91,15 @@ class ObjectStore:
         self._account(key, len(value) - before)
         self._items[key] = (value, expires)
         self._write({"k": list(key), "e": round(expires, 3), "v": base64.b64encode(value).decode("ascii")})
+
+    def keys(self, tenant: str | None, kind: str) -> list[Key]:
+        """The live keys of `kind`: `tenant`'s, or every tenant's (None); at most MAX_LISTED, by id."""
+        self.check((tenant or "", kind, "-"))
+        now = self.clock()
+        found = sorted((k for k, (_, expires) in self._items.items()
+                        if k[1] == kind and (tenant is None or k[0] == tenant) and expires > now),
+                       key=lambda k: (k[2], k[0]))
+        return found[:MAX_LISTED]
 
     def delete(self, key: Key) -> bool:
         self.check(key)

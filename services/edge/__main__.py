@@ -58,6 +58,8 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     p.add_argument("--stream-send-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take to accept a chunk before its stream is ended with "
                         "an error and its generation aborted (slow readers)")
+    p.add_argument("--batch-concurrency", type=int, default=8,
+                   help="a batch's lines under way at once (/v1/batches; they run in the engines' batch class)")
     p.add_argument("--tiers-file", default=os.environ.get("INFERMESH_TIERS_FILE", ""),
                    help="JSON: tier -> requests, tokens, priority, cache_class (reloaded when it changes)")
     p.add_argument("--content-policy", default=os.environ.get("INFERMESH_CONTENT_POLICY", ""),
@@ -93,7 +95,7 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                       max_concurrent=a.max_concurrent, max_connections=a.max_connections,
                       header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise,
                       stream_send_timeout_s=a.stream_send_timeout,
-                      tls_dir=a.tls_dir)
+                      tls_dir=a.tls_dir, batch_concurrency=a.batch_concurrency)
 
 
 async def serve(config: EdgeConfig) -> None:
@@ -119,6 +121,7 @@ async def serve(config: EdgeConfig) -> None:
              config.rate_limit or "unlimited", config.token_limit or "unlimited", config.max_concurrent,
              config.max_body_bytes)
     http_task = asyncio.create_task(http.serve())
+    app.batch_runner.start()
     log.info("HTTP/1.1 on tcp %s:%d", config.host, config.http_port)
     # Listening for signals from here on, during startup too; shielded, because wait_for_signal
     # cancels what it waits on and uvicorn must stop through should_exit, finishing its requests.
@@ -137,8 +140,9 @@ async def serve(config: EdgeConfig) -> None:
     if http3 is not None:
         http3.close()
     await asyncio.gather(http_task, return_exceptions=True)
+    await app.batch_runner.close()
     await app.completions.close()
-    await app.responses.stored.close()
+    await app.stored.close()
     await router.close()
     if registry is not None:
         await registry.close()

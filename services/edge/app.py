@@ -2,7 +2,8 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (services/edge/responses_api.py), POST /v1/embeddings (services/edge/embeddings.py), POST /tokenize and
-POST /detokenize (services/edge/tokenizing.py),
+POST /detokenize (services/edge/tokenizing.py), /v1/files (services/edge/files_api.py) and /v1/batches
+(services/edge/batches_api.py; the lines run in services/edge/batch_runner.py),
 GET|PUT /admin/models/{model}/routing and GET /admin/console (admin keys only), GET /metrics,
 GET /openapi.json, and the web page (GET /, /static/app.js, /static/style.css: services/edge/console.py).
 Bad requests are answered here, in OpenAI's error shape, and never reach the router.
@@ -28,15 +29,22 @@ from mesh.clients.router_pool import Routers
 from services.edge import openapi, requests
 from services.edge.admission import Admission
 from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
+from services.edge.batch_lines import LineCaller, batch_caller
+from services.edge.batch_runner import BatchRunner
+from services.edge.batches_api import PREFIX as BATCHES_PREFIX
+from services.edge.batches_api import Batches
 from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
 from services.edge.console import FILES, Page
 from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
+from services.edge.files_api import PREFIX as FILES_PREFIX
+from services.edge.files_api import Files, FileStore
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
 from services.edge.responses_api import PREFIX as RESPONSES_PREFIX
 from services.edge.responses_api import Responses
+from services.edge.stored import StoredObjects
 from services.edge.tokenizing import Tokenizing
 
 log = logging.getLogger(__name__)
@@ -50,7 +58,7 @@ CONSOLE = "/admin/console"
 # No API key needed: the page's static files, liveness, Prometheus' scrape, the API's description.
 PUBLIC = ("/health", "/metrics", "/openapi.json", *FILES)
 ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions",
-          "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", *FILES)
+          "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/files", "/v1/batches", *FILES)
 
 
 class EdgeApp:
@@ -61,7 +69,10 @@ class EdgeApp:
         self.completions = Completions(config, router, self.admission)
         self.tokenizing = Tokenizing(config, router, self.completions.read_json)
         self.embeddings = Embeddings(config, router, self.admission, self.completions.read_json)
-        self.responses = Responses(config, router, self.completions)
+        self.stored = StoredObjects(config.cache_service)     # responses, files, batches (services/edge/stored.py)
+        self.responses = Responses(config, router, self.completions, self.stored)
+        files = FileStore(self.stored)
+        self.files = Files(files, self.admission, config.body_timeout_s)
         self.openapi = json.dumps(openapi.document(config)).encode()
         self.page = Page(router)
         self.alt_svc = f'h3=":{config.http3_port}"; ma=86400'.encode() if config.http3_port else b""
@@ -80,6 +91,10 @@ class EdgeApp:
             ("GET", CONSOLE): self.page.console,
             **{("GET", path): self.page.static for path in FILES},
         }
+        self.batch_runner = BatchRunner(self.stored, files, LineCaller(self.routes, self.admission),
+                                        lambda run: batch_caller(self.admission, run), config.replica_id,
+                                        config.batch_concurrency)
+        self.batches = Batches(files, self.batch_runner, self.completions.read_json)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -123,6 +138,10 @@ class EdgeApp:
                  or path == CONSOLE)
         if path.startswith(RESPONSES_PREFIX) and method in ("GET", "DELETE"):
             route = self.responses.stored_response
+        elif path == FILES_PREFIX or path.startswith(FILES_PREFIX + "/"):
+            route = self.files.route
+        elif path == BATCHES_PREFIX or path.startswith(BATCHES_PREFIX + "/"):
+            route = self.batches.route
         elif path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
             route = self.admin
         elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):

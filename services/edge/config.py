@@ -45,6 +45,7 @@ class EdgeConfig:
     # A streaming client must take each chunk within this (its transport's buffer full: it reads more
     # slowly than tokens come); past it the stream ends with an error event and its generation is aborted.
     stream_send_timeout_s: float = 30.0
+    batch_concurrency: int = 8             # a batch's lines under way at once (services/edge/batch_runner.py)
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not (self.api_key_digests or self.keys_file or self.jwt_secret
@@ -61,7 +62,7 @@ class EdgeConfig:
                 raise ValueError(f"{name} {port} is out of range")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
-        for name in ("max_messages", "max_concurrent", "max_connections"):
+        for name in ("max_messages", "max_concurrent", "max_connections", "batch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "stream_send_timeout_s"):

@@ -28,3 +28,7 @@ CONTENT_FILTERED = Counter("infermesh_edge_content_filtered_total",
 RESPONSE_CACHE = Counter("infermesh_edge_response_cache_total",
                          "Response cache lookups and stores: hit_memory, hit_shared, miss, stale_version, bypass, "
                          "stored, shared_error", ["outcome"])
+BATCH_LINES = Counter("infermesh_edge_batch_lines_total",
+                      "Batch lines (/v1/batches): completed, failed (answered 4xx/5xx), retried (a 429/503 tried "
+                      "again)",
+                      ["outcome"])

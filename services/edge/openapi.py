@@ -13,7 +13,7 @@ from typing import Any
 from mesh.chat import ROLES
 from mesh.constraints import MAX_CONSTRAINT_CHARS
 from mesh.tools import MAX_TOOLS
-from services.edge import embeddings, requests, responses_input, tokenizing
+from services.edge import embeddings, openapi_batches, requests, responses_input, tokenizing
 from services.edge.config import EdgeConfig
 from services.edge.fields import MAX_NAME_CHARS, REASONING_EFFORTS
 
@@ -247,6 +247,7 @@ _ERRORS = {
     401: "missing or invalid API key",
     404: "unknown model, version or replica",
     408: "the request body did not arrive in time",
+    409: "the batch cannot be cancelled: it has ended",
     413: "the request body is over the limit",
     429: "rate limit (`error.type` requests or tokens) or the mesh's own capacity; see Retry-After",
     500: "internal error",
@@ -329,13 +330,14 @@ def document(config: EdgeConfig) -> dict[str, Any]:
                                         "TokenizeRequest", "TokenizeResponse")},
             "/detokenize": {"post": plain("token ids back to text, special tokens kept (vLLM's shape)",
                                           "DetokenizeRequest", "DetokenizeResponse")},
+            **openapi_batches.paths(security, auth_errors, _errors),
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "this document", "responses": {
                 "200": {"description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}}}},
         },
         "components": {
-            "schemas": {**_request_schemas(config), **_response_schemas()},
+            "schemas": {**_request_schemas(config), **_response_schemas(), **openapi_batches.schemas()},
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
                                                "description": "an API key (INFERMESH_API_KEYS)"}},
         },

@@ -120,9 +120,9 @@ def _part(text: str) -> dict[str, Any]:
 class Responses:
     """The route's handler (app.py routes it; the caller is admitted by then)."""
 
-    def __init__(self, config: EdgeConfig, router: Routers, completions: Completions):
+    def __init__(self, config: EdgeConfig, router: Routers, completions: Completions, stored: StoredObjects):
         self.config, self.router, self.completions = config, router, completions
-        self.stored = StoredObjects(config.cache_service)     # stored responses, for GET (services/edge/stored.py)
+        self.stored = stored        # stored responses, for GET (services/edge/stored.py)
 
     async def stored_response(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         """GET /v1/responses/{id}: a stored response as it was answered; DELETE: it and its conversation (a

@@ -1,7 +1,7 @@
-"""The edge's stored objects (stored Responses API responses): the cache service's PutObject, GetObject and
-DeleteObject under the caller's tenant, kept on its disk across restarts (services/cache/objects.py); an edge
-without a cache service keeps them in its own memory (lost with it).  A cache service that cannot be reached
-is a 503 with a retry hint."""
+"""The edge's stored objects (stored Responses API responses, files, batches): the cache service's PutObject,
+GetObject, DeleteObject and ListObjects under the caller's tenant, kept on its disk across restarts
+(services/cache/objects.py); an edge without a cache service keeps them in its own memory (lost with it).  A
+cache service that cannot be reached is a 503 with a retry hint."""
 
 from __future__ import annotations
 
@@ -44,6 +44,17 @@ class StoredObjects:
             return self._local.pop((tenant, kind, oid), None) is not None
         reply = await self._call(self._stub.DeleteObject, cache_pb2.ObjectKey(tenant=tenant, kind=kind, id=oid))
         return bool(reply.found)
+
+    async def keys(self, tenant: str | None, kind: str) -> list[tuple[str, str]]:
+        """(tenant, id) of the live objects of `kind`: `tenant`'s, or every tenant's (None), by id."""
+        if self._stub is None:
+            now = time.time()
+            found = [(k[0], k[2]) for k, (_, expires) in self._local.items()
+                     if k[1] == kind and (tenant is None or k[0] == tenant) and expires > now]
+            return sorted(found, key=lambda k: (k[1], k[0]))
+        request = cache_pb2.ListObjectsRequest(tenant=tenant or "", kind=kind, all_tenants=tenant is None)
+        reply = await self._call(self._stub.ListObjects, request)
+        return [(k.tenant, k.id) for k in reply.keys]
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:

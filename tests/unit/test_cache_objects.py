@@ -43,10 +43,24 @@ def test_one_tenant_keeps_at_most_its_share() -> None:
     assert store.tenant_bytes == {"t:a": 25, "t:b": 25} and store.bytes == 50
 
 
+def test_keys_of_a_kind_by_tenant_or_all() -> None:
+    clock = Clock()
+    store = ObjectStore(clock=clock)
+    store.put(("t:b", "batch", "batch_2"), b"x", 60)
+    store.put(("t:a", "batch", "batch_1"), b"x", 60)
+    store.put(("t:a", "file", "file-1"), b"x", 60)
+    store.put(("t:a", "batch", "batch_3"), b"x", 10)
+    assert store.keys("t:a", "batch") == [("t:a", "batch", "batch_1"), ("t:a", "batch", "batch_3")]
+    clock.now += 11
+    assert store.keys(None, "batch") == [("t:a", "batch", "batch_1"), ("t:b", "batch", "batch_2")]
+    with pytest.raises(InvalidArgument, match="not one of"):
+        store.keys("t:a", "nope")
+
+
 def test_limits_are_refused_precisely() -> None:
     store = ObjectStore(max_bytes=10, tenant_share=1.0)
-    with pytest.raises(InvalidArgument, match="kind 'file' is not one of response"):
-        store.put(("t", "file", "x"), b"v", 60)
+    with pytest.raises(InvalidArgument, match="kind 'files' is not one of response, file, batch"):
+        store.put(("t", "files", "x"), b"v", 60)
     with pytest.raises(InvalidArgument, match="ttl_s 0 must be above 0"):
         store.put(("t", "response", "x"), b"v", 0)
     with pytest.raises(InvalidArgument, match="at most"):

@@ -20,7 +20,7 @@ def test_generated_modules_import(name: str) -> None:
                 "DrainReplica", "AddReplica", "Tokenize", "Detokenize", "ForgetConversation"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
                "DeleteSession", "GetCheckpointFile", "GetResponse", "PutResponse", "PutObject", "GetObject",
-               "DeleteObject"}),
+               "ListObjects", "DeleteObject"}),
     ("safety", {"Classify"}),
 ])
 def test_service_contracts(service: str, rpcs: set[str]) -> None:

@@ -1,0 +1,194 @@
+"""The Files API (OpenAI's /v1/files), for batches: POST /v1/files (multipart: `file` and `purpose`
+"batch"), GET /v1/files (the tenant's), GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}.
+
+A file lives in the cache service's object store under the caller's tenant (services/edge/stored.py: on its
+disk, so it outlives a restart of any service), as its metadata (kind "file", id `file-...`) and its bytes in
+parts of at most PART_BYTES (ids `file-....0`, `.1`, ...; the store keeps values up to 4 MiB), the metadata
+written last: a file is listed only once whole.  An upload is at most MAX_UPLOAD_BYTES; a batch input's lines
+must each be a JSON object (which line is not is a 400 that names it).  Batches write their results as files
+of purpose "batch_output" (services/edge/batch_runner.py).  Another tenant's ids are not found.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from email import policy
+from email.parser import BytesParser
+from typing import Any
+
+from services.edge.asgi import Receive, Scope, Send, read_body, send_json
+from services.edge.errors import ApiError, shown
+from services.edge.stored import StoredObjects
+
+PREFIX = "/v1/files"
+KIND = "file"
+PART_BYTES = 3 << 20
+MAX_UPLOAD_BYTES = 32 << 20
+FORM_SLACK_BYTES = 64 << 10        # the multipart envelope around the file
+PURPOSES = ("batch",)              # what a client uploads; the edge writes "batch_output" files itself
+TTL_S = 30 * 86400.0
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def not_found(fid: str) -> ApiError:
+    return ApiError(404, f"No such File object: {shown(fid)}", "file_id", kind="not_found_error", code=None)
+
+
+class FileStore:
+    """Files of one tenant each, whole or not at all."""
+
+    def __init__(self, stored: StoredObjects):
+        self.stored = stored
+
+    async def save(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+        fid = new_file_id()
+        parts = [content[i:i + PART_BYTES] for i in range(0, len(content), PART_BYTES)] or [b""]
+        for i, part in enumerate(parts):
+            await self.stored.put(tenant, KIND, f"{fid}.{i}", part, TTL_S)
+        meta = {"id": fid, "object": "file", "bytes": len(content), "created_at": int(time.time()),
+                "expires_at": int(time.time() + TTL_S), "filename": filename, "purpose": purpose,
+                "status": "processed", "status_details": None, "parts": len(parts)}
+        await self.stored.put(tenant, KIND, fid, json.dumps(meta).encode(), TTL_S)
+        return shown_meta(meta)
+
+    async def meta(self, tenant: str, fid: str) -> dict[str, Any] | None:
+        if not _is_file_id(fid):
+            return None
+        value = await self.stored.get(tenant, KIND, fid)
+        return json.loads(value) if value is not None else None
+
+    async def content(self, tenant: str, fid: str) -> bytes | None:
+        meta = await self.meta(tenant, fid)
+        if meta is None:
+            return None
+        parts = []
+        for i in range(meta["parts"]):
+            part = await self.stored.get(tenant, KIND, f"{fid}.{i}")
+            if part is None:
+                return None                   # expired under it (the metadata goes with the same TTL)
+            parts.append(part)
+        return b"".join(parts)
+
+    async def delete(self, tenant: str, fid: str) -> bool:
+        meta = await self.meta(tenant, fid)
+        if meta is None:
+            return False
+        await self.stored.delete(tenant, KIND, fid)         # first: a half-deleted file is not listed
+        for i in range(meta["parts"]):
+            await self.stored.delete(tenant, KIND, f"{fid}.{i}")
+        return True
+
+    async def listed(self, tenant: str) -> list[dict[str, Any]]:
+        found = []
+        for _, fid in await self.stored.keys(tenant, KIND):
+            if "." not in fid and (meta := await self.meta(tenant, fid)) is not None:
+                found.append(shown_meta(meta))
+        return sorted(found, key=lambda m: (-m["created_at"], m["id"]))
+
+
+def shown_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k != "parts"}
+
+
+def _is_file_id(fid: str) -> bool:
+    return fid.startswith("file-") and 5 < len(fid) <= 64 and "." not in fid and "/" not in fid
+
+
+class Files:
+    """The routes (app.py sends every /v1/files path here; the caller is admitted by then)."""
+
+    def __init__(self, files: FileStore, admission: Any, body_timeout_s: float):
+        self.files, self.admission, self.body_timeout_s = files, admission, body_timeout_s
+
+    async def route(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        method, tail = scope["method"], scope["path"][len(PREFIX):].strip("/")
+        tenant = scope["infermesh.caller"].tenant
+        fid, _, rest = tail.partition("/")
+        if method == "POST" and not tail:
+            return await self.upload(scope, headers, receive, send)
+        if method == "GET" and not tail:
+            data = await self.files.listed(tenant)
+            await send_json(send, 200, {"object": "list", "data": data, "has_more": False,
+                                        "first_id": data[0]["id"] if data else None,
+                                        "last_id": data[-1]["id"] if data else None})
+            return 200
+        if method == "GET" and fid and rest == "content":
+            content = await self.files.content(tenant, fid)
+            if content is None:
+                raise not_found(fid)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/octet-stream"),
+                                    (b"content-length", str(len(content)).encode())]})
+            await send({"type": "http.response.body", "body": content})
+            return 200
+        if method in ("GET", "DELETE") and fid and not rest:
+            meta = await self.files.meta(tenant, fid)
+            if meta is None or (method == "DELETE" and not await self.files.delete(tenant, fid)):
+                raise not_found(fid)
+            body = shown_meta(meta) if method == "GET" else {"id": fid, "object": "file", "deleted": True}
+            await send_json(send, 200, body)
+            return 200
+        raise ApiError(405 if not rest or rest == "content" else 404,
+                       f"no route {shown(method)} {shown(scope['path'])}; use POST|GET {PREFIX}, GET|DELETE "
+                       f"{PREFIX}/ID or GET {PREFIX}/ID/content", kind="invalid_request_error", code=None)
+
+    async def upload(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
+        raw = await read_body(receive, headers, MAX_UPLOAD_BYTES + FORM_SLACK_BYTES, self.body_timeout_s)
+        self.admission.check_signature(scope["infermesh.caller"], scope, headers, raw)
+        form = parse_form(headers.get("content-type", ""), raw)
+        purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
+        if purpose not in PURPOSES:
+            raise ApiError(400, f"purpose {shown(purpose)!r} is not supported; use 'batch'", "purpose")
+        if "file" not in form or form["file"][0] is None:
+            raise ApiError(400, "give the file as a multipart field 'file' with a filename", "file",
+                           code="missing_required_parameter")
+        filename, content = form["file"]
+        if len(content) > MAX_UPLOAD_BYTES:
+            raise ApiError(413, f"the file is {len(content)} bytes; at most {MAX_UPLOAD_BYTES}", "file",
+                           code="file_too_large")
+        check_jsonl(content)
+        meta = await self.files.save(scope["infermesh.caller"].tenant, str(filename)[:256], purpose, content)
+        await send_json(send, 200, meta)
+        return 200
+
+
+def parse_form(content_type: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """multipart/form-data: field name -> (its filename or None, its bytes)."""
+    if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
+        raise ApiError(400, "send the upload as multipart/form-data with fields 'file' and 'purpose'", "file")
+    message = BytesParser(policy=policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n" + raw)
+    if not message.is_multipart():
+        raise ApiError(400, "the multipart body did not parse; send fields 'file' and 'purpose'", "file")
+    form: dict[str, tuple[str | None, bytes]] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        payload = part.get_payload(decode=True)
+        if isinstance(name, str) and isinstance(payload, bytes):
+            form[name] = (part.get_filename(), payload)
+    return form
+
+
+def check_jsonl(content: bytes) -> None:
+    """400 naming the first line of a batch input that is not a JSON object (blank lines are allowed)."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the file is not UTF-8 (byte {exc.start})", "file") from None
+    if not text.strip():
+        raise ApiError(400, "the file is empty; a batch input has one JSON request per line", "file")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ApiError(400, f"line {number} of the file is not a JSON object; a batch input has one JSON "
+                           "request per line", "file")
