@@ -1,5 +1,5 @@
-"""The object RPCs of meshpb.v1.Cache (PutObject, GetObject, DeleteObject, ListObjects), as a mixin for the cache servicer
-(which sets `self.objects`, an ObjectStore: services/cache/objects.py).  Edge certificates only: the edge
+"""The object RPCs of meshpb.v1.Cache (PutObject, GetObject, DeleteObject, ListObjects), as a mixin for the cache
+servicer (which sets `self.objects`, an ObjectStore: services/cache/objects.py).  Edge certificates only: the edge
 names the tenant, whose values no other tenant's request can reach."""
 
 from __future__ import annotations

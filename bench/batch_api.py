@@ -1,0 +1,178 @@
+"""A batch (/v1/batches) beside interactive traffic: does it slow the interactive requests' first token?
+
+    .venv/bin/python bench/batch_api.py [--lines 50] [--streams 8] [--rounds 4]
+
+Starts `infermesh up --engines 1` (ports offset 1600).  In one run:
+
+1. Without a batch: `--rounds` rounds of `--streams` concurrent streamed chat requests (16 tokens, each
+   prompt with a per-run tag so no cache answers it), each one's time to first token (TTFT).
+2. With one: a file of `--lines` chat requests (64 tokens each) uploaded and run as a batch (the engines'
+   batch class); once its lines are under way, the same rounds again.
+3. The batch's end: its output file has a line per input, by custom_id.
+
+Prints the interactive TTFT p50 with the batch against without (the target: within 1.25x), the batch's
+lines/s, and the CPU it ran on.  Every request is sampled (temperature 0.7, top_p 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from infermesh.launcher import http_ok  # noqa: E402
+
+OFFSET = 1600
+MODEL = "smollm2-135m"
+TOPICS = ("rivers", "owls", "copper", "tides", "maps", "bees", "glass", "comets", "salt", "ferns")
+
+
+def batch_file(lines: int, tag: str, max_tokens: int = 64) -> bytes:
+    return "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": MODEL, "max_tokens": max_tokens, "temperature": 0.7, "top_p": 0.95, "ignore_eos": True,
+        "messages": [{"role": "user", "content": f"[{tag}-{i}] Tell me about {TOPICS[i % len(TOPICS)]}."}]}})
+        + "\n" for i in range(lines)).encode()
+
+
+def ttft(http: str, text: str, max_tokens: int = 16) -> float:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0.7, "top_p": 0.95, "stream": True}
+    started, first = time.perf_counter(), 0.0
+    with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, timeout=300) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not first and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - started
+    if not first:
+        raise RuntimeError("the stream sent no content")
+    return first
+
+
+def interactive(http: str, streams: int, rounds: int, tag: str) -> list[float]:
+    """`rounds` rounds of `streams` concurrent requests: every request's TTFT (seconds)."""
+    out: list[float] = []
+    def one(text: str) -> None:
+        out.append(ttft(http, text))
+
+    for r in range(rounds):
+        threads = [threading.Thread(target=one, args=(f"[{tag}-{r}-{i}] Write a sentence about "
+                                                       f"{TOPICS[i % len(TOPICS)]}.",)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return out
+
+
+def start_batch(client: openai.OpenAI, lines: int, tag: str) -> Any:
+    upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_file(lines, tag))), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def wait_batch(client: openai.OpenAI, bid: str, seconds: float = 600, until: tuple[str, ...] = (
+        "completed", "failed", "cancelled", "expired")) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        batch = client.batches.retrieve(bid)
+        if batch.status in until:
+            return batch
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"batch {bid} still {batch.status} after {seconds:.0f} s: {batch.request_counts}")
+        time.sleep(0.2)
+
+
+def under_way(client: openai.OpenAI, bid: str, seconds: float = 120) -> None:
+    """Until the batch has answered a line (so its lines are in the engine)."""
+    deadline = time.monotonic() + seconds
+    while (client.batches.retrieve(bid).request_counts or {"completed": 0}).completed < 1:   # type: ignore[union-attr]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"batch {bid} answered no line in {seconds:.0f} s")
+        time.sleep(0.1)
+
+
+def compare(http: str, lines: int = 50, streams: int = 8, rounds: int = 4) -> dict[str, Any]:
+    """Interactive TTFTs without and with a batch running, and the batch's outcome."""
+    client = openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
+    tag = uuid.uuid4().hex[:8]
+    interactive(http, streams, 1, tag + "w")                # warm up
+    alone = interactive(http, streams, rounds, tag + "a")
+    started = time.monotonic()
+    batch = start_batch(client, lines, tag)
+    under_way(client, batch.id)
+    beside = interactive(http, streams, rounds, tag + "b")
+    still_running = client.batches.retrieve(batch.id).status == "in_progress"
+    done = wait_batch(client, batch.id)
+    seconds = time.monotonic() - started
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()] \
+        if done.output_file_id else []
+    return {"alone": alone, "beside": beside, "batch": done, "output": out, "seconds": seconds,
+            "overlapped": still_running,
+            "ratio": statistics.median(beside) / statistics.median(alone)}
+
+
+def report(result: dict[str, Any], lines: int) -> str:
+    alone, beside = result["alone"], result["beside"]
+    return (f"interactive TTFT p50 {statistics.median(beside) * 1000:.0f} ms with the batch running vs "
+            f"{statistics.median(alone) * 1000:.0f} ms without: {result['ratio']:.2f}x (target <= 1.25x); "
+            f"{len(beside)} requests each; batch of {lines} lines {result['batch'].status} in "
+            f"{result['seconds']:.1f} s ({lines / result['seconds']:.2f} lines/s), "
+            f"{'still running' if result['overlapped'] else 'ENDED'} when the interactive rounds ended")
+
+
+@contextmanager
+def mesh(workdir: Path) -> Iterator[str]:
+    http = f"http://127.0.0.1:{8000 + OFFSET}"
+    log = workdir / "infermesh-up.log"
+    argv = [sys.executable, "-m", "infermesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
+            "--cache-dir", str(workdir / "cache")]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"})
+    try:
+        deadline = time.monotonic() + 300
+        while not http_ok(f"{http}/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"infermesh up did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield http
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lines", type=int, default=50)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    a = p.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Model name:")[1].split("\n")[0]
+    print(f"{cpu.strip()} | {os.cpu_count()} CPUs | {a.lines} batch lines x 64 tokens | "
+          f"{a.streams} interactive streams x {a.rounds} rounds")
+    with mesh(Path(tempfile.mkdtemp(prefix="bench-batch-"))) as http:
+        result = compare(http, a.lines, a.streams, a.rounds)
+    print(report(result, a.lines))
+    ids = [o["custom_id"] for o in result["output"]]
+    matched = ids == [f"line-{i}" for i in range(a.lines)]
+    print(f"output file: {len(ids)} lines, custom_ids {'match' if matched else 'DO NOT match'}")
+
+
+if __name__ == "__main__":
+    main()
