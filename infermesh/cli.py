@@ -134,7 +134,7 @@ def _cmd_model(a: argparse.Namespace) -> int:
             print(models.import_gguf(a.name, a.folder, check=engine_check))
         elif a.action == "register":
             engine_check(models.validate_folder(a.folder))
-            print(models.register(a.name, a.folder))
+            print(models.register(a.name, a.folder, a.task))
         elif a.action == "inspect":
             folder = models.path(a.name)
             info = models.describe_folder(folder)
@@ -288,6 +288,9 @@ def parser() -> argparse.ArgumentParser:
                                            "or a GGUF file (its blocks kept as they are)")
     reg.add_argument("name")
     reg.add_argument("folder", help="a Hugging Face folder, or FILE.gguf")
+    reg.add_argument("--task", choices=("auto", "generate", "embed"), default="auto",
+                     help="embed: an embedding model, serving /v1/embeddings only; auto (default): embed for a "
+                          "sentence-transformers folder (modules.json), else generate")
     ins = msub.add_parser("inspect", help="architecture, parameters, context, dtype, quantization, chat template, "
                                           "and how the engine would run it here")
     ins.add_argument("name", help="model NAME, or a folder")

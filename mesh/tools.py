@@ -23,6 +23,7 @@ from typing import Any
 from mesh.chat import Message
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
+from mesh.tool_stream import CallFragment, OpenCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -242,20 +243,23 @@ def _json_objects(body: str) -> list[Any]:
 
 class CallParser:
     """Splits an answer, as it streams, into text and tool calls.  Text that may open a call is held back
-    until it is known; a call is given out whole when its closing tag (or the answer's end) arrives.
-    An answer that is one bare JSON call (the form some templates teach) counts too."""
+    until it is known; a call's arguments stream as CallFragments once its head names a tool
+    (mesh/tool_stream.py), and the call is given out whole when its closing tag (or the answer's end)
+    arrives, its arguments the text streamed.  An answer made only of calls in another family's format (or
+    one bare JSON call, the form some templates teach) is read at its end."""
 
     def __init__(self, tools: Sequence[dict[str, Any]]):
         self.names = {f["name"] for f in _functions(tools)}
         self._buf = ""
         self._in_call = False
+        self._open: OpenCall | None = None
         self._started = False       # some non-blank text was seen
         self._bare = False          # the answer began with "{": held whole, read at the end
         self.calls: list[ToolCall] = []
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[str | ToolCall | CallFragment]:
         self._buf += text
-        out: list[str | ToolCall] = []
+        out: list[str | ToolCall | CallFragment] = []
         if not self._started and self._buf.strip():
             self._started = True
             self._bare = self._buf.lstrip().startswith(BARE_STARTS)
@@ -264,6 +268,8 @@ class CallParser:
         while self._buf:
             if self._in_call:
                 end = self._buf.find(CLOSE)
+                assert self._open is not None
+                out.extend(self._open.feed(self._buf if end < 0 else self._buf[:end]))
                 if end < 0:
                     break
                 self._emit_call(self._buf[:end], out)
@@ -276,6 +282,7 @@ class CallParser:
                     out.append(self._buf[:start])
                 self._buf = self._buf[start + len(OPEN):]
                 self._in_call = True
+                self._open = OpenCall(new_call_id(), self.names)
                 continue
             keep = next((k for k in range(min(len(OPEN) - 1, len(self._buf)), 0, -1)
                          if OPEN.startswith(self._buf[-k:])), 0)
@@ -284,8 +291,8 @@ class CallParser:
             break
         return [o for o in out if o != ""]
 
-    def finish(self) -> list[str | ToolCall]:
-        out: list[str | ToolCall] = []
+    def finish(self) -> list[str | ToolCall | CallFragment]:
+        out: list[str | ToolCall | CallFragment] = []
         if self._bare:
             calls = bare_calls(self._buf, self.names)
             out.extend(calls or [self._buf])
@@ -297,8 +304,12 @@ class CallParser:
         self._buf = ""
         return [o for o in out if o != ""]
 
-    def _emit_call(self, body: str, out: list[str | ToolCall], unclosed: bool = False) -> None:
-        call = _call(body.strip(), self.names)
+    def _emit_call(self, body: str, out: list[str | ToolCall | CallFragment], unclosed: bool = False) -> None:
+        opened, self._open = self._open, None
+        if opened is not None and opened.started:       # streamed: the call it began, with the arguments sent
+            call: ToolCall | None = ToolCall(opened.id, opened.name, opened.arguments(body))
+        else:
+            call = _call(body.strip(), self.names)
         if call is None:          # not a call after all: the text as written
             out.append(OPEN + body + ("" if unclosed else CLOSE))
         else:

@@ -30,11 +30,11 @@ from mesh.models.folder import (
     sampling_defaults,
     validate_folder,
 )
-from mesh.models.store import home, list_models, models_dir, path, register, served_model
+from mesh.models.store import TASKS, home, list_models, models_dir, path, register, served_model, task_of
 
 __all__ = [
-    "ALIASES", "CATALOG", "DEFAULT_MODEL", "MARKER", "SUPPORTED_MODEL_TYPES", "ModelError", "ModelSpec",
+    "ALIASES", "CATALOG", "TASKS", "DEFAULT_MODEL", "MARKER", "SUPPORTED_MODEL_TYPES", "ModelError", "ModelSpec",
     "canonical", "eos_token_ids", "home", "import_gguf", "is_present", "list_models", "models_dir", "path",
     "pull", "describe_folder", "read_marker", "register", "sampling_defaults", "served_model",
-    "validate_folder", "verify_sha256",
+    "task_of", "validate_folder", "verify_sha256",
 ]

@@ -56,8 +56,14 @@ def load_registry() -> dict[str, dict[str, Any]]:
     return {k: v for k, v in models.items() if isinstance(v, dict) and "path" in v}
 
 
-def register(name: str, folder: str | Path) -> Path:
-    """Register a local Hugging Face Llama-family folder under `name`; return the resolved folder."""
+TASKS = ("auto", "generate", "embed")
+
+
+def register(name: str, folder: str | Path, task: str = "auto") -> Path:
+    """Register a local Hugging Face Llama-family folder under `name`; return the resolved folder.  `task`
+    "embed": an embedding model, which serves embeddings only (task_of); "auto": decided by the folder."""
+    if task not in TASKS:
+        raise ModelError(f"task {task!r} is not one of {', '.join(TASKS)}")
     name = name.strip()
     if not _NAME_RE.fullmatch(name):
         raise ModelError(f"invalid model name {name!r}: use letters, digits, '.', '_' and '-'")
@@ -69,9 +75,20 @@ def register(name: str, folder: str | Path) -> Path:
         registry[name] = {
             "path": str(resolved),
             "registered_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **({"task": task} if task != "auto" else {}),
         }
         write_atomic(_registry_path(), json.dumps({"version": 1, "models": registry}, indent=2) + "\n")
     return resolved
+
+
+def task_of(folder: str | Path) -> str:
+    """"embed" for an embedding model (registered with task embed, or, registered without one, a
+    sentence-transformers folder: its `modules.json`), else "generate"."""
+    resolved = Path(folder).resolve()
+    for entry in load_registry().values():
+        if Path(entry["path"]).resolve() == resolved and entry.get("task") in ("generate", "embed"):
+            return str(entry["task"])
+    return "embed" if (resolved / "modules.json").is_file() else "generate"
 
 
 # ------------------------------------------------------------------------------------------- lookups

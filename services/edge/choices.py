@@ -21,8 +21,11 @@ import grpc
 from mesh import tools
 from mesh.clients.router_client import Delta, GenerateSpec, TokenLogprob
 from mesh.clients.router_pool import Routers
+from mesh.tool_stream import CallFragment
 from services.edge.responses import LogprobFormatter
 from services.edge.safety import NO_RULES, ContentPolicy, OutputGuard
+
+Piece = str | tools.ToolCall | CallFragment      # what a delta adds for the client (Choice.add)
 
 _UNPIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 
@@ -131,6 +134,8 @@ class Choice:
         self.new_logprobs: list[TokenLogprob] = []  # released by the last delta (a stream's chunk)
         self.filtered = False                  # a top_logprobs alternative was dropped: never cached
         self.calls: list[tools.ToolCall] = []
+        self.call_index: dict[str, int] = {}   # call id -> its index in tool_calls (streamed pieces name it)
+        self.streamed: set[str] = set()         # calls whose arguments went out in pieces
         self.final: Delta | None = None
         self.started = False
         self.guard = OutputGuard(policy)       # output content rules (services/edge/safety.py)
@@ -147,8 +152,9 @@ class Choice:
         """The output rules stopped this choice (its final is then made here)."""
         return self.guard.blocked is not None or self.think_guard.blocked is not None
 
-    def add(self, d: Delta) -> list[str | tools.ToolCall]:
-        """What this delta adds for the client: text pieces and whole tool calls (none once blocked)."""
+    def add(self, d: Delta) -> list[Piece]:
+        """What this delta adds for the client: text pieces, pieces of tool calls' arguments and whole tool calls
+        (none once blocked)."""
         if self.blocked:
             return []
         self.first = self.first or d
@@ -179,18 +185,20 @@ class Choice:
         self.new_logprobs = [e for _, e in self.held_logprobs[:cut]]
         self.held_logprobs = [] if self.blocked else self.held_logprobs[cut:]
         self.logprobs.extend(self.new_logprobs)
-        pieces: list[str | tools.ToolCall] = []
+        pieces: list[Piece] = []
         if self.parser is None:
             pieces = [text] if text else []
         else:
             # A call cut by the rules is dropped whole: its partial markup is not text to give out.
             pieces = self.parser.feed(text) + (self.parser.finish() if done else [])
-        kept: list[str | tools.ToolCall] = []
+        kept: list[Piece] = []
         for p in pieces:
-            if isinstance(p, tools.ToolCall):
+            if isinstance(p, tools.ToolCall | CallFragment):
                 if self.single and self.calls:
                     continue
-                self.calls.append(p)
+                self.call_index.setdefault(p.id, len(self.calls))
+                if isinstance(p, tools.ToolCall):
+                    self.calls.append(p)
             else:
                 self.parts.append(p)
             kept.append(p)
@@ -248,8 +256,10 @@ class Choice:
             choice["text"] = self.echo + text
         return choice
 
-    def delta(self, pieces: Sequence[str | tools.ToolCall]) -> dict[str, Any]:
-        """A streamed chunk's `delta` (chat) for these pieces; the first carries the role."""
+    def delta(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        """A streamed chunk's `delta` (chat) for these pieces; the first carries the role.  A call's first
+        piece carries its id, type and name, the next ones only their piece of its arguments (OpenAI's
+        `function.arguments` deltas); a call that was not streamed comes whole."""
         delta: dict[str, Any] = {}
         if not self.started:
             delta["role"] = "assistant"
@@ -259,10 +269,17 @@ class Choice:
             delta["reasoning_content"] = self.new_reasoning
         if text or not (pieces or "reasoning_content" in delta):
             delta["content"] = text
-        calls = [p for p in pieces if isinstance(p, tools.ToolCall)]
+        self.streamed.update(p.id for p in pieces if isinstance(p, CallFragment))
+        calls: list[dict[str, Any]] = []
+        for p in pieces:
+            if isinstance(p, CallFragment):
+                head = {"id": p.id, "type": "function"} if p.first else {}
+                name = {"name": p.name} if p.first else {}
+                calls.append({"index": self.call_index[p.id], **head, "function": {**name, "arguments": p.arguments}})
+            elif isinstance(p, tools.ToolCall) and p.id not in self.streamed:
+                calls.append({"index": self.call_index[p.id], **p.as_dict()})
         if calls:
-            first = len(self.calls) - len(calls)
-            delta["tool_calls"] = [{"index": first + k, **c.as_dict()} for k, c in enumerate(calls)]
+            delta["tool_calls"] = calls
         return delta
 
 

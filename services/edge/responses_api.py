@@ -29,6 +29,7 @@ import grpc
 from mesh import tools
 from mesh.clients.router_client import Delta, GenerateSpec
 from mesh.clients.router_pool import Routers
+from mesh.tool_stream import CallFragment
 from services.edge import requests
 from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
 from services.edge.choices import Choice, fan_out
@@ -59,6 +60,9 @@ class Output:
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None       # the message item being written
         self.written: list[str] = []                       # its text so far
+        self.open_call: dict[str, Any] | None = None       # the function_call item whose arguments stream
+        self.reasoning: dict[str, Any] | None = None       # the reasoning item being written
+        self.thoughts: list[str] = []                      # its text so far
         self.final: Delta | None = None
 
     def body(self, status: str) -> dict[str, Any]:
@@ -73,7 +77,31 @@ class Output:
                 "model": self.model, "output": list(self.items), "usage": usage, "error": None,
                 "incomplete_details": incomplete, **self.request.echo}
 
+    async def thought(self, piece: str) -> None:
+        """A piece of a reasoning model's thoughts (its reasoning item opens with the first)."""
+        if self.reasoning is None:
+            self.reasoning = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
+                              "status": "in_progress"}
+            await self.emit("response.output_item.added", {"output_index": len(self.items), "item": self.reasoning})
+        self.thoughts.append(piece)
+        await self.emit("response.reasoning_text.delta", {"item_id": self.reasoning["id"],
+                                                          "output_index": len(self.items), "content_index": 0,
+                                                          "delta": piece})
+
+    async def close_reasoning(self) -> None:
+        if self.reasoning is None:
+            return
+        item, self.reasoning = self.reasoning, None
+        text, self.thoughts = "".join(self.thoughts), []
+        item.update(status="completed", content=[{"type": "reasoning_text", "text": text}])
+        index = len(self.items)
+        await self.emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
+                                                         "content_index": 0, "text": text})
+        await self.emit("response.output_item.done", {"output_index": index, "item": item})
+        self.items.append(item)
+
     async def text(self, piece: str) -> None:
+        await self.close_reasoning()
         if self.message is None:
             self.message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
                             "content": []}
@@ -83,6 +111,7 @@ class Output:
         await self.emit("response.output_text.delta", {**self._where(), "delta": piece})
 
     async def close_message(self) -> None:
+        await self.close_reasoning()
         if self.message is None:
             return
         item, self.message = self.message, None
@@ -94,14 +123,30 @@ class Output:
         await self.emit("response.output_item.done", {"output_index": len(self.items), "item": item})
         self.items.append(item)
 
+    async def call_piece(self, piece: CallFragment) -> None:
+        """A piece of a call's arguments as the model writes them (its item opens with the first)."""
+        if piece.first:
+            await self.close_message()
+            self.open_call = {"type": "function_call", "id": new_id("fc"), "call_id": piece.id, "name": piece.name,
+                              "arguments": "", "status": "in_progress"}
+            await self.emit("response.output_item.added", {"output_index": len(self.items),
+                                                           "item": dict(self.open_call)})
+        if self.open_call is not None:
+            await self.emit("response.function_call_arguments.delta",
+                            {"item_id": self.open_call["id"], "output_index": len(self.items),
+                             "delta": piece.arguments})
+
     async def call(self, call: tools.ToolCall) -> None:
-        await self.close_message()
-        item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
-                "arguments": "", "status": "in_progress"}
+        """A whole call: the end of the one streamed in pieces, or one read whole (its arguments in one delta)."""
+        item, self.open_call = self.open_call, None
         index = len(self.items)
-        await self.emit("response.output_item.added", {"output_index": index, "item": dict(item)})
-        await self.emit("response.function_call_arguments.delta",
-                        {"item_id": item["id"], "output_index": index, "delta": call.arguments})
+        if item is None or item["call_id"] != call.id:
+            await self.close_message()
+            item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+                    "arguments": "", "status": "in_progress"}
+            await self.emit("response.output_item.added", {"output_index": index, "item": dict(item)})
+            await self.emit("response.function_call_arguments.delta",
+                            {"item_id": item["id"], "output_index": index, "delta": call.arguments})
         await self.emit("response.function_call_arguments.done",
                         {"item_id": item["id"], "output_index": index, "arguments": call.arguments})
         item.update(arguments=call.arguments, status="completed")
@@ -189,9 +234,14 @@ class Responses:
             async for _, delta in fan_out(self.router, [spec], 1, self.config.request_timeout_s):
                 charge.started = True
                 output.model = delta.served_by.model if delta.served_by else output.model
-                for piece in choice.add(delta):
+                pieces = choice.add(delta)
+                if choice.new_reasoning and not choice.blocked:
+                    await output.thought(choice.new_reasoning)
+                for piece in pieces:
                     if isinstance(piece, tools.ToolCall):
                         await output.call(piece)
+                    elif isinstance(piece, CallFragment):
+                        await output.call_piece(piece)
                     elif piece:
                         await output.text(piece)
         except grpc.aio.AioRpcError as err:

@@ -2,7 +2,8 @@
 ApiError(400) naming the Responses field.
 
 `input` (a string, or items: messages with text parts, `function_call` items echoed back, and
-`function_call_output` items) with `instructions` first becomes chat `messages`; `tools` (the Responses shape:
+`function_call_output` items; `reasoning` items echoed back are dropped, as the think-tag templates drop past
+thoughts) with `instructions` first becomes chat `messages`; `tools` (the Responses shape:
 name, description and parameters at the top) become chat tools; `text.format` becomes `response_format`;
 `max_output_tokens` is `max_tokens`.  What the answer echoes back (instructions, tools, metadata, ...) is kept
 beside it.  The chat parser (services/edge/requests.py) then checks the rest as for any chat request.
@@ -74,9 +75,12 @@ def _item(item: Any, i: int, messages: list[dict[str, Any]]) -> None:
         no_unknown(item, {"type", "call_id", "output", "id", "status"}, f"{where}.")
         messages.append({"role": "tool", "tool_call_id": string(item, "call_id", required=True),
                          "content": _text(item.get("output"), f"{where}.output")})
+    elif kind == "reasoning":
+        # An earlier answer's thoughts, sent back as clients do: dropped, as the think-tag templates drop them.
+        no_unknown(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, f"{where}.")
     else:
-        raise ApiError(400, f"'{where}.type' {str(kind)[:40]!r} is not supported; use message, function_call or "
-                       "function_call_output", f"{where}.type")
+        raise ApiError(400, f"'{where}.type' {str(kind)[:40]!r} is not supported; use message, function_call, "
+                       "function_call_output or reasoning", f"{where}.type")
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -178,7 +182,7 @@ def schemas(max_tokens: int) -> dict[str, Any]:
         "model": {"type": "string", "maxLength": MAX_NAME_CHARS},
         "input": {"anyOf": [{"type": "string", "minLength": 1},
                             {"type": "array", "minItems": 1, "items": {"type": "object"}}],
-                  "description": "text, or items: messages, function_call, function_call_output"},
+                  "description": "text, or items: messages, function_call, function_call_output, reasoning"},
         "instructions": nullable("string"), "tools": nullable("array", items={"type": "object"}),
         "tool_choice": {"description": "none, auto, required or {\"type\": \"function\", \"name\": ...}"},
         "parallel_tool_calls": nullable("boolean"), "text": nullable("object"),

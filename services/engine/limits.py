@@ -20,6 +20,9 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
     limit = runner.max_context
     if not prompt_ids:
         raise InvalidArgument("the prompt is empty")
+    if runner.task == "embed" and not sampling.pooling:
+        raise InvalidArgument("this model is an embedding model: it serves embeddings only (POST /v1/embeddings, "
+                              "or SamplingParams.pooling), not completions")
     bad = next((i for i in prompt_ids + resume + [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)
                 if not 0 <= i < runner.vocab_size), None)
     if bad is not None:
@@ -41,16 +44,9 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
         raise InvalidArgument(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can never fit this engine's KV "
             f"cache of {capacity} tokens; lower max_tokens or raise the engine's --kv-cache-mb")
-    if owner.priority not in (0, 1):
-        raise InvalidArgument(f"priority {owner.priority} is not 0 (interactive) or 1 (batch)")
     if len(cache_salt) > 256:
         raise InvalidArgument(f"cache_salt is {len(cache_salt)} bytes; at most 256")
-    if len(owner.tenant) > 256:
-        raise InvalidArgument(f"tenant is {len(owner.tenant)} characters; at most 256")
-    try:
-        check_weight(owner.weight)
-    except ValueError as exc:
-        raise InvalidArgument(f"the tenant's {exc}") from None
+    _check_owner(owner)
     if getattr(runner.model, "dynamic", False) and len(prompt_ids) > runner.config.max_position:
         # Dynamic NTK rotates this prompt at its own length: its blocks are not another prompt's.
         cache_salt = cache_salt + b"|ntk:%d" % len(prompt_ids)
@@ -65,3 +61,14 @@ def build_request(runner: ModelRunner, blocks: BlockManager, request_id: str, pr
     if sampling.prompt_logprobs:
         req.prompt_logprobs.append(EngineTokenLogprob(prompt_ids[0], float("nan")))
     return req
+
+
+def _check_owner(owner: Owner) -> None:
+    if owner.priority not in (0, 1):
+        raise InvalidArgument(f"priority {owner.priority} is not 0 (interactive) or 1 (batch)")
+    if len(owner.tenant) > 256:
+        raise InvalidArgument(f"tenant is {len(owner.tenant)} characters; at most 256")
+    try:
+        check_weight(owner.weight)
+    except ValueError as exc:
+        raise InvalidArgument(f"the tenant's {exc}") from None

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mesh.models import eos_token_ids
+from mesh.models import eos_token_ids, task_of
 from meshkernels import paged_attention
 from services.engine import kv_transfer
 from services.engine.decode_graphs import DecodeGraphs, padded_tables
@@ -121,6 +121,7 @@ class ModelRunner:
         any other step).  weights: the model's tensors by their Hugging Face names, instead of the
         folder's files (the folder still gives config.json and the end-of-sequence ids)."""
         self.folder = Path(folder)
+        self.task = task_of(self.folder)    # "embed": an embedding model, serving pooled requests only
         self.plan = plan
         self.device = torch.device(plan.device)
         self.dtype: torch.dtype = plan.torch_dtype

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mesh.errors import InvalidArgument
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner, pooled_positions
 from services.engine.plan import decide
@@ -79,3 +80,12 @@ def test_an_unknown_pooling_is_refused() -> None:
 
     with pytest.raises(InvalidArgument, match="pooling 'max' is not one of model, mean, cls, last"):
         SamplingParams(pooling="max")
+
+
+def test_an_embedding_model_serves_embeddings_only(runner: ModelRunner, hf, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _, tokenizer = hf
+    monkeypatch.setattr(runner, "task", "embed")                # as mesh.models.task_of says of its folder
+    engine = Engine(runner)
+    with pytest.raises(InvalidArgument, match="is an embedding model: it serves embeddings only"):
+        engine.make_request("gen", tokenizer.encode("Count to five:"), SamplingParams(max_tokens=4))
+    assert embed(engine, [tokenizer.encode(TEXTS[0])], "mean")[0].shape == (runner.config.hidden_size,)

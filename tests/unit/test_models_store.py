@@ -121,3 +121,16 @@ def test_served_model_with_explicit_folder(tmp_path: Path):
         store.served_model(f"custom={tmp_path}")
     with pytest.raises(ModelError, match="the name before '=' is empty"):
         store.served_model(f"={folder}")
+
+
+def test_an_embedding_model_is_one_by_its_folder_or_its_registration(tmp_path: Path):
+    plain = hf_folder(tmp_path / "plain")
+    sentence = hf_folder(tmp_path / "sentence")
+    (sentence / "modules.json").write_text("[]")                  # a sentence-transformers folder
+    assert (store.task_of(plain), store.task_of(sentence)) == ("generate", "embed")
+    store.register("plain-embed", plain, task="embed")
+    store.register("sentence-generate", sentence, task="generate")
+    assert (store.task_of(plain), store.task_of(sentence)) == ("embed", "generate")
+    assert store.load_registry()["plain-embed"]["task"] == "embed"
+    with pytest.raises(ModelError, match="task 'chat' is not one of auto, generate, embed"):
+        store.register("x", plain, task="chat")
