@@ -81,8 +81,9 @@ def interactive(http: str, streams: int, rounds: int, tag: str) -> list[float]:
     return out
 
 
-def start_batch(client: openai.OpenAI, lines: int, tag: str) -> Any:
-    upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_file(lines, tag))), purpose="batch")
+def start_batch(client: openai.OpenAI, lines: int, tag: str, line_tokens: int = 64) -> Any:
+    upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_file(lines, tag, line_tokens))),
+                                 purpose="batch")
     return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
@@ -107,14 +108,14 @@ def under_way(client: openai.OpenAI, bid: str, seconds: float = 120) -> None:
         time.sleep(0.1)
 
 
-def compare(http: str, lines: int = 50, streams: int = 8, rounds: int = 4) -> dict[str, Any]:
-    """Interactive TTFTs without and with a batch running, and the batch's outcome."""
+def compare(http: str, lines: int = 50, streams: int = 8, rounds: int = 4, line_tokens: int = 64) -> dict[str, Any]:
+    """Interactive TTFTs without and with a batch running (its lines `line_tokens` long), and its outcome."""
     client = openai.OpenAI(base_url=f"{http}/v1", api_key="unused", max_retries=0, timeout=120)
     tag = uuid.uuid4().hex[:8]
     interactive(http, streams, 1, tag + "w")                # warm up
     alone = interactive(http, streams, rounds, tag + "a")
     started = time.monotonic()
-    batch = start_batch(client, lines, tag)
+    batch = start_batch(client, lines, tag, line_tokens)
     under_way(client, batch.id)
     beside = interactive(http, streams, rounds, tag + "b")
     still_running = client.batches.retrieve(batch.id).status == "in_progress"

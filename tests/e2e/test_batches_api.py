@@ -1,10 +1,11 @@
 """End to end, issue 35: the Files and Batch APIs with the `openai` package on `infermesh up --engines 1`.
 
-- A file of 50 chat requests runs as a batch while 8 interactive streams run (bench/batch_api.py's workload:
+- A file of 50 chat requests (32 tokens each) runs as a batch while 8 interactive streams run (bench/batch_api.py:
   the test prints the interactive TTFT p50 with the batch against without, never asserts a time); the
   output file has 50 lines, by custom_id.
-- The edge killed with SIGKILL in the middle of a batch: the launcher restarts it, the new edge takes the
-  batch over from what the old one wrote to the cache service, and the output still has every line once.
+- The edge killed with SIGKILL in the middle of a batch (30 lines): the launcher restarts it, the new edge takes the
+  batch over from what the old one wrote to the cache service; then the cache service killed likewise; the
+  output still has every line once.
 - A cancelled batch stops: its lines under way are aborted in the engine (which is then idle), the lines not
   run are in the error file as batch_cancelled, each input line has exactly one result.
 """
@@ -52,12 +53,12 @@ def custom_ids(client: openai.OpenAI, file_id: str | None) -> list[str]:
 
 
 def test_a_batch_beside_interactive_streams(batch_mesh: Mesh, client: openai.OpenAI) -> None:
-    result = compare(batch_mesh.http, lines=50, streams=8, rounds=2)
+    result = compare(batch_mesh.http, lines=50, streams=8, rounds=2, line_tokens=32)
     print("\n" + report(result, 50))
     batch = result["batch"]
     assert batch.status == "completed" and batch.request_counts.completed == 50 and batch.error_file_id is None
     assert [o["custom_id"] for o in result["output"]] == [f"line-{i}" for i in range(50)]
-    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["usage"]["completion_tokens"] == 64
+    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["usage"]["completion_tokens"] == 32
                for o in result["output"])
 
 
@@ -90,31 +91,38 @@ def start_and_finish(client: openai.OpenAI) -> Any:
     return wait_batch(client, batch.id, 120)
 
 
-def edge_pid(mesh: Mesh) -> int:
-    pattern = f"services.edge --replica-id edge-0 --host 127.0.0.1 --http-port {8000 + PORTS}"
+def pid(command: str, port: int) -> int:
+    pattern = f"{command} {port + PORTS}"
     pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     assert len(pids) == 1, pids
     return int(pids[0])
 
 
-def test_a_batch_outlives_its_edge(batch_mesh: Mesh, client: openai.OpenAI) -> None:
-    batch = start_batch(client, 50, "killed")
+def test_a_batch_outlives_its_edge_and_its_cache_service(batch_mesh: Mesh, client: openai.OpenAI) -> None:
+    batch = start_batch(client, 30, "killed", line_tokens=32)
     deadline = time.monotonic() + 120
     while client.batches.retrieve(batch.id).request_counts.completed < 5:      # type: ignore[union-attr]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    os.kill(edge_pid(batch_mesh), signal.SIGKILL)
+    os.kill(pid("services.edge --replica-id edge-0 --host 127.0.0.1 --http-port", 8000), signal.SIGKILL)
+    cache_killed = False
     deadline = time.monotonic() + 180
     while True:
         try:
             done = client.batches.retrieve(batch.id)
             if done.status == "completed":
                 break
+            if not cache_killed and done.request_counts.completed >= 15:          # type: ignore[union-attr]
+                # Then the cache service that holds the batch's state: the edge keeps its results and
+                # writes them once the launcher has restarted it.
+                os.kill(pid("services.cache --replica-id cache-0 --port", 50053), signal.SIGKILL)
+                cache_killed = True
         except (openai.APIConnectionError, openai.InternalServerError):
-            pass                                      # the edge is restarting
-        assert time.monotonic() < deadline, "the batch did not complete after its edge was killed"
+            pass                                      # the edge or the cache service is restarting
+        assert time.monotonic() < deadline, "the batch did not complete after its edge and cache were killed"
         time.sleep(0.5)
-    assert done.request_counts.completed == 50 and done.error_file_id is None
-    assert custom_ids(client, done.output_file_id) == [f"line-{i}" for i in range(50)]
+    assert cache_killed
+    assert done.request_counts.completed == 30 and done.error_file_id is None
+    assert custom_ids(client, done.output_file_id) == [f"line-{i}" for i in range(30)]
     log = Path(batch_mesh.log).read_text()
     assert re.search(rf"batch {batch.id} of \S+: taken over", log), log[-3000:]

@@ -2,8 +2,9 @@
 
 An answer that opened a `<tool_call>` and wrote a blocked word inside it ended with the call's
 unfinished markup (`<tool_call>{"name": ...`) as the message's content.  Now the cut call is dropped
-whole: the choice ends with finish_reason content_filter, no tool_calls and no markup, whole or
-streamed.
+whole: the choice ends with finish_reason content_filter, no tool_calls and no markup.  Streamed, a call's
+arguments go out in pieces as they are written (as OpenAI streams them), so the pieces released before
+the cut may have gone out, never the markup and never the text the rules hold back.
 """
 
 from __future__ import annotations
@@ -39,5 +40,7 @@ def test_a_tool_call_cut_by_the_rules_ends_without_partial_markup(tmp_path: Path
         streamed = "".join(c["delta"].get("content") or "" for c in chunks)
         assert chunks[-1]["finish_reason"] == "content_filter"
         assert "<tool_call" not in streamed and "lookup" not in streamed
-        assert not any(c["delta"].get("tool_calls") for c in chunks)
+        pieces = "".join(call["function"].get("arguments") or "" for c in chunks
+                         for call in c["delta"].get("tool_calls") or [])
+        assert "bo" not in pieces and "tool_call" not in pieces and pieces.startswith('{"q": "a')
     asyncio.run(main())

@@ -1,0 +1,159 @@
+"""LoRA adapters on the engine's model: a PEFT folder read into per-layer low-rank factors, and the update
+that adds each row's adapter to the base projections of a mixed batch.
+
+A PEFT LoRA folder holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, rank_pattern,
+alpha_pattern) and `adapter_model.safetensors` (or `.bin`) with `...layers.{i}.{self_attn|mlp}.{module}.lora_A.weight`
+(r x in) and `lora_B.weight` (out x r).  The base projection runs once for every row of the step; then, per
+adapter, its rows' update `(h[rows] @ A^T) @ B^T * scale` is added into the rows of the projection's output
+that the module writes (q, k and v share the fused qkv output, gate and up the gate_up one).  Targets: q, k,
+v, o, gate, up and down projections; an adapter naming another module, a layer the model has not, or shapes
+that do not fit is refused (ValueError naming it).  Pure torch: the reference the fused kernel must equal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Which fused projection a module writes into, and its slice there (in units the model's config gives).
+PROJECTION = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+              "up_proj": "gate_up", "down_proj": "down"}
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The base model's sizes the adapter must fit."""
+
+    layers: int
+    hidden: int
+    q_out: int
+    kv_out: int
+    intermediate: int
+
+    def dims(self, module: str) -> tuple[int, int]:
+        """(in, out) of a module's projection."""
+        return {"q_proj": (self.hidden, self.q_out), "k_proj": (self.hidden, self.kv_out),
+                "v_proj": (self.hidden, self.kv_out), "o_proj": (self.q_out, self.hidden),
+                "gate_proj": (self.hidden, self.intermediate), "up_proj": (self.hidden, self.intermediate),
+                "down_proj": (self.intermediate, self.hidden)}[module]
+
+    def offset(self, module: str) -> int:
+        """Where the module's columns start in its fused projection's output."""
+        return {"q_proj": 0, "k_proj": self.q_out, "v_proj": self.q_out + self.kv_out, "o_proj": 0,
+                "gate_proj": 0, "up_proj": self.intermediate, "down_proj": 0}[module]
+
+
+@dataclass
+class Factors:
+    a: torch.Tensor          # (r, in)
+    b: torch.Tensor          # (out, r), the scale folded in
+    offset: int              # first column written in the fused projection's output
+
+
+@dataclass
+class Adapter:
+    name: str
+    rank: int
+    # layer -> fused projection ("qkv", "o", "gate_up", "down") -> its modules' factors
+    layers: list[dict[str, list[Factors]]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype = torch.float32) -> Adapter:
+    """A PEFT LoRA folder as an Adapter for a model of `shape`; ValueError naming what does not fit."""
+    folder = Path(folder)
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{folder}: no adapter_config.json (a PEFT LoRA folder has one)")
+    config = json.loads(config_file.read_text())
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("use_dora"):
+        raise ValueError(f"{folder}: DoRA adapters are not supported")
+    tensors = _tensors(folder)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise ValueError(f"{folder}: tensor {key!r} is not a LoRA factor of a layer's projection")
+        layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+        if module not in MODULES:
+            raise ValueError(f"{folder}: target module {module!r} is not one of {', '.join(MODULES)}")
+        if layer >= shape.layers:
+            raise ValueError(f"{folder}: layer {layer} is past the model's {shape.layers} layers")
+        pairs.setdefault((layer, module), {})[which] = value
+    adapter = Adapter(name, int(config.get("r", 0)), [{} for _ in range(shape.layers)])
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{folder}: layer {layer} {module} has lora_{next(iter(ab))} without its pair")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shape.dims(module)
+        rank = a.shape[0]
+        if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
+            raise ValueError(f"{folder}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                             f"do not fit the model's ({fan_in} -> {fan_out}) projection: an adapter of another base")
+        scale = _scale(config, module, rank)
+        factors = Factors(a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous(), shape.offset(module))
+        adapter.layers[layer].setdefault(PROJECTION[module], []).append(factors)
+        adapter.nbytes += factors.a.nbytes + factors.b.nbytes
+    if not pairs:
+        raise ValueError(f"{folder}: the adapter has no LoRA factors")
+    return adapter
+
+
+def _scale(config: dict[str, object], module: str, rank: int) -> float:
+    """lora_alpha / r (or / sqrt(r) with use_rslora), with the config's per-module patterns."""
+    alpha = float(config.get("lora_alpha", rank))                        # type: ignore[arg-type]
+    for pattern, value in dict(config.get("alpha_pattern") or {}).items():   # type: ignore[call-overload]
+        if module in str(pattern):
+            alpha = float(value)
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    safetensors_file, bin_file = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    if safetensors_file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(safetensors_file))
+    if bin_file.is_file():
+        return dict(torch.load(bin_file, map_location="cpu", weights_only=True))
+    raise ValueError(f"{folder}: no adapter_model.safetensors or adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """A step's adapters: each one and the flat batch rows that use it (rows of the base model are in none)."""
+
+    groups: tuple[tuple[Adapter, torch.Tensor], ...]
+
+
+def apply(out: torch.Tensor, h: torch.Tensor, layer: int, projection: str, rows: LoraRows | None) -> torch.Tensor:
+    """Add each adapter's update into `out` (T, out) for its rows of `h` (T, in), in place; returns `out`."""
+    if rows is None:
+        return out
+    for adapter, index in rows.groups:
+        for f in adapter.layers[layer].get(projection, ()):
+            x = h.index_select(0, index)
+            delta = (x @ f.a.t()) @ f.b.t()                                   # (R, out of the module)
+            out[index, f.offset:f.offset + delta.shape[1]] += delta.to(out.dtype)
+    return out
+
+
+def grouped(adapters: Sequence[Adapter | None], device: torch.device) -> LoraRows | None:
+    """The step's rows by adapter (`adapters[i]` is row i's; None: the base model), or None when no row has one."""
+    by_name: dict[str, tuple[Adapter, list[int]]] = {}
+    for i, adapter in enumerate(adapters):
+        if adapter is not None:
+            by_name.setdefault(adapter.name, (adapter, []))[1].append(i)
+    if not by_name:
+        return None
+    return LoraRows(tuple((a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in by_name.values()))
