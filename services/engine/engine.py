@@ -27,6 +27,7 @@ import torch
 
 from mesh.errors import ResourceExhausted
 from services.engine import grammar, kv_transfer, sampler
+from services.engine.adapters import AdapterPool, shape_of
 from services.engine.block_manager import BlockManager
 from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
@@ -54,6 +55,7 @@ class Engine:
                  grammar_limits: GrammarLimits | None = None):
         self.runner = runner
         self.versions = Versions(runner, version)      # hot swaps (services/engine/versions.py)
+        self.adapters = AdapterPool(shape_of(runner), runner.dtype)   # LoRA (services/engine/adapters.py)
         self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache
@@ -66,18 +68,18 @@ class Engine:
         self._batch: Batch | None = None        # the batch of the step being run (fail_step's victims)
         self._pending: list[StepOutput] = []    # that step's outputs so far (aborts), for fail_step
         self._lock = threading.Lock()
-        # Set when an interactive request arrives during a step of batch-class rows only: the step gives way.
-        self._give_way: threading.Event | None = None
+        self._give_way: threading.Event | None = None   # set when an interactive request comes in a batch-only step
         self.stats = EngineStats()
         self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids, grammar_limits)
 
     # -- admission ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      resume_ids: list[int] | None = None, owner: Owner = COMMON, cache_salt: bytes = b"",
-                     cache_class: str = "") -> Request:
+                     cache_class: str = "", adapter: str = "") -> Request:
         """Validate a request against the model's and the KV cache's limits (a precise error if it
-        breaks one); it runs on the active model version to its end."""
+        breaks one); it runs on the active model version (and LoRA `adapter`, if named) to its end."""
         req = build_request(self.runner, self.blocks, request_id, prompt_ids, sampling, resume_ids, owner, cache_salt)
+        self.adapters.attach(req, adapter)
         self.versions.hold(req)
         req.cache_salt += self.versions.salt(req.version)
         req.cache_class = cache_class

@@ -25,6 +25,8 @@ from mesh.models import eos_token_ids, task_of
 from meshkernels import paged_attention
 from services.engine import kv_transfer
 from services.engine.decode_graphs import DecodeGraphs, padded_tables
+from services.engine.lora import Adapter
+from services.engine.lora import grouped as lora_rows
 from services.engine.models import ARCHITECTURES
 from services.engine.models.attention import AttentionMetadata
 from services.engine.models.config import load_weights
@@ -185,7 +187,8 @@ class ModelRunner:
         # A pure-decode step: every chunk one token that is sampled (a one-token prefill chunk that
         # does not reach the prompt's end samples nothing, so it takes the eager path).
         if self.graphs is not None and chunks and len(chunks) <= self.graphs.max_batch and not self.model.dynamic \
-                and all(c.num_tokens == 1 and c.start > 0 and c.sample and not c.draft for c in chunks):
+                and all(c.num_tokens == 1 and c.start > 0 and c.sample and not c.draft and c.request.adapter is None
+                        for c in chunks):
             return self._run_graph(chunks, greedy)
         ids: list[int] = []
         positions: list[int] = []
@@ -198,6 +201,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         lengths: list[int] = []          # dynamic NTK RoPE: the sequence length each row is rotated at
         extra = _ExtraRows()
+        adapters: list[Adapter | None] = []     # each row's LoRA adapter (None: the base model)
         limit = self.config.max_position
         for chunk in chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
@@ -222,6 +226,7 @@ class ModelRunner:
             if chunk.sample:
                 logits_rows.extend(range(row + n - 1 - chunk.draft, row + n))
             extra.add(req, row, start, n)
+            adapters.extend([req.adapter] * n)
         width = max((len(t) for t in decode_tables), default=0)
         flat_tables = padded_tables(decode_tables, width)
         t_ids, t_positions, t_slots, t_rows, t_drows, t_dlens, t_dtables, *t_ptables = kv_transfer.int64_parts(
@@ -240,7 +245,9 @@ class ModelRunner:
                                                                                     strict=True)),
         )
         rope_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device) if lengths else None
-        hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows, rope_lengths)
+        lora = lora_rows(adapters, self.device)
+        hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows, rope_lengths,
+                                    **({"lora": lora} if lora is not None else {}))
         if extra.rows:
             extra.take(self, hidden[len(logits_rows):])
             hidden = hidden[:len(logits_rows)]

@@ -15,6 +15,8 @@ from services.engine.speculate import Lookup
 if TYPE_CHECKING:
     import torch
 
+    from services.engine.lora import Adapter
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"
@@ -142,6 +144,7 @@ class Request:
     cache_salt: bytes = b""             # prefix-cache namespace: only equal salts share cached blocks
     cache_class: str = ""               # eviction class of the blocks it publishes; "": the engine's own
     version: str = ""                     # the model version it runs on, to its end (services/engine/versions.py)
+    adapter: Adapter | None = None        # the LoRA adapter it runs with (services/engine/lora.py); None: the base
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

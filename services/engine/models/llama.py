@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from services.engine.lora import LoraRows
+from services.engine.lora import apply as lora_apply
 from services.engine.models import interrupt, rope
 from services.engine.models import ops as op_sets
 from services.engine.models.attention import Attention, AttentionMetadata
@@ -250,13 +252,14 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: list[tuple[torch.Tensor, torch.Tensor]], logits_rows: torch.Tensor,
-                rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                rope_lengths: torch.Tensor | None = None, lora: LoraRows | None = None) -> torch.Tensor:
         """input_ids, positions: (T,); logits_rows: (S,) the rows whose next token is wanted.
         Returns their final hidden states, (S, H) in the plan's dtype (logits() makes logits of them).
 
         Each residual add rides in the next norm (add_rms_norm adds `update` into x in place), and
         RoPE rotates q and k in place while k and v are stored in the cache.  rope_lengths: (T,) each
-        row's sequence length for dynamic NTK RoPE (the model runner's), else None."""
+        row's sequence length for dynamic NTK RoPE (the model runner's), else None.  lora: the rows that run
+        with a LoRA adapter (services/engine/lora.py): each projection adds their low-rank updates."""
         c = self.config
         ops = self.ops
         t = input_ids.shape[0]
@@ -267,7 +270,7 @@ class LlamaModel:
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         update: torch.Tensor | None = None                                         # (T, H) not yet added to x
         if self.fused_layers is not None and meta.decode_rows is not None and not meta.prefills \
-                and t <= self.fused_rows:
+                and t <= self.fused_rows and lora is None:
             for weights, (k_cache, v_cache) in zip(self.fused_layers, kv, strict=True):
                 interrupt.check()
                 update = getattr(torch.ops.infermesh, self.fused_op)(
@@ -280,27 +283,29 @@ class LlamaModel:
         if self.dynamic and rope_lengths is not None:
             row_tables = self.dynamic_rows(positions, rope_lengths)    # row i's cos/sin at index i
             tables, rope_positions = [row_tables] * c.num_layers, torch.arange(t, device=positions.device)
-        for layer, window, (cos, sin), (k_cache, v_cache) in zip(self.layers, self.windows, tables, kv,
-                                                                 strict=True):
+        for i, (layer, window, (cos, sin), (k_cache, v_cache)) in enumerate(zip(self.layers, self.windows, tables,
+                                                                                kv, strict=True)):
             interrupt.check()
             h = ops.add_rms_norm(x, update, layer.input_norm, eps)                 # x += update
-            qkv = layer.qkv(h).view(t, qk_heads + c.num_kv_heads, c.head_dim)      # (T, H+2KH, D)
+            qkv = lora_apply(layer.qkv(h), h, i, "qkv", lora).view(t, qk_heads + c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv[:, : c.num_heads] = _head_norm(qkv[:, : c.num_heads], layer.q_norm, eps)
                 qkv[:, c.num_heads: qk_heads] = _head_norm(qkv[:, c.num_heads: qk_heads], layer.k_norm, eps)
             ops.rope_and_write_kv(qkv, rope_positions, cos, sin, k_cache, v_cache, meta.slots, c.num_heads)
             q, k, v = qkv[:, : c.num_heads], qkv[:, c.num_heads: qk_heads], qkv[:, qk_heads:]
             attn = self.attention(q, k, v, k_cache, v_cache, meta, window)         # (T, heads, D)
-            out = layer.o(attn.reshape(t, c.num_heads * c.head_dim))
+            flat = attn.reshape(t, c.num_heads * c.head_dim)
+            out = lora_apply(layer.o(flat), flat, i, "o", lora)
             if layer.attn_out_norm is not None:
                 out = ops.add_rms_norm(out, None, layer.attn_out_norm, eps)
             h = ops.add_rms_norm(x, out, layer.post_norm, eps)                     # x += out
-            gate_up = layer.gate_up(h)
+            gate_up = lora_apply(layer.gate_up(h), h, i, "gate_up", lora)
             if c.activation == "silu":
-                update = layer.down(ops.silu_and_mul(gate_up))
+                act = ops.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
-                update = layer.down(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+                act = torch.nn.functional.gelu(gate, approximate="tanh") * up
+            update = lora_apply(layer.down(act), act, i, "down", lora)
             if layer.mlp_out_norm is not None:
                 update = ops.add_rms_norm(update, None, layer.mlp_out_norm, eps)
         rows = x[logits_rows]                                                      # (S, H)

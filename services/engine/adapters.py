@@ -1,0 +1,94 @@
+"""The engine's LoRA adapters by name (services/engine/lora.py reads and applies them).
+
+`load` reads a PEFT folder (the server calls it off the step thread) and registers it under a name; the
+factors of at most `max_bytes` of adapters are held, least recently used out first (an adapter pushed out
+is read from its folder again when a request names it).  A request holds its adapter object to its end, so
+`unload` (new requests for the name are then NOT_FOUND) and eviction free an adapter's memory only once its
+requests are done.  Prefix-cache blocks are namespaced per adapter (a request's cache_salt)."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mesh.errors import InvalidArgument, NotFound
+from services.engine.lora import Adapter, Shape, load_adapter
+
+if TYPE_CHECKING:
+    from services.engine.model_runner import ModelRunner
+    from services.engine.request import Request
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def shape_of(runner: ModelRunner) -> Shape:
+    c = runner.config
+    return Shape(c.num_layers, c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                 c.intermediate_size)
+
+
+class AdapterPool:
+    def __init__(self, shape: Shape, dtype: torch.dtype, max_bytes: int = 1 << 30):
+        self.shape, self.dtype, self.max_bytes = shape, dtype, max_bytes
+        self.folders: dict[str, Path] = {}
+        self.loaded: OrderedDict[str, Adapter] = OrderedDict()
+        self.loads = 0                       # folder reads, the first and after an eviction
+        self._lock = threading.Lock()
+
+    def load(self, name: str, folder: str | Path) -> Adapter:
+        """Read and register an adapter (replacing one of that name); InvalidArgument naming what is wrong."""
+        if not NAME.fullmatch(name):
+            raise InvalidArgument(f"adapter name {name[:64]!r}: use 1 to 128 letters, digits, '.', '_', ':', '-'")
+        path = Path(folder)
+        if not path.is_dir():
+            raise InvalidArgument(f"lora_path {str(folder)[:256]!r} is not a folder on the engine's machine")
+        try:
+            adapter = load_adapter(name, path, self.shape, self.dtype)
+        except (ValueError, OSError) as exc:
+            raise InvalidArgument(f"adapter {name!r}: {exc}") from None
+        with self._lock:
+            self.folders[name] = path
+            self._keep(adapter)
+        return adapter
+
+    def unload(self, name: str) -> bool:
+        with self._lock:
+            self.loaded.pop(name, None)
+            return self.folders.pop(name, None) is not None
+
+    def get(self, name: str) -> Adapter:
+        with self._lock:
+            adapter = self.loaded.get(name)
+            if adapter is not None:
+                self.loaded.move_to_end(name)
+                return adapter
+            folder = self.folders.get(name)
+        if folder is None:
+            raise NotFound(f"the adapter {name[:128]!r} is not loaded on this engine")
+        return self.load(name, folder)
+
+    def attach(self, req: Request, name: str) -> None:
+        """Run `req` with the adapter `name` ("": the base model)."""
+        if name:
+            req.adapter = self.get(name)
+            req.cache_salt += b"|lora:" + name.encode()
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.folders)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.loaded.values())
+
+    def _keep(self, adapter: Adapter) -> None:
+        self.loads += 1
+        self.loaded.pop(adapter.name, None)
+        while self.loaded and self.nbytes + adapter.nbytes > self.max_bytes:
+            self.loaded.popitem(last=False)
+        self.loaded[adapter.name] = adapter

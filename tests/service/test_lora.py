@@ -1,0 +1,107 @@
+"""LoRA adapters in the engine (issue 36; services/engine/lora.py, adapters.py): a PEFT adapter built on the default
+model (nonzero B matrices, every projection targeted), loaded at run time, answers greedily as transformers +
+peft does; one step holding base-model rows and two adapters' rows gives every row its own model's tokens; bad
+adapters are refused by name; an unloaded adapter is NOT_FOUND for later requests."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mesh.errors import InvalidArgument, NotFound
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from services.engine.plan import decide
+from services.engine.request import SamplingParams
+
+peft = pytest.importorskip("peft", reason="peft builds the reference adapters (pip install peft)")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+TOKENS = 12
+
+
+def build_adapter(base: Any, folder: Path, seed: int, rank: int, targets: list[str]) -> Any:
+    """A PEFT LoRA adapter of `base` with small random A and B (PEFT's default leaves B zero: no effect)."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(str(folder))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(hf, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:  # type: ignore[no-untyped-def]
+    base, _ = hf
+    root = tmp_path_factory.mktemp("lora")
+    return {"alpha": (root / "alpha", build_adapter(base, root / "alpha", 1, 8, TARGETS)),
+            "beta": (root / "beta", build_adapter(base, root / "beta", 2, 4, ["q_proj", "v_proj", "down_proj"]))}
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(model_dir, decide(device="cpu", dtype="float32"), kv_cache_bytes=64 << 20)
+
+
+def greedy(model: Any, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_an_adapter_answers_as_transformers_and_peft_and_mixes_with_others_in_a_step(  # type: ignore[no-untyped-def]
+        runner: ModelRunner, hf, adapters) -> None:
+    base, tokenizer = hf
+    engine = Engine(runner)
+    for name, (folder, _) in adapters.items():
+        engine.adapters.load(name, folder)
+    asked = [(p, name) for p in PROMPTS for name in ("", "alpha", "beta")]
+    for i, (prompt, name) in enumerate(asked):          # nine requests in the same steps
+        engine.add(engine.make_request(f"r{i}", tokenizer.encode(prompt), SamplingParams(max_tokens=TOKENS),
+                                       adapter=name))
+    outs = engine.run_until_idle()
+    for i, (prompt, name) in enumerate(asked):
+        got = [t for o in outs[f"r{i}"] for t in o.new_ids]
+        reference = adapters[name][1] if name else base
+        assert got == greedy(reference, tokenizer.encode(prompt)), (prompt, name)
+    assert greedy(adapters["alpha"][1], tokenizer.encode(PROMPTS[0])) != greedy(base, tokenizer.encode(PROMPTS[0]))
+
+
+def test_bad_adapters_are_refused_by_name_and_an_unloaded_one_is_not_found(  # type: ignore[no-untyped-def]
+        runner: ModelRunner, hf, adapters, tmp_path: Path) -> None:
+    _, tokenizer = hf
+    engine = Engine(runner)
+    with pytest.raises(InvalidArgument, match="is not a folder"):
+        engine.adapters.load("x", tmp_path / "missing")
+    other = tmp_path / "other-base"
+    other.mkdir()
+    folder = adapters["beta"][0]
+    (other / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    save_file({k: torch.cat([v, v], dim=1) if "lora_A" in k else v for k, v in tensors.items()},
+              str(other / "adapter_model.safetensors"))
+    with pytest.raises(InvalidArgument, match="do not fit the model's .* an adapter of another base"):
+        engine.adapters.load("wide", other)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(InvalidArgument, match="DoRA"):
+        engine.adapters.load("dora", other)
+    engine.adapters.load("beta", folder)
+    ids = tokenizer.encode(PROMPTS[0])
+    engine.add(engine.make_request("ok", ids, SamplingParams(max_tokens=2), adapter="beta"))
+    assert engine.adapters.unload("beta") and not engine.adapters.unload("beta")
+    with pytest.raises(NotFound, match="'beta' is not loaded"):
+        engine.make_request("late", ids, SamplingParams(max_tokens=2), adapter="beta")
+    outs = engine.run_until_idle()                      # the request that began with it still ends on it
+    assert sum(len(o.new_ids) for o in outs["ok"]) == 2
