@@ -32,6 +32,7 @@ from mesh.models.folder import sampling_defaults
 from mesh.telemetry import outgoing_metadata, server_span, span_between, span_context
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine import metrics
+from services.engine.adapter_rpcs import AdapterRPCs
 from services.engine.config import EngineConfig
 from services.engine.convert import output_to_pb, sampling_from_pb
 from services.engine.engine import Engine, Timing
@@ -42,7 +43,7 @@ from services.engine.request import FinishReason, Owner, Request, StepOutput
 
 log = logging.getLogger(__name__)
 
-class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
+class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: Engine, config: EngineConfig, remote: RemoteCache | None = None,
                  step_thread: ThreadPoolExecutor | None = None):
         self.engine = engine
@@ -158,7 +159,8 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
                                            sampling_from_pb(request.sampling, self.sampling_defaults),
                                            list(request.resume_ids),
                                            Owner(int(request.priority), request.tenant, request.weight or 1.0),
-                                           cache_salt=request.cache_salt, cache_class=request.cache_class)
+                                           cache_salt=request.cache_salt, cache_class=request.cache_class,
+                                           adapter=request.adapter)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()
@@ -290,6 +292,7 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             unix_ms=int(time.time() * 1000),
             tenants=[common_pb2.TenantLoad(tenant=t.tenant, running=t.running, waiting=t.waiting, tokens=t.tokens)
                      for t in self.engine.stats.tenants[:16]],
+            adapters=self.engine.adapters.names(),
         )
 
     @rpc_errors
@@ -312,6 +315,7 @@ class EngineServicer(Lifecycle, engine_pb2_grpc.EngineServicer):
             model=self.config.model,
             model_version=self.engine.versions.active,
             loaded_versions=self.engine.versions.loaded(),
+            adapters=self.engine.adapters.names(),
             region=self.config.region,
             dtype=plan.dtype,
             device=plan.device,

@@ -29,15 +29,15 @@ class EngineInfo(NamedTuple):
 
 def load_from_pb(report: common_pb2.LoadReport) -> LoadReport:
     """meshpb.v1.LoadReport -> LoadReport (field names are the same on both sides)."""
-    values = {f.name: getattr(report, f.name) for f in fields(LoadReport) if f.name != "tenants"}
+    values = {f.name: getattr(report, f.name) for f in fields(LoadReport) if f.name not in ("tenants", "adapters")}
     tenants = tuple(TenantShare(t.tenant, t.running, t.waiting, t.tokens) for t in report.tenants)
-    return LoadReport(**values, tenants=tenants)
+    return LoadReport(**values, tenants=tenants, adapters=tuple(report.adapters))
 
 
 def load_to_pb(replica_id: str, load: LoadReport) -> common_pb2.LoadReport:
     """LoadReport -> meshpb.v1.LoadReport, naming the replica it describes."""
-    values = {f.name: getattr(load, f.name) for f in fields(LoadReport) if f.name != "tenants"}
-    return common_pb2.LoadReport(replica_id=replica_id, **values,
+    values = {f.name: getattr(load, f.name) for f in fields(LoadReport) if f.name not in ("tenants", "adapters")}
+    return common_pb2.LoadReport(replica_id=replica_id, **values, adapters=list(load.adapters),
                                  tenants=[common_pb2.TenantLoad(**t._asdict()) for t in load.tenants])
 
 

@@ -38,6 +38,7 @@ class LoadReport:
     tokens_per_second: float = 0.0
     unix_ms: int = 0                 # the engine's wall clock when it wrote the report
     tenants: tuple[TenantShare, ...] = ()
+    adapters: tuple[str, ...] = ()   # the LoRA adapters it holds
 
 
 @dataclass

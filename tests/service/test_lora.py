@@ -5,6 +5,7 @@ adapters are refused by name; an unloaded adapter is NOT_FOUND for later request
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from pathlib import Path
@@ -19,7 +20,6 @@ from services.engine.model_runner import ModelRunner
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
 
-peft = pytest.importorskip("peft", reason="peft builds the reference adapters (pip install peft)")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -27,7 +27,10 @@ TOKENS = 12
 
 
 def build_adapter(base: Any, folder: Path, seed: int, rank: int, targets: list[str]) -> Any:
-    """A PEFT LoRA adapter of `base` with small random A and B (PEFT's default leaves B zero: no effect)."""
+    """A PEFT LoRA adapter of `base` with small random A and B (PEFT's default leaves B zero: no effect).
+    peft is imported here, not with the module: it imports triton, which must first see tests/unit/
+    test_triton_ops.py's TRITON_INTERPRET when both run in one process."""
+    peft = pytest.importorskip("peft", reason="peft builds the reference adapters (pip install peft)")
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
     model = peft.get_peft_model(copy.deepcopy(base), config)
@@ -105,3 +108,58 @@ def test_bad_adapters_are_refused_by_name_and_an_unloaded_one_is_not_found(  # t
         engine.make_request("late", ids, SamplingParams(max_tokens=2), adapter="beta")
     outs = engine.run_until_idle()                      # the request that began with it still ends on it
     assert sum(len(o.new_ids) for o in outs["ok"]) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """A tiny random Llama, a PEFT adapter of it, and the adapted model (transformers + peft)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("tiny-lora")
+    base = LlamaForCausalLM(config).eval()
+    base.save_pretrained(root / "base")
+    adapted = build_adapter(base, root / "adapter", 3, 4, TARGETS)
+    return root / "base", root / "adapter", adapted
+
+
+def test_adapters_over_grpc(tiny: tuple[Path, Path, Any]) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from meshpb.v1 import common_pb2, engine_pb2
+    from tests.service.test_engine_server import serving
+
+    base, folder, adapted = tiny
+    prompt = [5, 6, 7, 8]
+
+    def generate(adapter: str) -> engine_pb2.GenerateRequest:
+        return engine_pb2.GenerateRequest(request_id=f"r-{adapter}", prompt_ids=prompt, adapter=adapter,
+                                          sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True))
+
+    async def scenario() -> None:
+        async with serving(base) as (stub, servicer):
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await stub.LoadAdapter(engine_pb2.LoadAdapterRequest(name="a", path=str(folder.parent / "none")))
+            assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            loaded = await stub.LoadAdapter(engine_pb2.LoadAdapterRequest(name="a", path=str(folder)))
+            assert list(loaded.adapters) == ["a"] and loaded.load_seconds > 0
+            assert list((await stub.GetInfo(engine_pb2.EngineInfoRequest())).adapters) == ["a"]
+            got = [t for reply in await _read(stub.Generate(generate("a"))) for t in reply.ids]
+            with torch.inference_mode():
+                want = adapted.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                        pad_token_id=0)[0, len(prompt):].tolist()
+            assert got == want
+            gone = await stub.UnloadAdapter(engine_pb2.UnloadAdapterRequest(name="a"))
+            assert gone.found and not gone.adapters
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await _read(stub.Generate(generate("a")))
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "'a' is not loaded" in (
+                unknown.value.details() or "")
+
+    asyncio.run(scenario())
+
+
+async def _read(call: Any) -> list[Any]:
+    return [reply async for reply in call]

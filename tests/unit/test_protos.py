@@ -15,7 +15,7 @@ def test_generated_modules_import(name: str) -> None:
 
 @pytest.mark.parametrize("service,rpcs", [
     ("tokenizer", {"ApplyChatTemplate", "Encode", "GetTokenizerJson"}),
-    ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo", "LoadVersion", "Drain"}),
+    ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo", "LoadVersion", "Drain", "LoadAdapter", "UnloadAdapter"}),
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
                 "DrainReplica", "AddReplica", "Tokenize", "Detokenize", "ForgetConversation"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",

@@ -1,0 +1,45 @@
+"""The engine's LoRA RPCs (LoadAdapter, UnloadAdapter), a mixin of the engine servicer: the pool is
+services/engine/adapters.py, the math services/engine/lora.py.  A folder is read in a worker thread, so the
+engine keeps stepping while an adapter loads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from mesh import peers
+from mesh.grpcutil import rpc_errors
+from meshpb.v1 import engine_pb2
+
+log = logging.getLogger(__name__)
+
+
+class AdapterRPCs:
+    engine: Any
+    config: Any
+
+    @rpc_errors
+    async def LoadAdapter(self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+                          ) -> engine_pb2.AdaptersResponse:
+        peers.require(context, "LoadAdapter", peers.ENGINE)
+        started = time.monotonic()
+        pool = self.engine.adapters
+        adapter = await asyncio.get_running_loop().run_in_executor(None, pool.load, request.name, request.path)
+        seconds = time.monotonic() - started
+        log.info("engine %s: LoRA adapter %s loaded from %s (rank %d, %.1f MB) in %.2f s", self.config.replica_id,
+                 adapter.name, request.path, adapter.rank, adapter.nbytes / 1e6, seconds)
+        return engine_pb2.AdaptersResponse(adapters=pool.names(), found=True, load_seconds=seconds)
+
+    @rpc_errors
+    async def UnloadAdapter(self, request: engine_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+                            ) -> engine_pb2.AdaptersResponse:
+        peers.require(context, "UnloadAdapter", peers.ENGINE)
+        pool = self.engine.adapters
+        found = pool.unload(request.name)
+        if found:
+            log.info("engine %s: LoRA adapter %s unloaded", self.config.replica_id, request.name)
+        return engine_pb2.AdaptersResponse(adapters=pool.names(), found=found)
