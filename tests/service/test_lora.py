@@ -20,7 +20,6 @@ from services.engine.model_runner import ModelRunner
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
 
-
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 TOKENS = 12
