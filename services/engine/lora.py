@@ -5,7 +5,8 @@ A PEFT LoRA folder holds `adapter_config.json` (r, lora_alpha, target_modules, u
 alpha_pattern) and `adapter_model.safetensors` (or `.bin`) with `...layers.{i}.{self_attn|mlp}.{module}.lora_A.weight`
 (r x in) and `lora_B.weight` (out x r).  The base projection runs once for every row of the step; then, per
 adapter, its rows' update `(h[rows] @ A^T) @ B^T * scale` is added into the rows of the projection's output
-that the module writes (q, k and v share the fused qkv output, gate and up the gate_up one).  Targets: q, k,
+(q, k and v share the fused qkv output, gate and up the gate_up one: their factors are merged at load into
+one pair per projection, each module's B block at its columns, so a projection costs two small GEMMs).  Targets: q, k,
 v, o, gate, up and down projections; an adapter naming another module, a layer the model has not, or shapes
 that do not fit is refused (ValueError naming it).  Pure torch: the reference the fused kernel must equal.
 """
@@ -45,6 +46,11 @@ class Shape:
                 "gate_proj": (self.hidden, self.intermediate), "up_proj": (self.hidden, self.intermediate),
                 "down_proj": (self.intermediate, self.hidden)}[module]
 
+    def width(self, projection: str) -> int:
+        """The fused projection's output columns."""
+        return {"qkv": self.q_out + 2 * self.kv_out, "o": self.hidden, "gate_up": 2 * self.intermediate,
+                "down": self.hidden}[projection]
+
     def offset(self, module: str) -> int:
         """Where the module's columns start in its fused projection's output."""
         return {"q_proj": 0, "k_proj": self.q_out, "v_proj": self.q_out + self.kv_out, "o_proj": 0,
@@ -62,8 +68,10 @@ class Factors:
 class Adapter:
     name: str
     rank: int
-    # layer -> fused projection ("qkv", "o", "gate_up", "down") -> its modules' factors
-    layers: list[dict[str, list[Factors]]] = field(default_factory=list)
+    # layer -> fused projection ("qkv", "o", "gate_up", "down") -> its modules' factors, merged into one pair and
+    # transposed for the products: A^T (in, sum of ranks) and B^T (sum of ranks, the projection's whole output),
+    # each module's block in place.
+    layers: list[dict[str, Factors]] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -91,6 +99,7 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
             raise ValueError(f"{folder}: layer {layer} is past the model's {shape.layers} layers")
         pairs.setdefault((layer, module), {})[which] = value
     adapter = Adapter(name, int(config.get("r", 0)), [{} for _ in range(shape.layers)])
+    modules: list[dict[str, list[Factors]]] = [{} for _ in range(shape.layers)]
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{folder}: layer {layer} {module} has lora_{next(iter(ab))} without its pair")
@@ -101,12 +110,29 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
             raise ValueError(f"{folder}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                              f"do not fit the model's ({fan_in} -> {fan_out}) projection: an adapter of another base")
         scale = _scale(config, module, rank)
-        factors = Factors(a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous(), shape.offset(module))
-        adapter.layers[layer].setdefault(PROJECTION[module], []).append(factors)
-        adapter.nbytes += factors.a.nbytes + factors.b.nbytes
+        factors = Factors(a.float(), b.float() * scale, shape.offset(module))
+        modules[layer].setdefault(PROJECTION[module], []).append(factors)
     if not pairs:
         raise ValueError(f"{folder}: the adapter has no LoRA factors")
+    for layer, projections in enumerate(modules):
+        for projection, parts in projections.items():
+            merged = _merged(parts, shape.width(projection), dtype)
+            adapter.layers[layer][projection] = merged
+            adapter.nbytes += merged.a.nbytes + merged.b.nbytes
     return adapter
+
+
+def _merged(parts: list[Factors], width: int, dtype: torch.dtype) -> Factors:
+    """One projection's modules as one pair: A stacked, B placed at each module's columns and ranks."""
+    rank = sum(p.a.shape[0] for p in parts)
+    a = torch.cat([p.a for p in parts]).t().to(dtype).contiguous()          # (in, ranks)
+    b = torch.zeros(rank, width)                                              # (ranks, the projection's output)
+    start = 0
+    for p in parts:
+        r = p.a.shape[0]
+        b[start:start + r, p.offset:p.offset + p.b.shape[0]] = p.b.t()
+        start += r
+    return Factors(a, b.to(dtype).contiguous(), 0)
 
 
 def _scale(config: dict[str, object], module: str, rank: int) -> float:
@@ -131,20 +157,26 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class LoraRows:
-    """A step's adapters: each one and the flat batch rows that use it (rows of the base model are in none)."""
+    """A step's rows that run with an adapter, grouped by adapter: `index` (R,) the rows in that order, `spans`
+    each adapter's slice of it.  A projection gathers those rows once, runs each adapter's two small GEMMs on its
+    slice (only its own rows: no work for the base model's rows or another adapter's), and adds the updates back
+    in one index_add."""
 
-    groups: tuple[tuple[Adapter, torch.Tensor], ...]
+    index: torch.Tensor
+    spans: tuple[tuple[Adapter, int, int], ...]
 
 
 def apply(out: torch.Tensor, h: torch.Tensor, layer: int, projection: str, rows: LoraRows | None) -> torch.Tensor:
-    """Add each adapter's update into `out` (T, out) for its rows of `h` (T, in), in place; returns `out`."""
+    """Add each row's adapter update into `out` (T, out) from `h` (T, in), in place; returns `out`."""
     if rows is None:
         return out
-    for adapter, index in rows.groups:
-        for f in adapter.layers[layer].get(projection, ()):
-            x = h.index_select(0, index)
-            delta = (x @ f.a.t()) @ f.b.t()                                   # (R, out of the module)
-            out[index, f.offset:f.offset + delta.shape[1]] += delta.to(out.dtype)
+    x = h.index_select(0, rows.index)
+    delta = torch.zeros(x.shape[0], out.shape[1], dtype=x.dtype, device=x.device)
+    for adapter, start, end in rows.spans:
+        f = adapter.layers[layer].get(projection)
+        if f is not None:
+            torch.mm(torch.mm(x[start:end], f.a), f.b, out=delta[start:end])
+    out.index_add_(0, rows.index, delta.to(out.dtype))
     return out
 
 
@@ -156,4 +188,9 @@ def grouped(adapters: Sequence[Adapter | None], device: torch.device) -> LoraRow
             by_name.setdefault(adapter.name, (adapter, []))[1].append(i)
     if not by_name:
         return None
-    return LoraRows(tuple((a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in by_name.values()))
+    order: list[int] = []
+    spans = []
+    for adapter, rows in by_name.values():
+        spans.append((adapter, len(order), len(order) + len(rows)))
+        order += rows
+    return LoraRows(torch.tensor(order, dtype=torch.long, device=device), tuple(spans))
