@@ -14,6 +14,7 @@ import grpc
 from mesh import peers
 from mesh.grpcutil import rpc_errors
 from meshpb.v1 import engine_pb2
+from services.engine import metrics
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class AdapterRPCs:
         pool = self.engine.adapters
         adapter = await asyncio.get_running_loop().run_in_executor(None, pool.load, request.name, request.path)
         seconds = time.monotonic() - started
+        metrics.LORA_LOAD.labels(self.config.replica_id).observe(seconds)
+        metrics.LORA_ADAPTERS.labels(self.config.replica_id).set(len(pool.names()))
         log.info("engine %s: LoRA adapter %s loaded from %s (rank %d, %.1f MB) in %.2f s", self.config.replica_id,
                  adapter.name, request.path, adapter.rank, adapter.nbytes / 1e6, seconds)
         return engine_pb2.AdaptersResponse(adapters=pool.names(), found=True, load_seconds=seconds)
@@ -40,6 +43,7 @@ class AdapterRPCs:
         peers.require(context, "UnloadAdapter", peers.ENGINE)
         pool = self.engine.adapters
         found = pool.unload(request.name)
+        metrics.LORA_ADAPTERS.labels(self.config.replica_id).set(len(pool.names()))
         if found:
             log.info("engine %s: LoRA adapter %s unloaded", self.config.replica_id, request.name)
         return engine_pb2.AdaptersResponse(adapters=pool.names(), found=found)

@@ -47,6 +47,19 @@ REQUESTS = Counter("infermesh_engine_requests_total",
                    ["replica", "finish_reason"])
 TPOT = Histogram("infermesh_engine_time_per_output_token_seconds", "Mean gap between generated tokens", LABELS,
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
+LORA_ADAPTERS = Gauge("infermesh_engine_lora_adapters", "LoRA adapters loaded (LoadAdapter)", LABELS)
+LORA_REQUESTS = Counter("infermesh_engine_lora_requests_total", "Generate requests that ran with a LoRA adapter, "
+                        "by adapter", ["replica", "adapter"])
+LORA_LOAD = Histogram("infermesh_engine_lora_load_seconds", "Time to read a LoRA adapter's folder (LoadAdapter)",
+                      LABELS, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+
+def count_adapter_request(replica: str, adapter: str) -> None:
+    """A Generate request named `adapter` ("": the base model, not counted)."""
+    if adapter:
+        LORA_REQUESTS.labels(replica, adapter).inc()
+
+
 PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs", "matmul_large", "split_rows", "kv_dtype")
 PLAN = Gauge("infermesh_engine_plan_info", "The replica's execution plan (services/engine/plan.py) as labels; 1",
              ["replica", *PLAN_LABELS])

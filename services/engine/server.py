@@ -161,6 +161,7 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
                                            Owner(int(request.priority), request.tenant, request.weight or 1.0),
                                            cache_salt=request.cache_salt, cache_class=request.cache_class,
                                            adapter=request.adapter)
+            metrics.count_adapter_request(self.config.replica_id, request.adapter)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
             started = time.monotonic()

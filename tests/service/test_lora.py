@@ -1,7 +1,8 @@
 """LoRA adapters in the engine (issue 36; services/engine/lora.py, adapters.py): a PEFT adapter built on the default
 model (nonzero B matrices, every projection targeted), loaded at run time, answers greedily as transformers +
 peft does; one step holding base-model rows and two adapters' rows gives every row its own model's tokens; bad
-adapters are refused by name; an unloaded adapter is NOT_FOUND for later requests."""
+adapters are refused by name; an unloaded adapter is NOT_FOUND for later requests; over the engine's gRPC
+(LoadAdapter, Generate's adapter, UnloadAdapter) with its metrics."""
 
 from __future__ import annotations
 
@@ -126,6 +127,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
 
 def test_adapters_over_grpc(tiny: tuple[Path, Path, Any]) -> None:  # type: ignore[no-untyped-def]
     import grpc
+    from prometheus_client import REGISTRY
 
     from meshpb.v1 import common_pb2, engine_pb2
     from tests.service.test_engine_server import serving
@@ -150,8 +152,13 @@ def test_adapters_over_grpc(tiny: tuple[Path, Path, Any]) -> None:  # type: igno
                 want = adapted.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                         pad_token_id=0)[0, len(prompt):].tolist()
             assert got == want
+            labels = {"replica": "engine-t"}
+            assert REGISTRY.get_sample_value("infermesh_engine_lora_requests_total", {**labels, "adapter": "a"}) == 1
+            assert REGISTRY.get_sample_value("infermesh_engine_lora_adapters", labels) == 1
+            assert REGISTRY.get_sample_value("infermesh_engine_lora_load_seconds_count", labels) == 1
             gone = await stub.UnloadAdapter(engine_pb2.UnloadAdapterRequest(name="a"))
             assert gone.found and not gone.adapters
+            assert REGISTRY.get_sample_value("infermesh_engine_lora_adapters", labels) == 0
             with pytest.raises(grpc.aio.AioRpcError) as unknown:
                 await _read(stub.Generate(generate("a")))
             assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "'a' is not loaded" in (
