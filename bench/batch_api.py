@@ -19,17 +19,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +32,8 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infermesh.launcher import http_ok  # noqa: E402
+from bench.engine import cpu_name  # noqa: E402
+from bench.meshes import infermesh_up  # noqa: E402
 
 OFFSET = 1600
 MODEL = "smollm2-135m"
@@ -137,37 +133,15 @@ def report(result: dict[str, Any], lines: int) -> str:
             f"{'still running' if result['overlapped'] else 'ENDED'} when the interactive rounds ended")
 
 
-@contextmanager
-def mesh(workdir: Path) -> Iterator[str]:
-    http = f"http://127.0.0.1:{8000 + OFFSET}"
-    log = workdir / "infermesh-up.log"
-    argv = [sys.executable, "-m", "infermesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
-            "--cache-dir", str(workdir / "cache")]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"})
-    try:
-        deadline = time.monotonic() + 300
-        while not http_ok(f"{http}/health"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"infermesh up did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield http
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lines", type=int, default=50)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Model name:")[1].split("\n")[0]
-    print(f"{cpu.strip()} | {os.cpu_count()} CPUs | {a.lines} batch lines x 64 tokens | "
-          f"{a.streams} interactive streams x {a.rounds} rounds")
-    with mesh(Path(tempfile.mkdtemp(prefix="bench-batch-"))) as http:
+    print(f"{cpu_name()} | {a.lines} batch lines x 64 tokens | {a.streams} interactive streams x {a.rounds} rounds")
+    log = Path(tempfile.mkdtemp(prefix="bench-batch-")) / "infermesh-up.log"
+    with infermesh_up(OFFSET, log, {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"}) as http:
         result = compare(http, a.lines, a.streams, a.rounds)
     print(report(result, a.lines))
     ids = [o["custom_id"] for o in result["output"]]

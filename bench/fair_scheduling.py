@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infermesh.launcher import http_ok  # noqa: E402
+from bench.meshes import infermesh_up  # noqa: E402
 
 OFFSET = 1400
 KEYS = {"alpha": "fair-key-alpha", "beta": "fair-key-beta", "gamma": "fair-key-gamma", "delta": "fair-key-delta"}
@@ -264,26 +263,11 @@ def mesh(fair: bool, max_running: int, workdir: Path) -> Iterator[tuple[str, str
     """`infermesh up --engines 1` for the runs: (edge URL, engine metrics URL)."""
     (workdir / "keys").write_text(KEYS_FILE)
     (workdir / "tiers.json").write_text(json.dumps(TIERS))
-    env = {**os.environ, "INFERMESH_API_KEYS_FILE": str(workdir / "keys"),
-           "INFERMESH_TIERS_FILE": str(workdir / "tiers.json"), "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0",
-           "INFERMESH_ENGINE_MAX_RUNNING": str(max_running),
+    env = {"INFERMESH_API_KEYS_FILE": str(workdir / "keys"), "INFERMESH_TIERS_FILE": str(workdir / "tiers.json"),
+           "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", "INFERMESH_ENGINE_MAX_RUNNING": str(max_running),
            "INFERMESH_ENGINE_FAIR_SCHEDULING": "on" if fair else "off"}
-    http = f"http://127.0.0.1:{8000 + OFFSET}"
-    log = workdir / f"infermesh-up-{'fair' if fair else 'fifo'}.log"
-    argv = [sys.executable, "-m", "infermesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
-            "--cache-dir", str(workdir / "cache")]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not http_ok(f"{http}/health"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"infermesh up did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    with infermesh_up(OFFSET, workdir / f"infermesh-up-{'fair' if fair else 'fifo'}.log", env) as http:
         yield http, f"http://127.0.0.1:{9100 + OFFSET}/metrics"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 def main() -> None:

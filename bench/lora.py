@@ -21,16 +21,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 from bench.engine import QUESTIONS, cpu_name  # noqa: E402 - the served bench's prompts and CPU name
-from mesh.models import served_model  # noqa: E402
-from services.engine import plan  # noqa: E402
-from services.engine.config import EngineConfig  # noqa: E402
+from bench.step_profile import served_engine  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
 from services.engine.request import SamplingParams  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -75,17 +72,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rank", type=int, default=16)
     a = p.parse_args()
-    name, folder = served_model(a.model)
-    config = EngineConfig(model_path=folder, model=name)
-    execution = plan.for_config(config)
-    runner = ModelRunner(folder, execution, kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
-                         max_batch=config.max_running)
-    engine = Engine(runner)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    name, engine, tokenizer = served_engine(a.model)
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        for i, path in enumerate(build_adapters(folder, Path(tmp), 4, a.rank)):
+        for i, path in enumerate(build_adapters(str(engine.runner.folder), Path(tmp), 4, a.rank)):
             engine.adapters.load(f"a{i}", path)
-    print(f"{name} on {cpu_name()}, {torch.get_num_threads()} threads; plan: {execution}; 4 adapters of rank "
+    print(f"{name} on {cpu_name()}, {torch.get_num_threads()} threads; plan: {engine.runner.plan}; 4 adapters of rank "
           f"{a.rank} ({engine.adapters.nbytes / 1e6:.1f} MB)")
     tag = f"{random.randrange(1 << 30):x}"
     run(engine, tokenizer, [""], 4, 8, tag + "w")                                 # warm up

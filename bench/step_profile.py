@@ -80,6 +80,15 @@ def profile(engine: Engine, tokenizer: Any, rows: int, temperature: float, steps
     return out
 
 
+def served_engine(model: str) -> tuple[str, Engine, Any]:
+    """(name, an engine on the plan `infermesh up` would measure and run here, its tokenizer) of a served model."""
+    name, folder = served_model(model)
+    config = EngineConfig(model_path=folder, model=name)
+    runner = ModelRunner(folder, plan.for_config(config), kv_cache_bytes=config.kv_cache_mb << 20,
+                         block_size=config.block_size, max_batch=config.max_running)
+    return name, Engine(runner), AutoTokenizer.from_pretrained(folder)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
@@ -87,14 +96,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, nargs="+", default=[0.7])
     p.add_argument("--steps", type=int, default=32)
     a = p.parse_args()
-    name, folder = served_model(a.model)
-    config = EngineConfig(model_path=folder, model=name)
-    execution = plan.for_config(config)
-    runner = ModelRunner(folder, execution, kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
-                         max_batch=config.max_running)
-    engine = Engine(runner)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    print(f"{name} on {cpu_name()}, {torch.get_num_threads()} threads; plan: {execution}")
+    name, engine, tokenizer = served_engine(a.model)
+    print(f"{name} on {cpu_name()}, {torch.get_num_threads()} threads; plan: {engine.runner.plan}")
     tag = f"{random.randrange(1 << 30):x}"
     print("| rows | temperature | step ms | tok/s | layers ms | LM head ms | sampling ms | rest ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
