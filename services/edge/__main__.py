@@ -121,7 +121,6 @@ async def serve(config: EdgeConfig) -> None:
              config.rate_limit or "unlimited", config.token_limit or "unlimited", config.max_concurrent,
              config.max_body_bytes)
     http_task = asyncio.create_task(http.serve())
-    app.batch_runner.start()
     log.info("HTTP/1.1 on tcp %s:%d", config.host, config.http_port)
     # Listening for signals from here on, during startup too; shielded, because wait_for_signal
     # cancels what it waits on and uvicorn must stop through should_exit, finishing its requests.
@@ -130,6 +129,7 @@ async def serve(config: EdgeConfig) -> None:
     while not http.started and not http_task.done():
         await asyncio.sleep(0.05)
     if http.started:
+        app.batch_runner.start()         # batches left running by a dead edge (or this one before a restart)
         address = advertise_address(config.host, config.http_port, config.advertise)
         withdraw = await announce_self("edge", config, config.http_port,
                                        check=HealthCheck.http(f"http://{address}/health"))
