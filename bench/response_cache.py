@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.meshes import infermesh_up  # noqa: E402
 from infermesh.launcher import http_ok  # noqa: E402
 
 OFFSET = 1300
@@ -78,18 +79,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=32)
     a = p.parse_args()
-    home = tempfile.mkdtemp(prefix="bench-response-cache-")
-    log = Path(home) / "infermesh-up.log"
-    argv = [sys.executable, "-m", "infermesh.cli", "up", "--engines", "1", "--port-offset", str(OFFSET),
-            "--cache-dir", str(Path(home) / "cache")]
-    with log.open("wb") as sink:
-        mesh = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while not http_ok(f"{HTTP}/health"):
-            if mesh.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"infermesh up did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    log = Path(tempfile.mkdtemp(prefix="bench-response-cache-")) / "infermesh-up.log"
+    with infermesh_up(OFFSET, log):
         prompts = [f"Give me one fact about the number {i}." for i in range(a.requests)]
         with httpx.Client(timeout=300) as client:
             ask(client, "warm up", 4)
@@ -103,9 +94,6 @@ def main() -> None:
         mem = report("edge memory tier", memory)
         sha = report("shared tier (new edge)", shared)
         print(f"speedup at p50: memory {base / mem:.0f}x, shared {base / sha:.0f}x")
-    finally:
-        mesh.send_signal(signal.SIGTERM)
-        mesh.wait(60)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ class Progress:
     def __init__(self, runner: BatchRunner, tenant: str, record: dict[str, Any]):
         self.runner, self.tenant, self.record = runner, tenant, record
         self.results: dict[int, dict[str, Any]] = {}       # line -> {"ok": bool, "line": the output line}
+        self.ok = 0                                        # of the results, those answered 2xx
         self.dirty: set[int] = set()                       # parts to write
         self.parts = 0
 
@@ -229,6 +230,7 @@ class Progress:
             value = await self.runner.stored.get(self.tenant, KIND, f"{self.record['id']}.r{k}")
             if value is not None:
                 self.results.update({int(i): r for i, r in json.loads(value).items()})
+        self.ok = sum(1 for r in self.results.values() if r["ok"])
         self._count(lines)
 
     def add(self, i: int, line: Line, status: int, body: dict[str, Any]) -> None:
@@ -236,13 +238,13 @@ class Progress:
         out = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
                "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
         self.results[i] = {"ok": status < 400, "line": out}
+        self.ok += status < 400
         self.dirty.add(i // PART_LINES)
         self._count(self.record["request_counts"]["total"])
         BATCH_LINES.labels("completed" if status < 400 else "failed").inc()
 
     def _count(self, total: int) -> None:
-        ok = sum(1 for r in self.results.values() if r["ok"])
-        self.record["request_counts"] = {"total": total, "completed": ok, "failed": len(self.results) - ok}
+        self.record["request_counts"] = {"total": total, "completed": self.ok, "failed": len(self.results) - self.ok}
 
     async def keep_writing(self, stop: asyncio.Event) -> None:
         while True:
@@ -259,7 +261,8 @@ class Progress:
         edge meanwhile is kept."""
         bid = self.record["id"]
         for k in sorted(self.dirty):
-            part = {str(i): r for i, r in self.results.items() if i // PART_LINES == k}
+            lines = range(k * PART_LINES, (k + 1) * PART_LINES)
+            part = {str(i): self.results[i] for i in lines if i in self.results}
             await self.runner.stored.put(self.tenant, KIND, f"{bid}.r{k}", json.dumps(part).encode(), TTL_S)
             self.dirty.discard(k)
         stored = await self.runner.record(self.tenant, bid)

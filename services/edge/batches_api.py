@@ -97,7 +97,7 @@ class Batches:
         if meta["purpose"] != "batch":
             raise ApiError(400, f"file {shown(fid)} has purpose {meta['purpose']!r}; a batch reads a file uploaded "
                            "with purpose 'batch'", "input_file_id")
-        content = await self.files.content(caller.tenant, fid)
+        content = await self.files.read(caller.tenant, meta)
         if content is None:
             raise ApiError(404, f"No such File object: {shown(fid)}", "input_file_id", kind="not_found_error",
                            code=None)

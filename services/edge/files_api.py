@@ -64,24 +64,23 @@ class FileStore:
 
     async def content(self, tenant: str, fid: str) -> bytes | None:
         meta = await self.meta(tenant, fid)
-        if meta is None:
-            return None
+        return None if meta is None else await self.read(tenant, meta)
+
+    async def read(self, tenant: str, meta: dict[str, Any]) -> bytes | None:
+        """The bytes of the file `meta` describes (None: expired under it; its parts have the same TTL)."""
         parts = []
         for i in range(meta["parts"]):
-            part = await self.stored.get(tenant, KIND, f"{fid}.{i}")
+            part = await self.stored.get(tenant, KIND, f"{meta['id']}.{i}")
             if part is None:
-                return None                   # expired under it (the metadata goes with the same TTL)
+                return None
             parts.append(part)
         return b"".join(parts)
 
-    async def delete(self, tenant: str, fid: str) -> bool:
-        meta = await self.meta(tenant, fid)
-        if meta is None:
-            return False
-        await self.stored.delete(tenant, KIND, fid)         # first: a half-deleted file is not listed
+    async def delete(self, tenant: str, meta: dict[str, Any]) -> None:
+        """Delete the file `meta` describes: its description first (a half-deleted file is not listed)."""
+        await self.stored.delete(tenant, KIND, meta["id"])
         for i in range(meta["parts"]):
-            await self.stored.delete(tenant, KIND, f"{fid}.{i}")
-        return True
+            await self.stored.delete(tenant, KIND, f"{meta['id']}.{i}")
 
     async def listed(self, tenant: str) -> list[dict[str, Any]]:
         found = []
@@ -128,8 +127,10 @@ class Files:
             return 200
         if method in ("GET", "DELETE") and fid and not rest:
             meta = await self.files.meta(tenant, fid)
-            if meta is None or (method == "DELETE" and not await self.files.delete(tenant, fid)):
+            if meta is None:
                 raise not_found(fid)
+            if method == "DELETE":
+                await self.files.delete(tenant, meta)
             body = shown_meta(meta) if method == "GET" else {"id": fid, "object": "file", "deleted": True}
             await send_json(send, 200, body)
             return 200

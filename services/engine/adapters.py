@@ -4,7 +4,8 @@
 factors of at most `max_bytes` of adapters are held, least recently used out first (an adapter pushed out
 is read from its folder again when a request names it).  A request holds its adapter object to its end, so
 `unload` (new requests for the name are then NOT_FOUND) and eviction free an adapter's memory only once its
-requests are done.  Prefix-cache blocks are namespaced per adapter (a request's cache_salt)."""
+requests are done.  Prefix-cache blocks are namespaced per adapter and the weights it was read from (a
+request's cache_salt: Adapter.key)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ class AdapterPool:
         self.shape, self.dtype, self.max_bytes = shape, dtype, max_bytes
         self.folders: dict[str, Path] = {}
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
-        self.loads = 0                       # folder reads, the first and after an eviction
         self._lock = threading.Lock()
 
     def load(self, name: str, folder: str | Path) -> Adapter:
@@ -76,7 +76,7 @@ class AdapterPool:
         """Run `req` with the adapter `name` ("": the base model)."""
         if name:
             req.adapter = self.get(name)
-            req.cache_salt += b"|lora:" + name.encode()
+            req.cache_salt += b"|lora:" + req.adapter.key.encode()
 
     def names(self) -> list[str]:
         with self._lock:
@@ -87,7 +87,6 @@ class AdapterPool:
         return sum(a.nbytes for a in self.loaded.values())
 
     def _keep(self, adapter: Adapter) -> None:
-        self.loads += 1
         self.loaded.pop(adapter.name, None)
         while self.loaded and self.nbytes + adapter.nbytes > self.max_bytes:
             self.loaded.popitem(last=False)

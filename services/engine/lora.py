@@ -57,21 +57,23 @@ class Shape:
                 "gate_proj": 0, "up_proj": self.intermediate, "down_proj": 0}[module]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Factors:
-    a: torch.Tensor          # (r, in)
-    b: torch.Tensor          # (out, r), the scale folded in
-    offset: int              # first column written in the fused projection's output
+    """One fused projection's LoRA factors, its modules' merged and transposed for the products."""
+
+    a: torch.Tensor          # (in, sum of the modules' ranks): A^T, the modules' stacked
+    b: torch.Tensor          # (sum of ranks, the projection's whole output): B^T, the scale folded in, each
+                             # module's block at its ranks and columns, zero elsewhere
 
 
 @dataclass
 class Adapter:
     name: str
     rank: int
-    # layer -> fused projection ("qkv", "o", "gate_up", "down") -> its modules' factors, merged into one pair and
-    # transposed for the products: A^T (in, sum of ranks) and B^T (sum of ranks, the projection's whole output),
-    # each module's block in place.
-    layers: list[dict[str, Factors]] = field(default_factory=list)
+    # What the prefix cache namespaces its blocks by: the name and the weights file it was read from (its path,
+    # size and modification time), so an adapter loaded again under the name from other weights shares nothing.
+    key: str = ""
+    layers: list[dict[str, Factors]] = field(default_factory=list)   # layer -> "qkv" | "o" | "gate_up" | "down"
     nbytes: int = 0
 
 
@@ -86,7 +88,8 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
         raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
     if config.get("use_dora"):
         raise ValueError(f"{folder}: DoRA adapters are not supported")
-    tensors = _tensors(folder)
+    weights = _weights_file(folder)
+    tensors = _tensors(weights)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         match = _KEY.search(key)
@@ -98,8 +101,11 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
         if layer >= shape.layers:
             raise ValueError(f"{folder}: layer {layer} is past the model's {shape.layers} layers")
         pairs.setdefault((layer, module), {})[which] = value
-    adapter = Adapter(name, int(config.get("r", 0)), [{} for _ in range(shape.layers)])
-    modules: list[dict[str, list[Factors]]] = [{} for _ in range(shape.layers)]
+    stat = weights.stat()
+    adapter = Adapter(name, int(config.get("r", 0)), f"{name}|{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}",
+                      [{} for _ in range(shape.layers)])
+    # layer -> projection -> (A (r, in), B (out, r) scaled, first column in the projection's output) per module
+    modules: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]] = [{} for _ in range(shape.layers)]
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{folder}: layer {layer} {module} has lora_{next(iter(ab))} without its pair")
@@ -110,8 +116,7 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
             raise ValueError(f"{folder}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                              f"do not fit the model's ({fan_in} -> {fan_out}) projection: an adapter of another base")
         scale = _scale(config, module, rank)
-        factors = Factors(a.float(), b.float() * scale, shape.offset(module))
-        modules[layer].setdefault(PROJECTION[module], []).append(factors)
+        modules[layer].setdefault(PROJECTION[module], []).append((a.float(), b.float() * scale, shape.offset(module)))
     if not pairs:
         raise ValueError(f"{folder}: the adapter has no LoRA factors")
     for layer, projections in enumerate(modules):
@@ -122,17 +127,16 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
     return adapter
 
 
-def _merged(parts: list[Factors], width: int, dtype: torch.dtype) -> Factors:
-    """One projection's modules as one pair: A stacked, B placed at each module's columns and ranks."""
-    rank = sum(p.a.shape[0] for p in parts)
-    a = torch.cat([p.a for p in parts]).t().to(dtype).contiguous()          # (in, ranks)
-    b = torch.zeros(rank, width)                                              # (ranks, the projection's output)
+def _merged(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int, dtype: torch.dtype) -> Factors:
+    """One projection's modules as one pair: A stacked, B placed at each module's ranks and columns."""
+    rank = sum(a.shape[0] for a, _, _ in parts)
+    a_t = torch.cat([a for a, _, _ in parts]).t().to(dtype).contiguous()
+    b_t = torch.zeros(rank, width)
     start = 0
-    for p in parts:
-        r = p.a.shape[0]
-        b[start:start + r, p.offset:p.offset + p.b.shape[0]] = p.b.t()
-        start += r
-    return Factors(a, b.to(dtype).contiguous(), 0)
+    for a, b, offset in parts:
+        b_t[start:start + a.shape[0], offset:offset + b.shape[0]] = b.t()
+        start += a.shape[0]
+    return Factors(a_t, b_t.to(dtype).contiguous())
 
 
 def _scale(config: dict[str, object], module: str, rank: int) -> float:
@@ -144,15 +148,19 @@ def _scale(config: dict[str, object], module: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    safetensors_file, bin_file = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
-    if safetensors_file.is_file():
+def _weights_file(folder: Path) -> Path:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"{folder}: no adapter_model.safetensors or adapter_model.bin")
+
+
+def _tensors(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(safetensors_file))
-    if bin_file.is_file():
-        return dict(torch.load(bin_file, map_location="cpu", weights_only=True))
-    raise ValueError(f"{folder}: no adapter_model.safetensors or adapter_model.bin")
+        return load_file(str(file))
+    return dict(torch.load(file, map_location="cpu", weights_only=True))
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,10 @@ def test_bad_adapters_are_refused_by_name_and_an_unloaded_one_is_not_found(  # t
     (other / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(InvalidArgument, match="DoRA"):
         engine.adapters.load("dora", other)
-    engine.adapters.load("beta", folder)
+    # Its prefix-cache namespace follows the weights: read again from them (after an eviction) it is the same,
+    # the name loaded from other weights is another.
+    assert engine.adapters.load("beta", folder).key == engine.adapters.load("beta", folder).key
+    assert engine.adapters.load("beta", adapters["alpha"][0]).key != engine.adapters.load("beta", folder).key
     ids = tokenizer.encode(PROMPTS[0])
     engine.add(engine.make_request("ok", ids, SamplingParams(max_tokens=2), adapter="beta"))
     assert engine.adapters.unload("beta") and not engine.adapters.unload("beta")
