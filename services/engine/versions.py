@@ -6,8 +6,10 @@ step, so a step never mixes a switch with its own work.  Every request keeps the
 on (`Request.version`) to its end: a batch that holds several versions runs each one's rows through
 its own weights (the KV cache is shared: same architecture, same shapes), and a version that is no
 longer active is released once no request holds it (weak references: a request object that is gone
-holds nothing).  Prefix-cache blocks never cross versions: every version after the first salts its
-requests' block hashes with its name.
+holds nothing).  A version built but not yet active is kept until it becomes active (a load now,
+activate later; and the step that ends between a build and its activation must not free it).
+Prefix-cache blocks never cross versions: every version after the first salts its requests' block
+hashes with its name.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Versions:
         # version -> the requests on it, by id (weakly: a request object that is gone holds nothing)
         self._holders: dict[str, weakref.WeakValueDictionary[int, Request]] = {first: weakref.WeakValueDictionary()}
         self._pending: str | None = None          # to become active at the next step
+        self._staged: set[str] = set()            # built, never yet active: not released
         self._lock = threading.Lock()
         self.released: list[str] = []             # versions whose weights were freed (for the log and tests)
 
@@ -78,6 +81,7 @@ class Versions:
             self.models[version] = model
             self.folders[version] = folder
             self._holders.setdefault(version, weakref.WeakValueDictionary())
+            self._staged.add(version)
 
     def replace(self, version: str, folder: Path) -> None:
         """With nothing in flight (the engine drained): free every version's weights, then load and
@@ -87,6 +91,7 @@ class Versions:
             self.models.clear()
             self.folders.clear()
             self._holders = {}
+            self._staged.clear()
             self.runner.model = None
             self.active = ""
         gc.collect()
@@ -95,6 +100,7 @@ class Versions:
         self.build(version, folder)
         with self._lock:
             self.active, self._pending = version, None
+            self._staged.discard(version)
         self.runner.use_model(self.models[version])
         log.info("version %s replaced %s (drained first: not enough memory for both)", version, ", ".join(dropped))
 
@@ -112,6 +118,7 @@ class Versions:
             if version is None or version == self.active:
                 return False
             self.active = version
+            self._staged.discard(version)
         self.runner.use_model(self.models[version])
         log.info("version %s is active (loaded: %s)", version, ", ".join(self.loaded()))
         return True
@@ -119,7 +126,8 @@ class Versions:
     def release_unused(self) -> list[str]:
         """On the step thread, after a step: free every inactive version no request holds."""
         with self._lock:
-            idle = [v for v in self.models if v != self.active and v != self._pending and not len(self._holders[v])]
+            idle = [v for v in self.models if v != self.active and v != self._pending and v not in self._staged
+                    and not len(self._holders[v])]
             for version in idle:
                 del self.models[version], self.folders[version], self._holders[version]
         if idle:

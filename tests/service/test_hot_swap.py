@@ -104,6 +104,25 @@ def test_rollback_while_the_old_version_is_loaded_is_a_switch(folders: tuple[Pat
     assert engine.versions.released == ["2"]
 
 
+def test_a_version_built_and_not_yet_active_outlives_the_steps_before_its_activation(folders: tuple[Path, Path]
+                                                                                     ) -> None:
+    """The race the e2e swap met on a busy machine: a step ends between the build and the activation
+    (or the version is loaded now and activated later): it must still be there to activate."""
+    v1, v2 = folders
+    engine = engine_on(v1)
+    engine.add(engine.make_request("busy", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)))
+    engine.versions.build("2", v2)
+    for _ in range(3):
+        engine.step()
+    assert engine.versions.loaded() == ["1", "2"] and engine.versions.released == []
+    engine.versions.activate("2")
+    engine.step()
+    assert engine.versions.active == "2"
+    engine.add(engine.make_request("after", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)))
+    run_to_end(engine, {}, {})                          # v1 freed once "busy" ended, while "after" runs
+    assert engine.versions.released == ["1"] and engine.versions.loaded() == ["2"]
+
+
 def test_a_version_that_cannot_share_the_cache_is_refused(folders: tuple[Path, Path], tmp_path: Path) -> None:
     engine = engine_on(folders[0])
     with pytest.raises(InvalidArgument, match="num_layers"):
