@@ -218,6 +218,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from infermesh import checkpoints_cli as checkpoints  # light: its commands import their libraries when run
+    from infermesh import lora_cli
 
     p = argparse.ArgumentParser(prog="infermesh", description="LLM serving as a mesh of gRPC services")
     sub = p.add_subparsers(dest="command", required=True)
@@ -311,6 +312,7 @@ def parser() -> argparse.ArgumentParser:
     tune.add_argument("model", nargs="?", default="default", help="model NAME (default: the default model)")
     tune.add_argument("--again", action="store_true", help="measure even if an answer is cached")
     tune.set_defaults(func=_cmd_tune)
+    lora_cli.add_parser(sub)
     return p
 
 

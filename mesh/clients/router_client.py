@@ -11,10 +11,12 @@ from typing import Any
 
 import grpc
 
+from mesh.adapters import served_version
 from mesh.chat import Message, to_pb
 from mesh.clients.values import (
     Delta,
     GenerateSpec,
+    LoraCard,
     ModelCard,
     ModelRouting,
     Sampling,
@@ -127,15 +129,37 @@ class RouterClient:
                              if e.load.kv_blocks_total else 0.0,
                              "tokens_per_s": round(e.load.tokens_per_second, 2), "weight": e.weight,
                              "tenants": [{"tenant": t.tenant, "running": t.running, "waiting": t.waiting,
-                                          "tokens": t.tokens} for t in e.load.tenants]}
+                                          "tokens": t.tokens} for t in e.load.tenants],
+                             "adapters": list(e.load.adapters)}
                             for e in r.replicas],
                 "ttft_p50_ms": round(r.ttft_p50_ms, 1), "ttft_p95_ms": round(r.ttft_p95_ms, 1),
                 "events": [{"unix_ms": e.unix_ms, "kind": e.kind, "model": e.model, "replica": e.replica,
                             "detail": e.detail} for e in r.events]}
 
     async def models(self, timeout: float = 5.0) -> list[ModelCard]:
+        """The served models, then the LoRA adapters (`parent`: the base model; versions: served_version's)."""
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)
-        return [ModelCard(m.name, m.version, m.replicas, m.max_context, tuple(m.versions)) for m in reply.models]
+        cards = [ModelCard(m.name, m.version, m.replicas, m.max_context, tuple(m.versions)) for m in reply.models]
+        bases = {c.name: c for c in cards}
+        for a in reply.adapters:
+            base = bases.get(a.model)
+            if base is not None:
+                cards.append(ModelCard(a.name, served_version(base.version, a.path), len(a.replicas), base.max_context,
+                                       tuple(served_version(v, a.path) for v in base.versions), parent=a.model))
+        return cards
+
+    async def lora_adapters(self, timeout: float = 5.0) -> list[LoraCard]:
+        return _lora_cards(await self._stub.ListLoraAdapters(router_pb2.ListLoraAdaptersRequest(), timeout=timeout))
+
+    async def load_lora_adapter(self, name: str, path: str, model: str = "", replica: str = "",
+                                timeout: float = 300.0) -> list[LoraCard]:
+        """Load a PEFT folder as `name` on a replica of `model` (router LoadLoraAdapter); every adapter after."""
+        return _lora_cards(await self._stub.LoadLoraAdapter(router_pb2.LoadLoraAdapterRequest(
+            name=name, path=path, model=model, replica=replica), timeout=timeout))
+
+    async def unload_lora_adapter(self, name: str, timeout: float = 300.0) -> list[LoraCard]:
+        return _lora_cards(await self._stub.UnloadLoraAdapter(router_pb2.UnloadLoraAdapterRequest(name=name),
+                                                              timeout=timeout))
 
     async def tokenize(self, spec: TokenizeSpec, timeout: float = 30.0) -> Tokens:
         request = router_pb2.TokenizeRequest(model=spec.model, add_special_tokens=spec.add_special_tokens,
@@ -193,6 +217,10 @@ class RouterClient:
         return _routing(await self._stub.SetModelRouting(request, timeout=timeout))
 
 
+def _lora_cards(reply: router_pb2.LoraAdaptersResponse) -> list[LoraCard]:
+    return [LoraCard(a.name, a.model, a.path, tuple(a.replicas)) for a in reply.adapters]
+
+
 def _logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
     return tuple(TokenLogprob(lp.token_id, lp.token, lp.logprob,
                               tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top)) for lp in entries)
@@ -209,5 +237,5 @@ def _routing(r: router_pb2.ModelRouting) -> ModelRouting:
     return ModelRouting(r.model, r.default_version, dict(r.canary), tuple(r.versions), shadow)
 
 
-__all__ = ["Delta", "GenerateSpec", "Message", "ModelCard", "ModelRouting", "RouterClient", "Sampling", "ServedBy",
-           "TokenizeSpec", "Tokens", "TokenLogprob", "TopLogprob", "VersionLoaded", "grpc"]
+__all__ = ["Delta", "GenerateSpec", "LoraCard", "Message", "ModelCard", "ModelRouting", "RouterClient", "Sampling",
+           "ServedBy", "TokenizeSpec", "Tokens", "TokenLogprob", "TopLogprob", "VersionLoaded", "grpc"]

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh.clients.router_client import (
     Delta,
     GenerateSpec,
+    LoraCard,
     ModelCard,
     ModelRouting,
     RouterClient,
@@ -235,6 +236,27 @@ class RouterPool:
         if activate:
             await self.set_model_routing(model, version)
         return loaded
+
+    async def lora_adapters(self) -> list[LoraCard]:
+        result: list[LoraCard] = await self._first(lambda c: c.lora_adapters())
+        return result
+
+    async def load_lora_adapter(self, name: str, path: str, model: str = "", replica: str = "") -> list[LoraCard]:
+        """One router loads the adapter on a replica; then every router knows it (to load it elsewhere later)."""
+        cards: list[LoraCard] = await self._first(lambda c: c.load_lora_adapter(name, path, model, replica))
+        holder = next((c.replicas[0] for c in cards if c.name == name and c.replicas), replica)
+        await self._everywhere(lambda c: c.load_lora_adapter(name, path, model, holder))
+        return cards
+
+    async def unload_lora_adapter(self, name: str) -> list[LoraCard]:
+        """Every router forgets the adapter and unloads it from the replicas it knows hold it; NOT_FOUND when
+        no router knew it."""
+        replies = await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in list(self._routers.values())),
+                                       return_exceptions=True)
+        done: list[list[LoraCard]] = [r for r in replies if not isinstance(r, BaseException)]
+        if not done:
+            raise next(r for r in replies if isinstance(r, BaseException))
+        return min(done, key=len)
 
     async def drain_replica(self, replica_id: str) -> int:
         """Every router stops sending to the replica and drops it once its engine has drained."""

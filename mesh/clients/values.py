@@ -122,6 +122,7 @@ class ModelCard:
     replicas: int
     max_context: int
     versions: tuple[str, ...] = ()
+    parent: str = ""                   # a LoRA adapter's base model ("": a model of its own)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,19 @@ class ModelRouting:
         if self.shadow is not None:
             out["shadow"] = self.shadow
         return out
+
+
+@dataclass(frozen=True)
+class LoraCard:
+    """A LoRA adapter (router ListLoraAdapters): its base model, folder and the replicas holding it."""
+
+    name: str
+    model: str
+    path: str
+    replicas: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"lora_name": self.name, "model": self.model, "lora_path": self.path, "replicas": list(self.replicas)}
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
 from services.edge.files_api import PREFIX as FILES_PREFIX
 from services.edge.files_api import Files, FileStore
+from services.edge.lora_api import PATHS as LORA_PATHS
+from services.edge.lora_api import LoraApi
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
 from services.edge.responses_api import PREFIX as RESPONSES_PREFIX
 from services.edge.responses_api import Responses
@@ -58,7 +60,8 @@ CONSOLE = "/admin/console"
 # No API key needed: the page's static files, liveness, Prometheus' scrape, the API's description.
 PUBLIC = ("/health", "/metrics", "/openapi.json", *FILES)
 ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions",
-          "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/files", "/v1/batches", *FILES)
+          "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/files", "/v1/batches", *LORA_PATHS,
+          *FILES)
 
 
 class EdgeApp:
@@ -75,6 +78,7 @@ class EdgeApp:
         self.files = Files(files, self.admission, config.body_timeout_s)
         self.openapi = json.dumps(openapi.document(config)).encode()
         self.page = Page(router)
+        self.lora = LoraApi(config, router, self.completions.cache.versions.invalidate)
         self.alt_svc = f'h3=":{config.http3_port}"; ma=86400'.encode() if config.http3_port else b""
         self._health_cache: tuple[float, bool] = (0.0, False)
         self.routes: dict[tuple[str, str], Route] = {
@@ -88,6 +92,8 @@ class EdgeApp:
             ("POST", "/v1/responses"): self.responses.create,
             ("POST", "/tokenize"): self.tokenizing.tokenize,
             ("POST", "/detokenize"): self.tokenizing.detokenize,
+            ("POST", LORA_PATHS[0]): self.lora.load,
+            ("POST", LORA_PATHS[1]): self.lora.unload,
             ("GET", CONSOLE): self.page.console,
             **{("GET", path): self.page.static for path in FILES},
         }
@@ -135,7 +141,7 @@ class EdgeApp:
         """The handler of `method path` (None: there is none) and whether the path is an admin one."""
         route = self.routes.get((method, path))
         admin = (path.startswith(ADMIN_PREFIX) or path == REPLICAS or path.startswith(REPLICAS + "/")
-                 or path == CONSOLE)
+                 or path == CONSOLE or path in LORA_PATHS)
         if path.startswith(RESPONSES_PREFIX) and method in ("GET", "DELETE"):
             route = self.responses.stored_response
         elif path == FILES_PREFIX or path.startswith(FILES_PREFIX + "/"):
@@ -144,7 +150,7 @@ class EdgeApp:
             route = self.batches.route
         elif path.startswith(ADMIN_PREFIX) and method in ("GET", "PUT"):
             route = self.admin
-        elif admin and method == "POST" and not path.startswith(ADMIN_PREFIX):
+        elif method == "POST" and (path == REPLICAS or path.startswith(REPLICAS + "/")):
             route = self.replicas
         return route, admin
 
@@ -207,7 +213,7 @@ class EdgeApp:
             raise from_grpc(err) from None
         data = [{"id": c.name, "object": "model", "created": 0, "owned_by": "infermesh",
                  "version": c.version, "versions": list(c.versions), "replicas": c.replicas,
-                 "max_context": c.max_context} for c in cards]
+                 "max_context": c.max_context, "parent": c.parent or None} for c in cards]
         await send_json(send, 200, {"object": "list", "data": data})
         return 200
 

@@ -229,7 +229,8 @@ def _response_schemas() -> dict[str, Any]:
              "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                             "owned_by": {"type": "string"}, "version": {"type": "string"},
                             "versions": {"type": "array", "items": {"type": "string"}},
-                            "replicas": {"type": "integer"}, "max_context": {"type": "integer"}}}
+                            "replicas": {"type": "integer"}, "max_context": {"type": "integer"},
+                            "parent": {"type": ["string", "null"], "description": "a LoRA adapter's base model"}}}
     return {
         "ChatCompletion": completion("chat.completion", {"message": message}, chat_logprobs),
         "Completion": completion("text_completion", {"text": {"type": "string"}}, completion_logprobs),

@@ -5,6 +5,7 @@ engine keeps stepping while an adapter loads."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from typing import Any
@@ -13,6 +14,7 @@ import grpc
 
 from mesh import peers
 from mesh.grpcutil import rpc_errors
+from mesh.heap import trim_heap
 from meshpb.v1 import engine_pb2
 from services.engine import metrics
 
@@ -44,6 +46,8 @@ class AdapterRPCs:
         pool = self.engine.adapters
         found = pool.unload(request.name)
         metrics.LORA_ADAPTERS.labels(self.config.replica_id).set(len(pool.names()))
+        gc.collect()
+        trim_heap()               # its factors' pages back to the system (those its last requests hold: at their end)
         if found:
             log.info("engine %s: LoRA adapter %s unloaded", self.config.replica_id, request.name)
         return engine_pb2.AdaptersResponse(adapters=pool.names(), found=found)

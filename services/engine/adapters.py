@@ -9,7 +9,6 @@ request's cache_salt: Adapter.key)."""
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mesh.adapters import NAME, NAME_RULE
 from mesh.errors import InvalidArgument, NotFound
 from services.engine.lora import Adapter, Shape, load_adapter
 
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from services.engine.model_runner import ModelRunner
     from services.engine.request import Request
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def shape_of(runner: ModelRunner) -> Shape:
@@ -43,7 +42,7 @@ class AdapterPool:
     def load(self, name: str, folder: str | Path) -> Adapter:
         """Read and register an adapter (replacing one of that name); InvalidArgument naming what is wrong."""
         if not NAME.fullmatch(name):
-            raise InvalidArgument(f"adapter name {name[:64]!r}: use 1 to 128 letters, digits, '.', '_', ':', '-'")
+            raise InvalidArgument(f"adapter name {name[:64]!r}: {NAME_RULE}")
         path = Path(folder)
         if not path.is_dir():
             raise InvalidArgument(f"lora_path {str(folder)[:256]!r} is not a folder on the engine's machine")
@@ -81,6 +80,11 @@ class AdapterPool:
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self.folders)
+
+    def paths(self) -> list[str]:
+        """The folders of `names()`, in its order."""
+        with self._lock:
+            return [str(self.folders[name]) for name in sorted(self.folders)]
 
     @property
     def nbytes(self) -> int:

@@ -294,6 +294,7 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
             tenants=[common_pb2.TenantLoad(tenant=t.tenant, running=t.running, waiting=t.waiting, tokens=t.tokens)
                      for t in self.engine.stats.tenants[:16]],
             adapters=self.engine.adapters.names(),
+            adapter_paths=self.engine.adapters.paths(),
         )
 
     @rpc_errors

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from services.router import metrics
 from services.router.failover import Failover
+from services.router.lora import LoraAdapters
 from services.router.policies import AffinityRouter
 from services.router.replicas import Replica, ReplicaTable
 from services.router.shadow import Shadows
@@ -46,14 +47,16 @@ class ReplicaState(NamedTuple):
 
 class Admin:
     def __init__(self, table: ReplicaTable, versions: ModelVersions, failover: Failover, policy: AffinityRouter,
-                 default_model: str, shadows: Shadows | None = None):
+                 default_model: str, shadows: Shadows | None = None, lora: LoraAdapters | None = None):
         self.table, self.versions, self.failover, self.policy = table, versions, failover, policy
         self.shadows = shadows or Shadows()
+        self.lora = lora
         self.default_model = default_model
 
     def resolve(self, model: str) -> str:
-        """`name`, `name@version` or "" -> the served model's name (NotFound otherwise)."""
-        return resolve_model(model, "", self.default_model, self.table.models())[0]
+        """`name`, `name@version`, "" or a LoRA adapter's name -> the served model's name (NotFound otherwise)."""
+        lora = self.lora.find(model) if self.lora is not None and model not in self.table.models() else None
+        return resolve_model(lora.model if lora else model, "", self.default_model, self.table.models())[0]
 
     def max_context(self, model: str) -> int:
         """The longest context among `model`'s replicas (0 while none is known)."""

@@ -33,6 +33,7 @@ from mesh.apikeys import ApiKeys, tenant_of
 from mesh.errors import ResourceExhausted, Unauthenticated
 from mesh.ratelimit import DEFAULT_COMPLETION_TOKENS, Limiter, Rate, reservation, retry_after_s, settlement
 from mesh.request_limits import MAX_WEIGHT, SamplingSettings, name_problem, sampling_problem
+from meshpb.v1 import common_pb2, router_pb2
 
 if TYPE_CHECKING:      # only named: protobuf is the servicer's (server.py) to convert
     from meshpb.v1.router_pb2 import RouterGenerateRequest
@@ -198,3 +199,10 @@ def refusal(request: RouterGenerateRequest) -> str | None:
                 if request.cache_class not in ("", "premium", "standard", "batch") else None)
             or (f"weight {request.weight:g} must be between 0 (the default, 1) and {MAX_WEIGHT:g}"
                 if not 0.0 <= request.weight <= MAX_WEIGHT else None))
+
+
+def tokens_used(reply: router_pb2.RouterGenerateResponse) -> int | None:
+    """The request's prompt + completion tokens, on its final reply."""
+    if reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return reply.usage.prompt_tokens + reply.usage.completion_tokens

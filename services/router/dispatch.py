@@ -15,24 +15,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from mesh.chat import Message
-from mesh.errors import InvalidArgument, NotFound, Unavailable
+from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.prefix import block_hashes, tenant_salt
 from mesh.telemetry import outgoing_metadata, span_context, tracer
 from meshpb.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
 from services.router.config import RouterConfig
+from services.router.decisions import count_degraded, decision_attributes, record_fallback, served_by
 from services.router.engines import Engines
 from services.router.events import RECENT
 from services.router.failover import Call, Failover, Plan
 from services.router.hop import Hop, Prompt, mirror_hop
+from services.router.lora import LoraAdapters
 from services.router.policies import AffinityRouter, RouteRequest
 from services.router.relay import EngineCall, EngineFailed, Stream, attempt
 from services.router.replicas import Replica, ReplicaTable
@@ -52,6 +53,7 @@ class Dispatcher:
                  versions: ModelVersions, engines: Engines, tokenizer: Tokenizer, sessions: Sessions):
         self.config, self.table, self.policy, self.failover = config, table, policy, failover
         self.versions, self.engines, self.tokenizer, self.sessions = versions, engines, tokenizer, sessions
+        self.lora = LoraAdapters(table, engines)          # the adapters requests may name (lora.py)
         self.shadows = Shadows()
         failover.agreement.live = self.shadows.agreement     # fallback mirrors: measured confidence
 
@@ -61,8 +63,10 @@ class Dispatcher:
         """The whole request; `incoming`: its chat messages; `admit`, when given, is handed the prompt's
         token count once it is tokenized, before any engine call, and may refuse (raise MeshError).
         Raises MeshError (Saturated when no replica of the model's chain can take it)."""
-        model, pinned_version = resolve_model(request.model, request.model_version, self.config.default_model,
-                                              self.table.models())
+        name = request.model.partition("@")[0]      # a LoRA adapter's name: its base model, with the adapter
+        lora = self.lora.find(name) if name not in self.table.models() else None
+        model, pinned_version = resolve_model(lora.model + request.model[len(name):] if lora else request.model,
+                                              request.model_version, self.config.default_model, self.table.models())
         # Everything kept per conversation is the caller's own: keyed by tenant and session id.
         key = session_key(request.tenant, request.session_id)
         chat = request.WhichOneof("input") == "chat"
@@ -74,7 +78,7 @@ class Dispatcher:
                                                  "session_messages": len(conversation) - len(new)})
         answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
         hop = Hop(request, request_id, model, version, conversation, key, context, answer,
-                  request.priority == common_pb2.PRIORITY_INTERACTIVE, admit)
+                  request.priority == common_pb2.PRIORITY_INTERACTIVE, admit, lora)
         mirrors = [m for m in (self._mirror(hop, pinned_version), self._mirror_fallback(hop, pinned_version))
                    if m is not None]
         started = time.monotonic()
@@ -169,9 +173,9 @@ class Dispatcher:
             text = stream.resume(request.resume_ids)
             if sent is not None:
                 sent.append(text)
+        salt = self.cache_salt(request) + (b"|lora:" + hop.lora.name.encode() if hop.lora else b"")
         route = RouteRequest(model, session_key=hop.key, region=request.region, tenant=request.tenant,
-                             prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size,
-                                                              salt=self.cache_salt(request))))
+                             prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size, salt=salt)))
         return Prompt(prompt_ids, stream, route)
 
     async def _attempts(self, hop: Hop) -> AsyncIterator[Reply]:
@@ -193,10 +197,10 @@ class Dispatcher:
         streamed = model                               # the model whose tokens `prompt.stream` holds
         try:
             for _ in range(4 * self.failover.config.max_attempts):
-                plan = call.plan(self._pool(hop, streamed if prompt.stream.ids else None), now(),
+                plan = call.plan(self._pool(hop, streamed if prompt.stream.ids else None, call.failed_on), now(),
                                  hop.context.time_remaining())
                 if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
-                    _record_fallback(model, plan)
+                    record_fallback(model, plan)
                     prompt = await self._prepare(hop, plan.model)
                     streamed = plan.model
                 decision = self.policy.pick(plan.candidates, prompt.route, now())
@@ -204,7 +208,7 @@ class Dispatcher:
                 if started_attempt is None:            # its last probe slot went meanwhile: plan again
                     continue
                 reason = "fallback" if plan.degraded else "failover" if call.attempts > 1 else decision.reason
-                root.set_attributes(_decision(decision.replica, plan, reason, call.attempts - 1))
+                root.set_attributes(decision_attributes(decision.replica, plan, reason, call.attempts - 1))
                 started, first_token_s = now(), None
                 stream = prompt.stream
                 try:
@@ -216,8 +220,8 @@ class Dispatcher:
                     limit = hop.request.sampling.max_tokens
                     if limit and len(stream.ids) >= limit:     # died after the last token, before its final message
                         call.succeeded(started_attempt, now(), first_token_s)
-                        _count_degraded(model, plan)
-                        yield stream.finish_at_length(served_by(decision.replica, plan))
+                        count_degraded(model, plan)
+                        yield stream.finish_at_length(served_by(decision.replica, plan, hop.adapter(plan.model)))
                         return
                     if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and first_token_s is None:
                         if not call.refused(started_attempt, now()):       # busy, not failing: no breaker
@@ -237,17 +241,21 @@ class Dispatcher:
                     raise
                 call.succeeded(started_attempt, now(), first_token_s)
                 RECENT.first_token(first_token_s)
-                _count_degraded(model, plan)
+                count_degraded(model, plan)
                 return
             raise Unavailable(f"no replica could be started for {model!r}; retry shortly")
         finally:
             call.close(now())
 
-    def _pool(self, hop: Hop, streamed: str | None) -> list[Replica]:
+    def _pool(self, hop: Hop, streamed: str | None, failed: Collection[str] = ()) -> list[Replica]:
         """The replicas the next attempt may go to: not draining, of the hop's version (for its own
-        model), and of `streamed`'s model when given (a stream continues on the model it started with)."""
+        model), its LoRA adapter's holders while one is free (lora.py), and of `streamed`'s model when given
+        (a stream continues on the model it started with)."""
         pool = [r for r in self.table.all() if not r.draining and
                 (r.model != hop.model or not hop.version or r.model_version == hop.version)]
+        if hop.lora is not None:
+            pool = self.lora.prefer(hop.lora.name, hop.model, pool,
+                                    lambda r: not self.failover.refusal(r, time.monotonic(), failed))
         return pool if streamed is None else [r for r in pool if r.model == streamed]
 
     def _isolate(self, model: str, exc: EngineFailed) -> None:
@@ -260,7 +268,7 @@ class Dispatcher:
         """The one attempt of a request pinned to a replica: exactly there, or an error."""
         replica = self.pinned(hop.model, hop.request.pinned_replica)
         pinned = Plan(hop.model, [replica], False, 1.0)
-        root.set_attributes(_decision(replica, pinned, "pinned", 0))
+        root.set_attributes(decision_attributes(replica, pinned, "pinned", 0))
         try:
             async for reply in self._attempt(hop, prompt, replica, pinned, "pinned"):
                 yield reply
@@ -275,13 +283,15 @@ class Dispatcher:
         # Not made current: this generator is suspended at every yield, and its caller's code
         # runs meanwhile; the engine learns its parent from the metadata instead.
         span = tracer().start_span("router.attempt", kind=trace.SpanKind.CLIENT, attributes={
-            **_decision(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
+            **decision_attributes(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
         engine_request = engine_pb2.GenerateRequest(
             request_id=hop.request_id, model=plan.model, prompt_ids=prompt.ids, sampling=request.sampling,
             priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request),
             cache_class=request.cache_class, tenant=request.tenant, weight=request.weight)
         if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message
             engine_request.sampling.prompt_logprobs = False
+        if hop.adapter(plan.model) is not None:            # a fallback model runs without the adapter
+            await self._with_adapter(hop, replica, engine_request)
         replica.in_flight += 1
         replica.tenant_in_flight[request.tenant] += 1
         metrics.IN_FLIGHT.labels(replica.replica_id).inc()
@@ -292,7 +302,8 @@ class Dispatcher:
             return replica.healthy and self.failover.isolation(replica.replica_id) is None
 
         engine_call = EngineCall(self.engines.stub(replica.address), replica.replica_id, engine_request,
-                                 served_by(replica, plan), outgoing_metadata(context=span_context(span)),
+                                 served_by(replica, plan, hop.adapter(plan.model)),
+                                 outgoing_metadata(context=span_context(span)),
                                  hop.context.time_remaining(), self.config.first_token_timeout_s,
                                  self.config.stall_timeout_s, relay_error, admitted)
         try:
@@ -316,32 +327,18 @@ class Dispatcher:
             now = time.monotonic()
             self.policy.on_finish(replica, route, now, now - started, ok)
 
-
-def served_by(replica: Replica, plan: Plan) -> common_pb2.ServedBy:
-    return common_pb2.ServedBy(replica=replica.replica_id, model=plan.model, model_version=replica.model_version,
-                               region=replica.region, degraded=plan.degraded, confidence=plan.confidence,
-                               confidence_source=plan.confidence_source if plan.degraded else "",
-                               degraded_by=plan.degraded_by)
-
-
-def _decision(replica: Replica, plan: Plan, reason: str, failover_attempts: int | None) -> dict[str, Any]:
-    """The routing decision as span attributes (router.generate and router.attempt)."""
-    attrs: dict[str, Any] = {"replica": replica.replica_id, "model_version": replica.model_version,
-                             "served_model": plan.model, "region": replica.region, "reason": reason,
-                             "degraded": plan.degraded, "confidence": plan.confidence}
-    if plan.degraded:
-        attrs.update(degraded_by=plan.degraded_by, confidence_source=plan.confidence_source)
-    if failover_attempts is not None:
-        attrs["failover_attempts"] = failover_attempts
-    return attrs
-
-
-def _record_fallback(model: str, plan: Plan) -> None:
-    if plan.degraded:
-        metrics.FAILOVER.labels("3").inc()
-        RECENT.record("degraded", model, "", f"to {plan.model} ({plan.degraded_by}): {plan.why}")
-
-
-def _count_degraded(model: str, plan: Plan) -> None:
-    if plan.degraded:
-        metrics.DEGRADED.labels(model, plan.model, plan.degraded_by or "capacity").inc()
+    async def _with_adapter(self, hop: Hop, replica: Replica, engine_request: engine_pb2.GenerateRequest) -> None:
+        """The engine call runs with the hop's LoRA adapter, loaded on `replica` first when it lacks it; a
+        replica that cannot be reached for the load fails the attempt like a failed call (another may take it)."""
+        assert hop.lora is not None
+        try:
+            await self.lora.ensure(hop.lora, replica, hop.context.time_remaining())
+        except MeshError as exc:
+            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            raise EngineFailed(replica.replica_id, f"could not load LoRA adapter {hop.lora.name!r}: {exc}",
+                               exc.code) from None
+        except TimeoutError:
+            raise EngineFailed(replica.replica_id, f"took too long loading LoRA adapter {hop.lora.name!r}",
+                               grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        engine_request.adapter = hop.lora.name

@@ -15,6 +15,8 @@ from mesh.grpcutil import channel
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.router.replicas import LoadReport, TenantShare
 
+LISTS = ("tenants", "adapters", "adapter_paths")     # converted apart from the plain fields
+
 
 class EngineInfo(NamedTuple):
     """What the router needs of an engine's GetInfo."""
@@ -29,15 +31,17 @@ class EngineInfo(NamedTuple):
 
 def load_from_pb(report: common_pb2.LoadReport) -> LoadReport:
     """meshpb.v1.LoadReport -> LoadReport (field names are the same on both sides)."""
-    values = {f.name: getattr(report, f.name) for f in fields(LoadReport) if f.name not in ("tenants", "adapters")}
+    values = {f.name: getattr(report, f.name) for f in fields(LoadReport) if f.name not in LISTS}
     tenants = tuple(TenantShare(t.tenant, t.running, t.waiting, t.tokens) for t in report.tenants)
-    return LoadReport(**values, tenants=tenants, adapters=tuple(report.adapters))
+    return LoadReport(**values, tenants=tenants, adapters=tuple(report.adapters),
+                      adapter_paths=tuple(report.adapter_paths))
 
 
 def load_to_pb(replica_id: str, load: LoadReport) -> common_pb2.LoadReport:
     """LoadReport -> meshpb.v1.LoadReport, naming the replica it describes."""
-    values = {f.name: getattr(load, f.name) for f in fields(LoadReport) if f.name not in ("tenants", "adapters")}
+    values = {f.name: getattr(load, f.name) for f in fields(LoadReport) if f.name not in LISTS}
     return common_pb2.LoadReport(replica_id=replica_id, **values, adapters=list(load.adapters),
+                                 adapter_paths=list(load.adapter_paths),
                                  tenants=[common_pb2.TenantLoad(**t._asdict()) for t in load.tenants])
 
 

@@ -17,7 +17,7 @@ TTFT_WINDOW_S = 60.0
 
 class Event(NamedTuple):
     unix_ms: int
-    kind: str           # failover | isolated | degraded | shed
+    kind: str           # failover | isolated | degraded | shed | lora_loaded
     model: str
     replica: str
     detail: str

@@ -9,6 +9,7 @@ import grpc
 
 from mesh.chat import Message
 from meshpb.v1 import router_pb2
+from services.router.lora import Lora
 from services.router.policies import RouteRequest
 from services.router.relay import Stream
 from services.router.shadow import Deadline
@@ -22,7 +23,7 @@ class Hop:
     (session history merged), the model and version it runs on ("": any), its session key ("" for a
     mirror), the call (a mirror's Deadline: only the time left is read of it), the text already sent
     (a resumed stream's: _prepare), whether it is interactive, not a mirror (level 3 by latency:
-    failover/latency.py), and `admit` (see `Dispatcher.generate`)."""
+    failover/latency.py), `admit` (see `Dispatcher.generate`) and its LoRA adapter, if any."""
     request: Request
     request_id: str
     model: str
@@ -33,6 +34,11 @@ class Hop:
     sent: list[str] = field(default_factory=list)
     interactive: bool = True
     admit: Callable[[int], None] | None = None
+    lora: Lora | None = None          # the LoRA adapter the request names as its model (lora.py)
+
+    def adapter(self, model: str) -> Lora | None:
+        """The adapter to run with on `model`: the hop's, on its own model only (a fallback runs without)."""
+        return self.lora if model == self.model else None
 
 
 @dataclass(frozen=True)
@@ -50,4 +56,4 @@ def mirror_hop(hop: Hop, request_id: str, model: str, version: str) -> Hop:
     copy.CopyFrom(hop.request)
     copy.session_id = ""
     return Hop(copy, request_id, model, version, hop.conversation, "", Deadline(hop.context.time_remaining()),
-               [], False)
+               [], False, lora=hop.lora)

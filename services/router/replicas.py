@@ -39,6 +39,7 @@ class LoadReport:
     unix_ms: int = 0                 # the engine's wall clock when it wrote the report
     tenants: tuple[TenantShare, ...] = ()
     adapters: tuple[str, ...] = ()   # the LoRA adapters it holds
+    adapter_paths: tuple[str, ...] = ()   # their folders, in the same order
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Replica:
     tokens_per_second: float = 0.0
     unix_ms: int = 0
     tenants: tuple[TenantShare, ...] = ()
+    adapters: dict[str, str] = field(default_factory=dict)   # LoRA adapter -> its folder, as reported
     load_at: float | None = None     # router's monotonic time when the last report was applied
     # Fair scheduling: this router's requests in flight per tenant (the report's `tenants` are the engine's).
     tenant_in_flight: Counter[str] = field(default_factory=Counter)
@@ -77,6 +79,7 @@ class Replica:
         self.qps, self.tokens_per_second = report.qps, report.tokens_per_second
         self.p50_latency_ms, self.p99_latency_ms = report.p50_latency_ms, report.p99_latency_ms
         self.unix_ms, self.tenants = report.unix_ms, report.tenants
+        self.adapters = dict(zip(report.adapters, report.adapter_paths, strict=False))
         self.load_at = now
 
     def tenant_load(self, tenant: str) -> int:
@@ -89,7 +92,7 @@ class Replica:
         """The last load report applied (all zeros before the first)."""
         return LoadReport(self.running, self.waiting, self.kv_blocks_total, self.kv_blocks_free, self.qps,
                           self.p50_latency_ms, self.p99_latency_ms, self.tokens_per_second, self.unix_ms,
-                          self.tenants)
+                          self.tenants, tuple(self.adapters), tuple(self.adapters.values()))
 
     @property
     def mem_ratio(self) -> float:

@@ -9,6 +9,7 @@ The parts it is built from do the work:
     admin.py     Admin: models, version routing and replicas, as plain values
     tokens.py    TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
     conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted)
+    lora_rpcs.py LoraRPCs: LoRA adapters loaded, unloaded, listed (the work: lora.py)
 
 The policies (policies/), failover (failover/) and stop strings (stops.py) are pure code.
 """
@@ -27,16 +28,17 @@ from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
 from mesh.request_limits import name_problem
 from mesh.telemetry import server_span
-from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc
+from meshpb.v1 import router_pb2, router_pb2_grpc
 from services.router import metrics
 from services.router.admin import Admin, Routing
-from services.router.callers import Callers, refusal
+from services.router.callers import Callers, refusal, tokens_used
 from services.router.config import RouterConfig
 from services.router.conversations import ConversationRPCs
 from services.router.dispatch import Dispatcher
 from services.router.engines import Engines, load_to_pb
 from services.router.events import RECENT
 from services.router.failover import Failover, Saturated
+from services.router.lora_rpcs import LoraRPCs
 from services.router.policies import PolicyConfig, make_policy
 from services.router.replicas import ReplicaTable
 from services.router.swap import add, drain, load_everywhere
@@ -46,7 +48,7 @@ from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch
 
 
-class RouterServicer(TokenRPCs, ConversationRPCs, router_pb2_grpc.RouterServicer):
+class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig):
         self.config = config
         self.table = ReplicaTable()
@@ -59,8 +61,9 @@ class RouterServicer(TokenRPCs, ConversationRPCs, router_pb2_grpc.RouterServicer
         self.watch = ReplicaWatch(config, self.table, self.failover, engines, self.tokenizer.probed)
         self.dispatcher = Dispatcher(config, self.table, self.policy, self.failover, versions, engines,
                                      self.tokenizer, self.sessions)
+        self.lora = self.dispatcher.lora
         self.admin = Admin(self.table, versions, self.failover, self.policy, config.default_model,
-                           self.dispatcher.shadows)
+                           self.dispatcher.shadows, self.lora)
         self.callers = Callers(config.api_key_digests, config.admin_key_digests, config.rate_limit,
                                config.auth_failure_limit, config.token_limit)
         metrics.watch_policy(self.policy.load_entropy, lambda: sum(r.healthy for r in self.table.all()),
@@ -95,7 +98,7 @@ class RouterServicer(TokenRPCs, ConversationRPCs, router_pb2_grpc.RouterServicer
                 # A native key's tokens: reserved once the prompt is tokenized, settled to the usage.
                 charge = self.callers.charge(caller, request.sampling.max_tokens)
                 replies = self.callers.metered(charge, self.dispatcher.generate(
-                    request, request_id, incoming, context, self.callers.admission(charge)), _tokens_used)
+                    request, request_id, incoming, context, self.callers.admission(charge)), tokens_used)
                 async with contextlib.aclosing(replies):        # settled now, not when collected
                     async for reply in replies:
                         yield reply
@@ -113,6 +116,7 @@ class RouterServicer(TokenRPCs, ConversationRPCs, router_pb2_grpc.RouterServicer
         for m in self.admin.models():
             reply.models.add(name=m.name, version=m.version, replicas=m.replicas, max_context=m.max_context,
                              versions=m.versions)
+        reply.adapters.extend(self.lora_listing().adapters)
         return reply
 
     @rpc_errors
@@ -189,10 +193,3 @@ def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
     if routing.shadow_stats is not None:
         reply.shadow.CopyFrom(router_pb2.ShadowStats(**routing.shadow_stats))   # type: ignore[arg-type]
     return reply
-
-
-def _tokens_used(reply: router_pb2.RouterGenerateResponse) -> int | None:
-    """The request's prompt + completion tokens, on its final reply."""
-    if reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    return reply.usage.prompt_tokens + reply.usage.completion_tokens

@@ -7,7 +7,6 @@ adapters are refused by name; an unloaded adapter is NOT_FOUND for later request
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -20,26 +19,10 @@ from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
+from tests.lora_adapters import TARGETS, build_adapter
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 TOKENS = 12
-
-
-def build_adapter(base: Any, folder: Path, seed: int, rank: int, targets: list[str]) -> Any:
-    """A PEFT LoRA adapter of `base` with small random A and B (PEFT's default leaves B zero: no effect).
-    peft is imported here, not with the module: it imports triton, which must first see tests/unit/
-    test_triton_ops.py's TRITON_INTERPRET when both run in one process."""
-    peft = pytest.importorskip("peft", reason="peft builds the reference adapters (pip install peft)")
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
-    model = peft.get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.05)
-    model.save_pretrained(str(folder))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from services.router.replicas import LoadReport, TenantShare
 def test_every_field_goes_both_ways() -> None:
     report = LoadReport(running=3, waiting=2, kv_blocks_total=200, kv_blocks_free=50, qps=1.5, p50_latency_ms=10.5,
                         p99_latency_ms=90.25, tokens_per_second=300.0, unix_ms=1_700_000_000_123,
-                        tenants=(TenantShare("key:ab12", 2, 1, 900), TenantShare("", 1, 1, 40)))
+                        tenants=(TenantShare("key:ab12", 2, 1, 900), TenantShare("", 1, 1, 40)),
+                        adapters=("alpha", "beta"), adapter_paths=("/a", "/b"))
     msg = load_to_pb("engine-0", report)
     assert msg.replica_id == "engine-0"
     assert load_from_pb(msg) == report        # these floats are exact in float32

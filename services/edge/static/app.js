@@ -220,7 +220,8 @@ async function refresh() {
                cell(e.breaker, "breaker " + e.breaker), cell(e.model), cell(e.model_version), cell(e.region || "-"),
                cell(e.weight, "num"), cell(e.in_flight, "num"), cell(e.running, "num"), cell(e.waiting, "num"),
                kvCell, cell(e.tokens_per_s.toFixed(1), "num"),
-               cell((e.tenants || []).map((t) => (t.tenant || "common") + " " + t.running + "+" + t.waiting).join(", ") || "-"));
+               cell((e.tenants || []).map((t) => (t.tenant || "common") + " " + t.running + "+" + t.waiting).join(", ") || "-"),
+               cell((e.adapters || []).join(", ") || "-"));
     return row;
   });
   document.querySelector("#replicas tbody").replaceChildren(...rows);
