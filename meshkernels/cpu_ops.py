@@ -11,6 +11,8 @@ The engine's fast (non-"exact") forward calls them through `torch.ops.infermesh.
 - `rope_and_write_kv(qkv (T, H+2KH, D), positions (T,), cos (P, D), sin (P, D), k_cache, v_cache,
   slots (T,), num_heads)`: rotates q and k in place and stores k and v at `slots`.
 - `silu_and_mul(gate_up (T, 2I))` -> (T, I): silu(gate) * up.
+- `lora_apply(out (T, O), h (T, I), rows (R,), table (n, 19))`: each adapter's rows' LoRA update added into `out`
+  in place (meshkernels/cpu_lora.cpp; its reference is services/engine/lora.py's torch loop).
 
 Their torch references, with the same signatures, are meshkernels/torch_ops.py (the norm, RoPE and SiLU
 ops) and paged_attention.decode() / _reference() (decode attention); tests/unit/test_cpu_ops.py
@@ -48,7 +50,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with
            Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gguf.cpp"),
            Path(__file__).with_name("cpu_gguf_x.cpp"), Path(__file__).with_name("cpu_gguf_amx.cpp"),
            Path(__file__).with_name("cpu_gguf_amx16.cpp"), Path(__file__).with_name("cpu_layer_gguf.cpp"),
-           Path(__file__).with_name("cpu_gguf_q8k.cpp"))
+           Path(__file__).with_name("cpu_gguf_q8k.cpp"), Path(__file__).with_name("cpu_lora.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"),
            Path(__file__).with_name("cpu_gguf.h"), Path(__file__).with_name("cpu_gguf_amx.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"

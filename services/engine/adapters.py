@@ -32,6 +32,20 @@ def shape_of(runner: ModelRunner) -> Shape:
                  c.intermediate_size)
 
 
+# GEMM kinds that round the weights (below float32): the adapters' factors are then kept in float16 for the CPU
+# kernel (half the bytes a step reads; meshkernels/cpu_lora.cpp), not finer than the base model's own products.
+REDUCED = frozenset({"fp16w", "int8", "q4", "bf16w", "gguf"})
+
+
+def factor_dtype(runner: ModelRunner) -> torch.dtype:
+    """The dtype an engine keeps LoRA factors in: float16 on the CPU kernel under a plan whose GEMMs round the
+    weights anyway, else the engine's own (float32: exact plans compute adapters exactly as transformers + peft)."""
+    plan = runner.plan
+    if plan.device == "cpu" and plan.ops == "cpu" and {plan.matmul, plan.matmul_large} & REDUCED:
+        return torch.float16
+    return runner.dtype
+
+
 class AdapterPool:
     def __init__(self, shape: Shape, dtype: torch.dtype, max_bytes: int = 1 << 30):
         self.shape, self.dtype, self.max_bytes = shape, dtype, max_bytes

@@ -27,7 +27,7 @@ import torch
 
 from mesh.errors import ResourceExhausted
 from services.engine import grammar, kv_transfer, sampler
-from services.engine.adapters import AdapterPool, shape_of
+from services.engine.adapters import AdapterPool, factor_dtype, shape_of
 from services.engine.block_manager import BlockManager
 from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
@@ -55,7 +55,7 @@ class Engine:
                  grammar_limits: GrammarLimits | None = None):
         self.runner = runner
         self.versions = Versions(runner, version)      # hot swaps (services/engine/versions.py)
-        self.adapters = AdapterPool(shape_of(runner), runner.dtype)   # LoRA (services/engine/adapters.py)
+        self.adapters = AdapterPool(shape_of(runner), factor_dtype(runner))   # LoRA (services/engine/adapters.py)
         self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache

@@ -8,7 +8,9 @@ adapter, its rows' update `(h[rows] @ A^T) @ B^T * scale` is added into the rows
 (q, k and v share the fused qkv output, gate and up the gate_up one: their factors are merged at load into
 one pair per projection, each module's B block at its columns, so a projection costs two small GEMMs).  Targets: q, k,
 v, o, gate, up and down projections; an adapter naming another module, a layer the model has not, or shapes
-that do not fit is refused (ValueError naming it).  Pure torch: the reference the fused kernel must equal.
+that do not fit is refused (ValueError naming it).  On the CPU library (meshkernels/cpu_lora.cpp) a projection's
+updates for every adapter of the step are one call over B's nonzero blocks only; the torch loop here is its
+reference (and the path on other devices and dtypes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Which fused projection a module writes into, and its slice there (in units the model's config gives).
 PROJECTION = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
               "up_proj": "gate_up", "down_proj": "down"}
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -64,6 +67,14 @@ class Factors:
     a: torch.Tensor          # (in, sum of the modules' ranks): A^T, the modules' stacked
     b: torch.Tensor          # (sum of ranks, the projection's whole output): B^T, the scale folded in, each
                              # module's block at its ranks and columns, zero elsewhere
+    blocks: tuple[tuple[int, int, int, int], ...] = ()   # those blocks: (rank start, end, column start, end)
+
+    def entry(self) -> list[int]:
+        """This pair as the CPU kernel's table columns 2..18: A's and B's addresses, rank, its blocks' count,
+        float16 or not, the blocks."""
+        flat = [v for block in self.blocks for v in block]
+        return [self.a.data_ptr(), self.b.data_ptr(), self.a.shape[1], len(self.blocks),
+                int(self.a.dtype == torch.float16), *flat, *[0] * (12 - len(flat))]
 
 
 @dataclass
@@ -75,6 +86,14 @@ class Adapter:
     key: str = ""
     layers: list[dict[str, Factors]] = field(default_factory=list)   # layer -> "qkv" | "o" | "gate_up" | "down"
     nbytes: int = 0
+    _entries: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def entries(self) -> torch.Tensor:
+        """(layers, 4, 17) int64: every projection's kernel entry (all zeros where the adapter has none)."""
+        if self._entries is None:
+            self._entries = torch.tensor([[f.entry() if (f := layer.get(p)) is not None else [0] * 17
+                                           for p in PROJECTIONS] for layer in self.layers], dtype=torch.long)
+        return self._entries
 
 
 def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype = torch.float32) -> Adapter:
@@ -132,11 +151,12 @@ def _merged(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int, dty
     rank = sum(a.shape[0] for a, _, _ in parts)
     a_t = torch.cat([a for a, _, _ in parts]).t().to(dtype).contiguous()
     b_t = torch.zeros(rank, width)
-    start = 0
+    start, blocks = 0, []
     for a, b, offset in parts:
         b_t[start:start + a.shape[0], offset:offset + b.shape[0]] = b.t()
+        blocks.append((start, start + a.shape[0], offset, offset + b.shape[0]))
         start += a.shape[0]
-    return Factors(a_t, b_t.to(dtype).contiguous())
+    return Factors(a_t, b_t.to(dtype).contiguous(), tuple(blocks))
 
 
 def _scale(config: dict[str, object], module: str, rank: int) -> float:
@@ -172,24 +192,32 @@ class LoraRows:
 
     index: torch.Tensor
     spans: tuple[tuple[Adapter, int, int], ...]
+    # The CPU kernel's table per layer and projection, (layers, 4, adapters, 19); None: the torch loop.
+    tables: torch.Tensor | None = None
 
 
 def apply(out: torch.Tensor, h: torch.Tensor, layer: int, projection: str, rows: LoraRows | None) -> torch.Tensor:
     """Add each row's adapter update into `out` (T, out) from `h` (T, in), in place; returns `out`."""
     if rows is None:
         return out
+    if rows.tables is not None and out.dtype == h.dtype == torch.float32 and out.is_contiguous() \
+            and h.is_contiguous():
+        torch.ops.infermesh.lora_apply(out, h, rows.index, rows.tables[layer, PROJECTIONS.index(projection)])
+        return out
     x = h.index_select(0, rows.index)
     delta = torch.zeros(x.shape[0], out.shape[1], dtype=x.dtype, device=x.device)
     for adapter, start, end in rows.spans:
         f = adapter.layers[layer].get(projection)
         if f is not None:
-            torch.mm(torch.mm(x[start:end], f.a), f.b, out=delta[start:end])
+            a, b = (f.a, f.b) if f.a.dtype == x.dtype else (f.a.to(x.dtype), f.b.to(x.dtype))   # float16 kept
+            torch.mm(torch.mm(x[start:end], a), b, out=delta[start:end])
     out.index_add_(0, rows.index, delta.to(out.dtype))
     return out
 
 
-def grouped(adapters: Sequence[Adapter | None], device: torch.device) -> LoraRows | None:
-    """The step's rows by adapter (`adapters[i]` is row i's; None: the base model), or None when no row has one."""
+def grouped(adapters: Sequence[Adapter | None], device: torch.device, kernel: bool = False) -> LoraRows | None:
+    """The step's rows by adapter (`adapters[i]` is row i's; None: the base model), or None when no row has one;
+    `kernel`: with the CPU kernel's tables (float32 factors on the CPU)."""
     by_name: dict[str, tuple[Adapter, list[int]]] = {}
     for i, adapter in enumerate(adapters):
         if adapter is not None:
@@ -201,4 +229,15 @@ def grouped(adapters: Sequence[Adapter | None], device: torch.device) -> LoraRow
     for adapter, rows in by_name.values():
         spans.append((adapter, len(order), len(order) + len(rows)))
         order += rows
-    return LoraRows(torch.tensor(order, dtype=torch.long, device=device), tuple(spans))
+    index = torch.tensor(order, dtype=torch.long, device=device)
+    if not kernel or device.type != "cpu" or any(_dtype(a) not in (torch.float32, torch.float16) for a, _, _ in spans):
+        return LoraRows(index, tuple(spans))
+    entries = torch.stack([a.entries() for a, _, _ in spans], dim=2)                # (layers, 4, adapters, 17)
+    bounds = torch.tensor([[start, end] for _, start, end in spans], dtype=torch.long)
+    tables = torch.cat([bounds.expand(*entries.shape[:2], -1, -1), entries], dim=3).contiguous()
+    return LoraRows(index, tuple(spans), tables)
+
+
+def _dtype(adapter: Adapter) -> torch.dtype:
+    factors = next((f for layer in adapter.layers for f in layer.values()), None)
+    return factors.a.dtype if factors is not None else torch.float32

@@ -245,7 +245,7 @@ class ModelRunner:
                                                                                     strict=True)),
         )
         rope_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device) if lengths else None
-        lora = lora_rows(adapters, self.device)
+        lora = lora_rows(adapters, self.device, kernel=self.plan.ops == "cpu")
         hidden = self.model.forward(t_ids, t_positions, meta, self.kv, t_rows, rope_lengths,
                                     **({"lora": lora} if lora is not None else {}))
         if extra.rows:

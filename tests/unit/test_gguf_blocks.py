@@ -240,7 +240,7 @@ def test_bad_arguments_get_precise_errors() -> None:
 @pytest.mark.parametrize("isa", ["avx512", "avxvnni", "avx2", "portable"])
 def test_the_other_instruction_set_paths_agree(isa: str) -> None:
     """The AVX-512 without AMX, AVX-VNNI (256-bit, no AVX-512), AVX2 and portable builds (a separate library
-    each) pass the same checks."""
+    each) pass the same checks (the GGUF block products, and the LoRA kernel: tests/unit/test_cpu_lora.py)."""
     flags = cpu_ops._cpu_flags()
     if isa != "portable" and not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("this CPU has no AVX2")
@@ -254,7 +254,10 @@ def test_the_other_instruction_set_paths_agree(isa: str) -> None:
         "[check_against_references(torch.randn(t, k, generator=torch.Generator().manual_seed(t)),"
         " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind)"
         " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
-        " for t in (1, 3, 6, 9, 16)]; print('ok')")
+        " for t in (1, 3, 6, 9, 16)];"
+        "from tests.unit.test_cpu_lora import check_against_reference;"
+        "[check_against_reference(rows, dtype) for rows in (1, 5, 16) for dtype in (torch.float32, torch.float16)];"
+        "print('ok')")
     env = {**os.environ, "INFERMESH_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
