@@ -27,3 +27,41 @@ def build_adapter(base: Any, folder: Path, seed: int, rank: int, targets: list[s
                 param.normal_(0.0, 0.05)
     model.save_pretrained(str(folder))
     return model.eval()
+
+
+LLAMA_CPP_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                   "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def write_gguf_lora(folder: Path, out: Path, heads: int, kv_heads: int, half: bool = False) -> Path:
+    """A PEFT folder as llama.cpp's convert_lora_to_gguf.py lays it out for a `llama` base: general.type adapter,
+    adapter.type lora, adapter.lora.alpha; `blk.N.<tensor>.weight.lora_a` / `.lora_b`; lora_b's q and k rows
+    in llama.cpp's rotary order (each head's two halves interleaved); F32 or F16."""
+    import json
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config["lora_alpha"]))
+    for key, value in sorted(load_file(str(folder / "adapter_model.safetensors")).items()):
+        m = re.search(r"layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$", key)
+        assert m is not None, key
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        array = value.float().numpy()
+        if which == "B" and module in ("q_proj", "k_proj"):
+            n = heads if module == "q_proj" else kv_heads
+            rows = array.shape[0]
+            array = array.reshape(n, 2, rows // n // 2, array.shape[1]).swapaxes(1, 2).reshape(array.shape)
+        array = np.ascontiguousarray(array, dtype=np.float16 if half else np.float32)
+        writer.add_tensor(f"blk.{layer}.{LLAMA_CPP_NAMES[module]}.weight.lora_{which.lower()}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -19,6 +19,7 @@ import torch
 from mesh.adapters import NAME, NAME_RULE
 from mesh.errors import InvalidArgument, NotFound
 from services.engine.lora import Adapter, Shape, load_adapter
+from services.engine.lora_gguf import is_gguf_lora, load_gguf_adapter
 
 if TYPE_CHECKING:
     from services.engine.model_runner import ModelRunner
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 def shape_of(runner: ModelRunner) -> Shape:
     c = runner.config
     return Shape(c.num_layers, c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                 c.intermediate_size)
+                 c.intermediate_size, c.num_heads, c.num_kv_heads)
 
 
 # GEMM kinds that round the weights (below float32): the adapters' factors are then kept in float16 for the CPU
@@ -58,10 +59,13 @@ class AdapterPool:
         if not NAME.fullmatch(name):
             raise InvalidArgument(f"adapter name {name[:64]!r}: {NAME_RULE}")
         path = Path(folder)
-        if not path.is_dir():
-            raise InvalidArgument(f"lora_path {str(folder)[:256]!r} is not a folder on the engine's machine")
+        if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+            raise InvalidArgument(f"lora_path {str(folder)[:256]!r} is not a folder (or a .gguf file) on the engine's "
+                                  "machine")
         try:
-            adapter = load_adapter(name, path, self.shape, self.dtype)
+            gguf = is_gguf_lora(path)
+            adapter = load_gguf_adapter(name, gguf, self.shape, self.dtype) if gguf else \
+                load_adapter(name, path, self.shape, self.dtype)
         except (ValueError, OSError) as exc:
             raise InvalidArgument(f"adapter {name!r}: {exc}") from None
         with self._lock:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +42,8 @@ class Shape:
     q_out: int
     kv_out: int
     intermediate: int
+    heads: int = 0            # attention heads and KV heads (a GGUF file's q/k rows are in llama.cpp's order)
+    kv_heads: int = 0
 
     def dims(self, module: str) -> tuple[int, int]:
         """(in, out) of a module's projection."""
@@ -97,8 +100,21 @@ class Adapter:
 
 
 def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype = torch.float32) -> Adapter:
-    """A PEFT LoRA folder as an Adapter for a model of `shape`; ValueError naming what does not fit."""
+    """A PEFT LoRA folder as an Adapter for a model of `shape`; ValueError naming what does not fit (a GGUF LoRA
+    file: services/engine/lora_gguf.py)."""
     folder = Path(folder)
+    config, pairs, weights = _read_peft(folder, shape)
+    return build(name, weights_key(name, weights), config, pairs, shape, dtype, folder)
+
+
+def weights_key(name: str, weights: Path) -> str:
+    """Adapter.key: the name and the weights file (path, size, modification time)."""
+    stat = weights.stat()
+    return f"{name}|{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _read_peft(folder: Path, shape: Shape) -> tuple[dict[str, Any], dict[tuple[int, str], dict[str, torch.Tensor]],
+                                                    Path]:
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"{folder}: no adapter_config.json (a PEFT LoRA folder has one)")
@@ -108,9 +124,8 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
     if config.get("use_dora"):
         raise ValueError(f"{folder}: DoRA adapters are not supported")
     weights = _weights_file(folder)
-    tensors = _tensors(weights)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
+    for key, value in _tensors(weights).items():
         match = _KEY.search(key)
         if match is None:
             raise ValueError(f"{folder}: tensor {key!r} is not a LoRA factor of a layer's projection")
@@ -120,24 +135,29 @@ def load_adapter(name: str, folder: str | Path, shape: Shape, dtype: torch.dtype
         if layer >= shape.layers:
             raise ValueError(f"{folder}: layer {layer} is past the model's {shape.layers} layers")
         pairs.setdefault((layer, module), {})[which] = value
-    stat = weights.stat()
-    adapter = Adapter(name, int(config.get("r", 0)), f"{name}|{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}",
-                      [{} for _ in range(shape.layers)])
+    return config, pairs, weights
+
+
+def build(name: str, key: str, config: dict[str, Any], pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
+          shape: Shape, dtype: torch.dtype, source: Path) -> Adapter:
+    """An Adapter from each (layer, module)'s {"A": (r, in), "B": (out, r)} and its config (r, lora_alpha,
+    use_rslora, alpha_pattern): shapes checked, scales folded into B, each projection's modules merged."""
+    adapter = Adapter(name, int(config.get("r", 0)), key, [{} for _ in range(shape.layers)])
     # layer -> projection -> (A (r, in), B (out, r) scaled, first column in the projection's output) per module
     modules: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]] = [{} for _ in range(shape.layers)]
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{folder}: layer {layer} {module} has lora_{next(iter(ab))} without its pair")
+            raise ValueError(f"{source}: layer {layer} {module} has lora_{next(iter(ab))} without its pair")
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = shape.dims(module)
         rank = a.shape[0]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
-            raise ValueError(f"{folder}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+            raise ValueError(f"{source}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                              f"do not fit the model's ({fan_in} -> {fan_out}) projection: an adapter of another base")
         scale = _scale(config, module, rank)
         modules[layer].setdefault(PROJECTION[module], []).append((a.float(), b.float() * scale, shape.offset(module)))
     if not pairs:
-        raise ValueError(f"{folder}: the adapter has no LoRA factors")
+        raise ValueError(f"{source}: the adapter has no LoRA factors")
     for layer, projections in enumerate(modules):
         for projection, parts in projections.items():
             merged = _merged(parts, shape.width(projection), dtype)

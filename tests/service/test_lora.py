@@ -15,11 +15,14 @@ import pytest
 import torch
 
 from mesh.errors import InvalidArgument, NotFound
+from services.engine.adapters import shape_of
 from services.engine.engine import Engine
+from services.engine.lora import load_adapter
+from services.engine.lora_gguf import load_gguf_adapter
 from services.engine.model_runner import ModelRunner
 from services.engine.plan import decide
 from services.engine.request import SamplingParams
-from tests.lora_adapters import TARGETS, build_adapter
+from tests.lora_adapters import TARGETS, build_adapter, write_gguf_lora
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 TOKENS = 12
@@ -60,6 +63,34 @@ def test_an_adapter_answers_as_transformers_and_peft_and_mixes_with_others_in_a_
         reference = adapters[name][1] if name else base
         assert got == greedy(reference, tokenizer.encode(prompt)), (prompt, name)
     assert greedy(adapters["alpha"][1], tokenizer.encode(PROMPTS[0])) != greedy(base, tokenizer.encode(PROMPTS[0]))
+
+
+def test_a_gguf_lora_file_as_llama_cpp_writes_it_is_the_same_adapter(  # type: ignore[no-untyped-def]
+        runner: ModelRunner, hf, adapters, model_dir: Path, tmp_path: Path) -> None:
+    """alpha's PEFT folder written as llama.cpp's converter writes a GGUF LoRA (q/k rows permuted, F32 and F16):
+    read back, the same factors (F16: to its rounding), and the same greedy answers as transformers + peft."""
+    _, tokenizer = hf
+    config = runner.config
+    folder = adapters["alpha"][0]
+    peft_factors = load_adapter("alpha", folder, shape_of(runner)).layers
+    for half in (False, True):
+        file = write_gguf_lora(folder, tmp_path / f"alpha-{int(half)}.gguf", config.num_heads, config.num_kv_heads,
+                               half)
+        read = load_gguf_adapter("alpha", file, shape_of(runner)).layers
+        for layer, layer_gguf in zip(peft_factors, read, strict=True):
+            assert layer.keys() == layer_gguf.keys()
+            for p, f in layer.items():
+                tol = {"rtol": 2e-3, "atol": 1e-4} if half else {"rtol": 0, "atol": 0}
+                torch.testing.assert_close(layer_gguf[p].a, f.a, **tol)
+                torch.testing.assert_close(layer_gguf[p].b, f.b, **tol)
+    engine = Engine(runner)
+    engine.adapters.load("alpha-gguf", tmp_path / "alpha-0.gguf")
+    ids = tokenizer.encode(PROMPTS[1])
+    engine.add(engine.make_request("g", ids, SamplingParams(max_tokens=TOKENS), adapter="alpha-gguf"))
+    got = [t for o in engine.run_until_idle()["g"] for t in o.new_ids]
+    assert got == greedy(adapters["alpha"][1], ids)
+    with pytest.raises(InvalidArgument, match="not a LoRA adapter"):      # the base model's own GGUF
+        engine.adapters.load("base", model_dir / "model.gguf")
 
 
 def test_bad_adapters_are_refused_by_name_and_an_unloaded_one_is_not_found(  # type: ignore[no-untyped-def]

@@ -141,7 +141,7 @@ def load(folder: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> di
                             (t.shape[0], t.shape[-1]))
         if arch_name in _PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = num_heads if ".q_proj." in name else num_kv_heads
-            weight = _unpermute(weight, heads)
+            weight = unpermute(weight, heads)
         weights[name] = weight
     del mapped
     return weights
@@ -157,7 +157,7 @@ def _float_tensor(data: np.ndarray[Any, Any], qtype: Any, width: int) -> torch.T
     return _dequantize(np.asarray(data), qtype, width).flatten()       # BF16
 
 
-def _unpermute(weight: Weight, heads: int) -> Weight:
+def unpermute(weight: Weight, heads: int) -> Weight:
     """Rows back from llama.cpp's rotary order (each head's halves interleaved) to transformers'."""
     rows = weight.shape[0]
     half = rows // heads // 2
