@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     lsub.add_parser("list", help="the adapters, their base models and the replicas holding them")
     for p in (load, unload, lsub.choices["list"]):
         p.add_argument("--router", default="127.0.0.1:50051", help="the router's gRPC address")
+        p.add_argument("--key", default="", help="with keys configured: an admin key for load and unload (default "
+                       "$INFERMESH_ADMIN_KEY), an API key for list (default $INFERMESH_API_KEY)")
         p.add_argument("--tls-dir", default=None, help="mesh client certificate folder (\"\": plaintext); default: "
                        "$INFERMESH_MESH_TLS_DIR, else <infermesh home>/mesh-ca/client if present")
     lora.set_defaults(func=run)
@@ -54,14 +56,17 @@ def run(a: argparse.Namespace) -> int:
 
 
 async def _call(a: argparse.Namespace) -> list[LoraCard]:
+    import os
+
     from mesh.clients.router_client import RouterClient
 
+    key = a.key or os.environ.get("INFERMESH_API_KEY" if a.action == "list" else "INFERMESH_ADMIN_KEY", "")
     client = RouterClient(a.router)
     try:
         if a.action == "load":
-            return await client.load_lora_adapter(a.name, a.path, a.model, a.replica)
+            return await client.load_lora_adapter(a.name, a.path, a.model, a.replica, key=key)
         if a.action == "unload":
-            return await client.unload_lora_adapter(a.name)
-        return await client.lora_adapters()
+            return await client.unload_lora_adapter(a.name, key=key)
+        return await client.lora_adapters(key=key)
     finally:
         await client.close()

@@ -148,18 +148,21 @@ class RouterClient:
                                        tuple(served_version(v, a.path) for v in base.versions), parent=a.model))
         return cards
 
-    async def lora_adapters(self, timeout: float = 5.0) -> list[LoraCard]:
-        return _lora_cards(await self._stub.ListLoraAdapters(router_pb2.ListLoraAdaptersRequest(), timeout=timeout))
+    async def lora_adapters(self, timeout: float = 5.0, key: str = "") -> list[LoraCard]:
+        """`key`: an API key, when the router asks a native caller for one."""
+        return _lora_cards(await self._stub.ListLoraAdapters(router_pb2.ListLoraAdaptersRequest(), timeout=timeout,
+                                                             metadata=_bearer(key)))
 
     async def load_lora_adapter(self, name: str, path: str, model: str = "", replica: str = "",
-                                timeout: float = 300.0) -> list[LoraCard]:
-        """Load a PEFT folder as `name` on a replica of `model` (router LoadLoraAdapter); every adapter after."""
+                                timeout: float = 300.0, key: str = "") -> list[LoraCard]:
+        """Load a PEFT folder or GGUF LoRA file as `name` on a replica of `model` (router LoadLoraAdapter); every
+        adapter after.  `key`: an admin key, when the router has them and the caller is not the edge."""
         return _lora_cards(await self._stub.LoadLoraAdapter(router_pb2.LoadLoraAdapterRequest(
-            name=name, path=path, model=model, replica=replica), timeout=timeout))
+            name=name, path=path, model=model, replica=replica), timeout=timeout, metadata=_bearer(key)))
 
-    async def unload_lora_adapter(self, name: str, timeout: float = 300.0) -> list[LoraCard]:
+    async def unload_lora_adapter(self, name: str, timeout: float = 300.0, key: str = "") -> list[LoraCard]:
         return _lora_cards(await self._stub.UnloadLoraAdapter(router_pb2.UnloadLoraAdapterRequest(name=name),
-                                                              timeout=timeout))
+                                                              timeout=timeout, metadata=_bearer(key)))
 
     async def tokenize(self, spec: TokenizeSpec, timeout: float = 30.0) -> Tokens:
         request = router_pb2.TokenizeRequest(model=spec.model, add_special_tokens=spec.add_special_tokens,
@@ -215,6 +218,10 @@ class RouterClient:
                                                     shadow_share=shadow[1] if shadow else 0.0,
                                                     replace_shadow=shadow is not None)
         return _routing(await self._stub.SetModelRouting(request, timeout=timeout))
+
+
+def _bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 def _lora_cards(reply: router_pb2.LoraAdaptersResponse) -> list[LoraCard]:

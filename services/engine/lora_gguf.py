@@ -78,11 +78,12 @@ def read_gguf_lora(file: Path, shape: Shape) -> tuple[dict[str, Any], dict[tuple
 
 
 def _floats(tensor: Any, gguf: Any) -> np.ndarray:
-    """A tensor as float32 (rows, columns): F32 and F16 as stored, others by gguf-py's dequantization."""
+    """A tensor as float32 (rows, columns), in memory of its own: F32 and F16 as stored, others by gguf-py's
+    dequantization."""
     T = gguf.GGMLQuantizationType
     shape = tuple(int(n) for n in reversed(tensor.shape))          # ggml lists the row length first
     if tensor.tensor_type in (T.F32, T.F16):
-        return np.asarray(tensor.data, dtype=np.float32).reshape(shape)
+        return np.array(tensor.data, dtype=np.float32).reshape(shape)      # a copy: the file's map is read-only
     return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
 
 

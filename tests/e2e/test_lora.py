@@ -158,6 +158,12 @@ def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_
     assert resumed["text"] == long_reference["text"] and resumed["replica"] == "engine-0", resumed
     status, body = post(lora_mesh, "/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(alpha)})
     assert status == 200 and "engine-0" in body["replicas"], body
+    cli = subprocess.run([sys.executable, "-m", "infermesh.cli", "lora", "unload", "beta", "--router", lora_mesh.router,
+                          "--tls-dir", str(lora_mesh.tls_dir)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "INFERMESH_ADMIN_KEY": ADMIN_KEY})
+    assert cli.returncode == 0 and cli.stdout.startswith("beta: unloaded"), cli
+    with pytest.raises(openai.NotFoundError, match="beta"):
+        client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
     # Unloading frees the adapter's memory: a wide one (rank 128 on every projection) on engine-0.
     engine0 = engine_pid(0)
