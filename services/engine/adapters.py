@@ -18,7 +18,7 @@ import torch
 
 from mesh.adapters import NAME, NAME_RULE
 from mesh.errors import InvalidArgument, NotFound
-from services.engine.lora import Adapter, Shape, load_adapter
+from services.engine.lora import Adapter, Shape, load_adapter, weights_file, weights_key
 from services.engine.lora_gguf import is_gguf_lora, load_gguf_adapter
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ class AdapterPool:
         self._lock = threading.Lock()
 
     def load(self, name: str, folder: str | Path) -> Adapter:
-        """Read and register an adapter (replacing one of that name); InvalidArgument naming what is wrong."""
+        """Read and register an adapter (replacing one of that name, unless it was read from these very weights:
+        the same file, size and modification time); InvalidArgument naming what is wrong."""
         if not NAME.fullmatch(name):
             raise InvalidArgument(f"adapter name {name[:64]!r}: {NAME_RULE}")
         path = Path(folder)
@@ -64,6 +65,10 @@ class AdapterPool:
                                   "machine")
         try:
             gguf = is_gguf_lora(path)
+            with self._lock:                # the same weights loaded already (another router's load): kept
+                held = self.loaded.get(name)
+            if held is not None and held.key == weights_key(name, gguf or weights_file(path)):
+                return held
             adapter = load_gguf_adapter(name, gguf, self.shape, self.dtype) if gguf else \
                 load_adapter(name, path, self.shape, self.dtype)
         except (ValueError, OSError) as exc:

@@ -123,7 +123,7 @@ def _read_peft(folder: Path, shape: Shape) -> tuple[dict[str, Any], dict[tuple[i
         raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
     if config.get("use_dora"):
         raise ValueError(f"{folder}: DoRA adapters are not supported")
-    weights = _weights_file(folder)
+    weights = weights_file(folder)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in _tensors(weights).items():
         match = _KEY.search(key)
@@ -188,7 +188,7 @@ def _scale(config: dict[str, object], module: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _weights_file(folder: Path) -> Path:
+def weights_file(folder: Path) -> Path:
     for name in ("adapter_model.safetensors", "adapter_model.bin"):
         if (folder / name).is_file():
             return folder / name
