@@ -24,7 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     unload.add_argument("name")
     lsub.add_parser("list", help="the adapters, their base models and the replicas holding them")
     for p in (load, unload, lsub.choices["list"]):
-        p.add_argument("--router", default="127.0.0.1:50051", help="the router's gRPC address")
+        p.add_argument("--router", default="127.0.0.1:50051",
+                       help="the routers' gRPC addresses, comma-separated: a load or unload goes to each, as the "
+                            "edge's goes to every router (list: the first)")
         p.add_argument("--key", default="", help="with keys configured: an admin key for load and unload (default "
                        "$INFERMESH_ADMIN_KEY), an API key for list (default $INFERMESH_API_KEY)")
         p.add_argument("--tls-dir", default=None, help="mesh client certificate folder (\"\": plaintext); default: "
@@ -56,17 +58,37 @@ def run(a: argparse.Namespace) -> int:
 
 
 async def _call(a: argparse.Namespace) -> list[LoraCard]:
+    """The first router loads (or lists); every other one then learns the adapter on the replica it went to.
+    An unload goes to every router: NOT_FOUND only when none knew the adapter."""
     import os
+
+    import grpc
 
     from mesh.clients.router_client import RouterClient
 
     key = a.key or os.environ.get("INFERMESH_API_KEY" if a.action == "list" else "INFERMESH_ADMIN_KEY", "")
-    client = RouterClient(a.router)
+    clients = [RouterClient(address) for address in a.router.split(",") if address]
     try:
+        if a.action == "list":
+            return await clients[0].lora_adapters(key=key)
         if a.action == "load":
-            return await client.load_lora_adapter(a.name, a.path, a.model, a.replica, key=key)
-        if a.action == "unload":
-            return await client.unload_lora_adapter(a.name, key=key)
-        return await client.lora_adapters(key=key)
+            cards = await clients[0].load_lora_adapter(a.name, a.path, a.model, a.replica, key=key)
+            holder = next((c.replicas[0] for c in cards if c.name == a.name and c.replicas), a.replica)
+            for client in clients[1:]:
+                await client.load_lora_adapter(a.name, a.path, a.model, holder, key=key)
+            return cards
+        found: list[LoraCard] | None = None
+        missing: grpc.aio.AioRpcError | None = None
+        for client in clients:
+            try:
+                found = await client.unload_lora_adapter(a.name, key=key)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                missing = err
+        if found is None and missing is not None:
+            raise missing
+        return found or []
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()

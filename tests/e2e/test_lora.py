@@ -1,11 +1,12 @@
 """End to end, issue 36: LoRA adapters loaded while serving, through the edge's vLLM-shaped API.
 
-`infermesh up --engines 2 --dtype float32 --no-restart` with an admin key.  Two PEFT adapters built on the default
-model (nonzero B) are loaded at run time on engine-1: each answers greedily as transformers + peft does, and the
-base model and both adapters asked at once on engine-1 each give their own model's tokens; /v1/models lists them
-with their base as `parent`.  A stream for an adapter held by engine-1 goes there; after `kill -9` of engine-1 the
-router loads the adapter on engine-0 and the stream resumes with the text it would have had.  An adapter unloaded
-frees its memory (engine-0's RSS back within 5%) and later requests are 404; bad input is 400/404 naming it.
+`infermesh up --engines 2 --routers 2 --dtype float32 --no-restart` with an admin key.  Two PEFT adapters built
+on the default model (nonzero B) are loaded at run time on engine-1: each answers greedily as transformers + peft
+does, and the base model and both adapters asked at once on engine-1 each give their own model's tokens;
+/v1/models lists them with their base as `parent`, and both routers know them.  A stream for an adapter held by
+engine-1 goes there; after `kill -9` of engine-1 the router loads the adapter on engine-0 and the stream resumes
+with the text it would have had.  `infermesh lora` lists and unloads (on both routers).  An adapter unloaded frees
+its memory (engine-0's RSS back within 5%) and later requests are 404; bad input is 400/404 naming it.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def folders(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
 @pytest.fixture(scope="module")
 def lora_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     log = tmp_path_factory.mktemp("lora") / "infermesh-up.log"
-    with running_mesh(["--engines", "2", "--dtype", "float32", "--kv-cache-mb", "128", "--no-restart"], PORTS, log,
-                      env={"INFERMESH_ADMIN_KEYS": ADMIN_KEY}) as m:
+    args = ["--engines", "2", "--routers", "2", "--dtype", "float32", "--kv-cache-mb", "128", "--no-restart"]
+    with running_mesh(args, PORTS, log, env={"INFERMESH_ADMIN_KEYS": ADMIN_KEY}) as m:
         yield m
 
 
@@ -108,6 +109,11 @@ def rss_mib(pid: int) -> float:
 
 def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_unload(
         lora_mesh: Mesh, folders: dict[str, tuple[Path, Any]], hf: Any) -> None:
+    def lora_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "infermesh.cli", "lora", *args, "--tls-dir",
+                               str(lora_mesh.tls_dir)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "INFERMESH_ADMIN_KEY": ADMIN_KEY})
+
     client = openai.OpenAI(base_url=f"{lora_mesh.http}/v1", api_key="unused", max_retries=0, timeout=600)
     alpha, beta = folders["alpha"][0], folders["beta"][0]
 
@@ -126,8 +132,7 @@ def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_
         status, body = post(lora_mesh, "/v1/load_lora_adapter",
                             {"lora_name": name, "lora_path": str(folder), "replica": "engine-1"})
         assert status == 200 and body["replicas"] == ["engine-1"] and body["model"] == MODEL, body
-    cli = subprocess.run([sys.executable, "-m", "infermesh.cli", "lora", "list", "--router", lora_mesh.router,
-                          "--tls-dir", str(lora_mesh.tls_dir)], capture_output=True, text=True, timeout=60)
+    cli = lora_cli("list", "--router", lora_mesh.router)
     assert cli.returncode == 0 and re.search(rf"^alpha\s+{MODEL}\s+engine-1\s+{alpha}$", cli.stdout, re.M), cli
     listed = {m.id: m.model_extra for m in client.models.list().data}
     assert listed["alpha"]["parent"] == MODEL and listed["beta"]["parent"] == MODEL and listed[MODEL]["parent"] is None
@@ -158,10 +163,13 @@ def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_
     assert resumed["text"] == long_reference["text"] and resumed["replica"] == "engine-0", resumed
     status, body = post(lora_mesh, "/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(alpha)})
     assert status == 200 and "engine-0" in body["replicas"], body
-    cli = subprocess.run([sys.executable, "-m", "infermesh.cli", "lora", "unload", "beta", "--router", lora_mesh.router,
-                          "--tls-dir", str(lora_mesh.tls_dir)], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "INFERMESH_ADMIN_KEY": ADMIN_KEY})
+    # Every router learnt both adapters from the edge's load (router-1 too: it would load them elsewhere); an
+    # unload through `infermesh lora` goes to both routers.
+    routers = f"{lora_mesh.router},127.0.0.1:{50031 + PORTS}"
+    assert "beta " in lora_cli("list", "--router", routers.split(",")[1]).stdout
+    cli = lora_cli("unload", "beta", "--router", routers)
     assert cli.returncode == 0 and cli.stdout.startswith("beta: unloaded"), cli
+    assert "beta " not in lora_cli("list", "--router", routers.split(",")[1]).stdout
     with pytest.raises(openai.NotFoundError, match="beta"):
         client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
