@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from pathlib import PurePath
 from typing import NamedTuple
 
 import grpc
@@ -69,14 +70,20 @@ class LoraAdapters:
         return [*held, *(r for r in pool if r.model != model)] if held else pool
 
     async def ensure(self, lora: Lora, replica: Replica, timeout: float | None) -> None:
-        """`replica` holds the adapter once this returns (MeshError from the engine otherwise)."""
-        if lora.name in replica.adapters:
+        """`replica` holds the adapter, read from its folder, once this returns (MeshError from the engine
+        otherwise); one of that name read from another folder is replaced."""
+        if replica.adapters.get(lora.name) == lora.path:
             return
         key = (replica.replica_id, lora.name)
         task = self._loading.get(key)
         if task is None:
             task = self._loading[key] = asyncio.create_task(self._load(lora, replica))
-            task.add_done_callback(lambda _: self._loading.pop(key, None))
+
+            def done(finished: asyncio.Task[None]) -> None:
+                self._loading.pop(key, None)
+                if not finished.cancelled():
+                    finished.exception()            # retrieved: its waiters may all have timed out
+            task.add_done_callback(done)
         await asyncio.wait_for(asyncio.shield(task), timeout)
 
     async def _load(self, lora: Lora, replica: Replica) -> None:
@@ -95,6 +102,7 @@ class LoraAdapters:
             raise InvalidArgument(f"lora_name {name[:64]!r}: {NAME_RULE}")
         if not path:
             raise InvalidArgument("lora_path is empty: give the adapter's folder on the engines' machines")
+        path = str(PurePath(path))            # as the engines report it (a trailing slash dropped)
         if name in self.table.models():
             raise InvalidArgument(f"lora_name {name!r} is the name of a served model; choose another")
         held = self.find(name)
@@ -108,7 +116,8 @@ class LoraAdapters:
                 raise NotFound(f"replica {replica_id!r} is not a healthy replica of {model!r}")
         if not replicas:
             raise NotFound(f"model {model!r} has no healthy replica to load the adapter on")
-        replica = min(replicas, key=lambda r: (name not in r.adapters, len(r.adapters), r.in_flight, r.replica_id))
+        replica = min(replicas, key=lambda r: (r.adapters.get(name) != path, len(r.adapters), r.in_flight,
+                                                r.replica_id))
         lora = Lora(name, model, path)
         await self.ensure(lora, replica, LOAD_TIMEOUT_S)
         self.registered[name] = lora
