@@ -42,6 +42,8 @@ PART_LINES = 32
 PERSIST_S = 1.0
 LEASE_S = 30.0
 SCAN_S = 10.0
+FINISH_RETRY_S = 60.0                  # a batch's finish tried again every FINISH_INTERVAL_S while the store is down
+FINISH_INTERVAL_S = 1.0
 TTL_S = 30 * 86400.0
 RETRIED = (408, 429, 502, 503, 504)
 SERVER_ERROR_TRIES = 3
@@ -171,7 +173,7 @@ class BatchRunner:
                     for worker in workers:
                         worker.cancel()
                     await asyncio.gather(writer, *workers, return_exceptions=True)
-            await progress.finish(lines)
+            await self._finish(progress, lines)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(progress.write(release=True))
@@ -180,6 +182,21 @@ class BatchRunner:
             log.exception("batch %s failed", bid)
             with contextlib.suppress(Exception):
                 await progress.write(release=True)
+
+    async def _finish(self, progress: Progress, lines: list[Line]) -> None:
+        """progress.finish, tried again every FINISH_INTERVAL_S for up to FINISH_RETRY_S while the object store is
+        unreachable (the cache service restarting): the results are in memory, and giving up would leave the batch
+        to wait for its lease to run out and another scan."""
+        deadline = time.monotonic() + FINISH_RETRY_S
+        while True:
+            try:
+                await progress.finish(lines)
+                return
+            except ApiError as exc:
+                if exc.status != 503 or time.monotonic() > deadline:
+                    raise
+                log.warning("batch %s: not finished yet (%s); trying again", progress.record["id"], exc.message)
+                await asyncio.sleep(FINISH_INTERVAL_S)
 
     async def _work(self, caller: AuthenticatedCaller, lines: list[Line], pending: deque[int], progress: Progress,
                     stop: asyncio.Event) -> None:

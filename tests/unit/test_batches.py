@@ -16,6 +16,7 @@ import pytest
 
 from services.edge import batch_runner
 from services.edge.batch_runner import BatchRunner
+from services.edge.errors import ApiError
 from services.edge.files_api import FileStore
 from services.edge.stored import StoredObjects
 from services.edge.tenants import STANDARD, AuthenticatedCaller, TenantTier
@@ -217,3 +218,36 @@ async def test_another_edge_takes_over_a_batch_whose_lease_ran_out_and_retries_a
     assert out is not None and [json.loads(x)["custom_id"] for x in out.decode().splitlines()] == ["req-0", "req-1",
                                                                                                    "req-2"]
     assert await stored.get("t", "batch", "batch_taken.r0") is None          # the parts go once the files are out
+
+
+@sync
+async def test_a_batch_whose_store_is_down_when_it_ends_finishes_once_the_store_is_back(monkeypatch: Any) -> None:
+    """The cache service restarting just as the last line is answered: the finish is tried again (the results are
+    in memory) instead of the batch waiting for its lease to run out and another scan."""
+    monkeypatch.setattr(batch_runner, "FINISH_INTERVAL_S", 0.01)
+
+    class Restarting(StoredObjects):
+        down = 0                                     # puts refused from now on, as while the service restarts
+
+        async def put(self, tenant: str, kind: str, oid: str, value: bytes, ttl_s: float = 0) -> None:
+            if self.down and kind == "file":
+                self.down -= 1
+                raise ApiError(503, "the object store is unreachable (UNAVAILABLE); retry shortly")
+            await super().put(tenant, kind, oid, value, ttl_s or 3600)
+
+    stored = Restarting()
+    files = FileStore(stored)
+    fid = (await files.save("t", "in.jsonl", "batch", lines(3)))["id"]
+
+    async def call(caller: AuthenticatedCaller, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], int]:
+        stored.down = 3                              # the output file's writes fail three times
+        return 200, {"id": "chatcmpl-x"}, 0
+
+    runner = BatchRunner(stored, files, call, lambda run: CALLER, "edge-a", 2)
+    record = record_of(fid, 3, runner.owner, time.time() + 60)
+    await runner.put("t", record)
+    runner.launch("t", record)
+    await asyncio.wait_for(asyncio.gather(*runner.running.values()), 10)
+    done = await runner.record("t", "batch_taken")
+    assert done is not None and done["status"] == "completed" and stored.down == 0
+    assert done["output_file_id"] and await files.content("t", done["output_file_id"]) is not None
