@@ -65,3 +65,31 @@ def write_gguf_lora(folder: Path, out: Path, heads: int, kv_heads: int, half: bo
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def random_adapter(base_config: Any, folder: Path, seed: int, rank: int) -> Path:
+    """A PEFT folder of random factors on every projection, written directly (no peft model built): for tests
+    that need an adapter's size, not a reference answer."""
+    import json
+
+    from safetensors.torch import save_file
+
+    c = base_config
+    head_dim = c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    dims = {"self_attn.q_proj": (c.hidden_size, q), "self_attn.k_proj": (c.hidden_size, kv),
+            "self_attn.v_proj": (c.hidden_size, kv), "self_attn.o_proj": (q, c.hidden_size),
+            "mlp.gate_proj": (c.hidden_size, c.intermediate_size), "mlp.up_proj": (c.hidden_size, c.intermediate_size),
+            "mlp.down_proj": (c.intermediate_size, c.hidden_size)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_hidden_layers):
+        for module, (fan_in, fan_out) in dims.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                            "target_modules": TARGETS}))
+    return folder

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import OFFSET, Mesh, running_mesh
-from tests.lora_adapters import TARGETS, build_adapter
+from tests.lora_adapters import TARGETS, build_adapter, random_adapter
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +47,7 @@ def folders(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
     root = tmp_path_factory.mktemp("lora-e2e")
     return {"alpha": (root / "alpha", build_adapter(base, root / "alpha", 11, 8, TARGETS)),
             "beta": (root / "beta", build_adapter(base, root / "beta", 12, 4, ["q_proj", "v_proj", "down_proj"])),
-            "wide": (root / "wide", build_adapter(base, root / "wide", 13, 128, TARGETS))}
+            "wide": (root / "wide", random_adapter(base.config, root / "wide", 13, 128))}
 
 
 @pytest.fixture(scope="module")
