@@ -237,16 +237,18 @@ def apply(out: torch.Tensor, h: torch.Tensor, layer: int, projection: str, rows:
 
 def grouped(adapters: Sequence[Adapter | None], device: torch.device, kernel: bool = False) -> LoraRows | None:
     """The step's rows by adapter (`adapters[i]` is row i's; None: the base model), or None when no row has one;
-    `kernel`: with the CPU kernel's tables (float32 factors on the CPU)."""
-    by_name: dict[str, tuple[Adapter, list[int]]] = {}
+    `kernel`: with the CPU kernel's tables (float32 or float16 factors on the CPU).  Grouped by the adapter object,
+    not its name: a request that began on a name's earlier weights (unloaded, then loaded again from others)
+    keeps them."""
+    by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
     for i, adapter in enumerate(adapters):
         if adapter is not None:
-            by_name.setdefault(adapter.name, (adapter, []))[1].append(i)
-    if not by_name:
+            by_adapter.setdefault(id(adapter), (adapter, []))[1].append(i)
+    if not by_adapter:
         return None
     order: list[int] = []
     spans = []
-    for adapter, rows in by_name.values():
+    for adapter, rows in by_adapter.values():
         spans.append((adapter, len(order), len(order) + len(rows)))
         order += rows
     index = torch.tensor(order, dtype=torch.long, device=device)

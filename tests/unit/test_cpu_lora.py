@@ -79,3 +79,17 @@ def test_bad_tables_are_refused_by_name() -> None:
     table[0, 7:11] = torch.tensor([0, 4, 0, 9])
     with pytest.raises(RuntimeError, match="outside its rank"):
         torch.ops.infermesh.lora_apply(out, h, rows, table)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_two_adapters_of_one_name_keep_their_own_factors(kernel: bool) -> None:
+    """A name unloaded and loaded again from other weights while requests on the first still run: one step holds
+    both, and each row gets its own adapter's update."""
+    old, new = adapter("a", 8, PROJECTIONS, 1, torch.float32), adapter("a", 8, PROJECTIONS, 2, torch.float32)
+    rows = grouped([old, new], torch.device("cpu"), kernel=kernel)
+    assert rows is not None
+    h = torch.randn(2, FAN_IN["o"], generator=torch.Generator().manual_seed(7))
+    got = apply(torch.zeros(2, WIDTH["o"]), h, 0, "o", rows)
+    for i, a in enumerate((old, new)):
+        f = a.layers[0]["o"]
+        torch.testing.assert_close(got[i], h[i] @ f.a @ f.b, rtol=1e-4, atol=1e-4)
