@@ -104,10 +104,10 @@ class AdapterPool:
         with self._lock:
             return sorted(self.folders)
 
-    def paths(self) -> list[str]:
-        """The folders of `names()`, in its order."""
+    def held(self) -> dict[str, str]:
+        """Each adapter's folder, by name (sorted), read at once: a load report's names and folders agree."""
         with self._lock:
-            return [str(self.folders[name]) for name in sorted(self.folders)]
+            return {name: str(self.folders[name]) for name in sorted(self.folders)}
 
     @property
     def nbytes(self) -> int:

@@ -280,6 +280,7 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
         def pct(p: float) -> float:
             return 1000.0 * latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else 0.0
 
+        held = self.engine.adapters.held()
         return common_pb2.LoadReport(
             replica_id=self.config.replica_id,
             running=self.engine.num_running,
@@ -293,8 +294,8 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
             unix_ms=int(time.time() * 1000),
             tenants=[common_pb2.TenantLoad(tenant=t.tenant, running=t.running, waiting=t.waiting, tokens=t.tokens)
                      for t in self.engine.stats.tenants[:16]],
-            adapters=self.engine.adapters.names(),
-            adapter_paths=self.engine.adapters.paths(),
+            adapters=list(held),
+            adapter_paths=list(held.values()),
         )
 
     @rpc_errors
