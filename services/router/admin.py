@@ -55,8 +55,8 @@ class Admin:
 
     def resolve(self, model: str) -> str:
         """`name`, `name@version`, "" or a LoRA adapter's name -> the served model's name (NotFound otherwise)."""
-        lora = self.lora.find(model) if self.lora is not None and model not in self.table.models() else None
-        return resolve_model(lora.model if lora else model, "", self.default_model, self.table.models())[0]
+        named = self.lora.resolve(model)[0] if self.lora is not None else model
+        return resolve_model(named, "", self.default_model, self.table.models())[0]
 
     def max_context(self, model: str) -> int:
         """The longest context among `model`'s replicas (0 while none is known)."""

@@ -63,10 +63,9 @@ class Dispatcher:
         """The whole request; `incoming`: its chat messages; `admit`, when given, is handed the prompt's
         token count once it is tokenized, before any engine call, and may refuse (raise MeshError).
         Raises MeshError (Saturated when no replica of the model's chain can take it)."""
-        name = request.model.partition("@")[0]      # a LoRA adapter's name: its base model, with the adapter
-        lora = self.lora.find(name) if name not in self.table.models() else None
-        model, pinned_version = resolve_model(lora.model + request.model[len(name):] if lora else request.model,
-                                              request.model_version, self.config.default_model, self.table.models())
+        named, lora = self.lora.resolve(request.model)      # a LoRA adapter's name: its base model, with it
+        model, pinned_version = resolve_model(named, request.model_version, self.config.default_model,
+                                              self.table.models())
         # Everything kept per conversation is the caller's own: keyed by tenant and session id.
         key = session_key(request.tenant, request.session_id)
         chat = request.WhichOneof("input") == "chat"

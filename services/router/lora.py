@@ -55,6 +55,13 @@ class LoraAdapters:
                 return Lora(name, r.model, r.adapters[name])
         return None
 
+    def resolve(self, model: str) -> tuple[str, Lora | None]:
+        """A request's `model` (`name` or `name@version`) with an adapter's name replaced by its base model's,
+        and that adapter (None when the name is a served model's, or no adapter's)."""
+        name = model.partition("@")[0]
+        lora = self.find(name) if name not in self.table.models() else None
+        return (lora.model + model[len(name):], lora) if lora is not None else (model, None)
+
     def known(self) -> list[tuple[Lora, list[str]]]:
         """Every adapter known here, by name, with the replicas holding it."""
         names = set(self.registered) | {n for r in self.table.all() for n in r.adapters}

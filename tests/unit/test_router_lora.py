@@ -34,6 +34,8 @@ def test_an_adapter_is_known_when_loaded_here_or_reported_by_an_engine() -> None
     assert lora.find("alpha") == Lora("alpha", "base", "/lora/alpha")
     assert lora.find("beta") == Lora("beta", "base", "/lora/beta")          # another router loaded it
     assert lora.find("gamma") is None and lora.find("") is None
+    assert lora.resolve("alpha@2") == ("base@2", Lora("alpha", "base", "/lora/alpha"))
+    assert lora.resolve("base") == ("base", None) and lora.resolve("gamma") == ("gamma", None)
     assert lora.known() == [(Lora("alpha", "base", "/lora/alpha"), []), (Lora("beta", "base", "/lora/beta"), ["e1"])]
 
 
