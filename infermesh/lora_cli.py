@@ -58,37 +58,19 @@ def run(a: argparse.Namespace) -> int:
 
 
 async def _call(a: argparse.Namespace) -> list[LoraCard]:
-    """The first router loads (or lists); every other one then learns the adapter on the replica it went to.
-    An unload goes to every router: NOT_FOUND only when none knew the adapter."""
+    """Through the edge's RouterPool over the routers given: a load on one, then every other learns it; an unload
+    on each."""
     import os
 
-    import grpc
-
-    from mesh.clients.router_client import RouterClient
+    from mesh.clients.router_pool import RouterPool
 
     key = a.key or os.environ.get("INFERMESH_API_KEY" if a.action == "list" else "INFERMESH_ADMIN_KEY", "")
-    clients = [RouterClient(address) for address in a.router.split(",") if address]
+    pool = RouterPool([address for address in a.router.split(",") if address])
     try:
         if a.action == "list":
-            return await clients[0].lora_adapters(key=key)
+            return await pool.lora_adapters(key=key)
         if a.action == "load":
-            cards = await clients[0].load_lora_adapter(a.name, a.path, a.model, a.replica, key=key)
-            holder = next((c.replicas[0] for c in cards if c.name == a.name and c.replicas), a.replica)
-            for client in clients[1:]:
-                await client.load_lora_adapter(a.name, a.path, a.model, holder, key=key)
-            return cards
-        found: list[LoraCard] | None = None
-        missing: grpc.aio.AioRpcError | None = None
-        for client in clients:
-            try:
-                found = await client.unload_lora_adapter(a.name, key=key)
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                missing = err
-        if found is None and missing is not None:
-            raise missing
-        return found or []
+            return await pool.load_lora_adapter(a.name, a.path, a.model, a.replica, key=key)
+        return await pool.unload_lora_adapter(a.name, key=key)
     finally:
-        for client in clients:
-            await client.close()
+        await pool.close()

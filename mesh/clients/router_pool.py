@@ -237,22 +237,29 @@ class RouterPool:
             await self.set_model_routing(model, version)
         return loaded
 
-    async def lora_adapters(self) -> list[LoraCard]:
-        result: list[LoraCard] = await self._first(lambda c: c.lora_adapters())
+    async def lora_adapters(self, key: str = "") -> list[LoraCard]:
+        """`key`, on these three: an API or admin key for a caller other than the edge (`infermesh lora`)."""
+        result: list[LoraCard] = await self._first(lambda c: c.lora_adapters(key=key))
         return result
 
-    async def load_lora_adapter(self, name: str, path: str, model: str = "", replica: str = "") -> list[LoraCard]:
+    async def load_lora_adapter(self, name: str, path: str, model: str = "", replica: str = "", key: str = ""
+                                ) -> list[LoraCard]:
         """One router loads the adapter on a replica; then every router knows it (to load it elsewhere later)."""
-        cards: list[LoraCard] = await self._first(lambda c: c.load_lora_adapter(name, path, model, replica))
+        cards: list[LoraCard] = await self._first(lambda c: c.load_lora_adapter(name, path, model, replica, key=key))
         holder = next((c.replicas[0] for c in cards if c.name == name and c.replicas), replica)
-        await self._everywhere(lambda c: c.load_lora_adapter(name, path, model, holder))
+        await self._everywhere(lambda c: c.load_lora_adapter(name, path, model, holder, key=key))
         return cards
 
-    async def unload_lora_adapter(self, name: str) -> list[LoraCard]:
+    async def unload_lora_adapter(self, name: str, key: str = "") -> list[LoraCard]:
         """Every router forgets the adapter and unloads it from the replicas it knows hold it; NOT_FOUND when
-        no router knew it."""
-        replies = await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in list(self._routers.values())),
+        no router knew it, and another refusal as it is."""
+        routers = list(self._routers.values())
+        replies = await asyncio.gather(*(r.client.unload_lora_adapter(name, key=key) for r in routers),
                                        return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, grpc.aio.AioRpcError) and not router_failed(reply) \
+                    and reply.code() != grpc.StatusCode.NOT_FOUND:
+                raise reply
         done: list[list[LoraCard]] = [r for r in replies if not isinstance(r, BaseException)]
         if not done:
             raise next(r for r in replies if isinstance(r, BaseException))
