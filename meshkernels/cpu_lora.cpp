@@ -24,6 +24,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -98,14 +99,20 @@ void rows_times_a(const float* const* x, const W* a, int64_t in, int64_t rank, f
     for (int v = 0; v < NV; ++v) vstore(dst + q * ld + v * kLanes, acc[q][v]);
 }
 
+// f(std::integral_constant<int, nr>{}) for nr rows (1..kRowGroup): the register blocks' row count as a constant.
+template <typename F>
+void with_rows(int nr, F f) {
+  switch (nr) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
 template <int NV, typename W>
 void rows_times_a(int nr, const float* const* x, const W* a, int64_t in, int64_t rank, float* dst, int64_t ld) {
-  switch (nr) {
-    case 4: rows_times_a<4, NV>(x, a, in, rank, dst, ld); break;
-    case 3: rows_times_a<3, NV>(x, a, in, rank, dst, ld); break;
-    case 2: rows_times_a<2, NV>(x, a, in, rank, dst, ld); break;
-    default: rows_times_a<1, NV>(x, a, in, rank, dst, ld);
-  }
+  with_rows(nr, [&](auto rows) { rows_times_a<decltype(rows)::value, NV>(x, a, in, rank, dst, ld); });
 }
 
 // Stage 1 for one task: rows r0..r0+nr of one adapter, ranks j0..j0+nj.
@@ -170,12 +177,7 @@ void rows_times_b(float* const* o, const float* const* t, const W* b, int64_t wi
 template <typename W>
 void rows_times_b(float* const* o, const float* const* t, int nr, const W* b, int64_t width, int64_t j0, int64_t j1,
                   int64_t lo, int64_t hi) {
-  switch (nr) {
-    case 4: rows_times_b<4>(o, t, b, width, j0, j1, lo, hi); break;
-    case 3: rows_times_b<3>(o, t, b, width, j0, j1, lo, hi); break;
-    case 2: rows_times_b<2>(o, t, b, width, j0, j1, lo, hi); break;
-    default: rows_times_b<1>(o, t, b, width, j0, j1, lo, hi);
-  }
+  with_rows(nr, [&](auto rows) { rows_times_b<decltype(rows)::value>(o, t, b, width, j0, j1, lo, hi); });
 }
 
 void lora_apply(const Tensor& out, const Tensor& h, const Tensor& rows, const Tensor& table) {
