@@ -30,6 +30,10 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PROJECTION = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
               "up_proj": "gate_up", "down_proj": "down"}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The CPU kernel's table (meshkernels/cpu_lora.cpp): per adapter, its rows' span then ENTRY values (A's and B's
+# addresses, rank, blocks, float16, then KERNEL_BLOCKS blocks of 4): 2 + ENTRY = 19 columns.
+KERNEL_BLOCKS = 3
+ENTRY = 5 + 4 * KERNEL_BLOCKS
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -77,7 +81,7 @@ class Factors:
         float16 or not, the blocks."""
         flat = [v for block in self.blocks for v in block]
         return [self.a.data_ptr(), self.b.data_ptr(), self.a.shape[1], len(self.blocks),
-                int(self.a.dtype == torch.float16), *flat, *[0] * (12 - len(flat))]
+                int(self.a.dtype == torch.float16), *flat, *[0] * (4 * KERNEL_BLOCKS - len(flat))]
 
 
 @dataclass
@@ -92,9 +96,9 @@ class Adapter:
     _entries: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def entries(self) -> torch.Tensor:
-        """(layers, 4, 17) int64: every projection's kernel entry (all zeros where the adapter has none)."""
+        """(layers, 4, ENTRY) int64: every projection's kernel entry (all zeros where the adapter has none)."""
         if self._entries is None:
-            self._entries = torch.tensor([[f.entry() if (f := layer.get(p)) is not None else [0] * 17
+            self._entries = torch.tensor([[f.entry() if (f := layer.get(p)) is not None else [0] * ENTRY
                                            for p in PROJECTIONS] for layer in self.layers], dtype=torch.long)
         return self._entries
 
@@ -254,7 +258,7 @@ def grouped(adapters: Sequence[Adapter | None], device: torch.device, kernel: bo
     index = torch.tensor(order, dtype=torch.long, device=device)
     if not kernel or device.type != "cpu" or any(_dtype(a) not in (torch.float32, torch.float16) for a, _, _ in spans):
         return LoraRows(index, tuple(spans))
-    entries = torch.stack([a.entries() for a, _, _ in spans], dim=2)                # (layers, 4, adapters, 17)
+    entries = torch.stack([a.entries() for a, _, _ in spans], dim=2)             # (layers, 4, adapters, ENTRY)
     bounds = torch.tensor([[start, end] for _, start, end in spans], dtype=torch.long)
     tables = torch.cat([bounds.expand(*entries.shape[:2], -1, -1), entries], dim=3).contiguous()
     return LoraRows(index, tuple(spans), tables)
