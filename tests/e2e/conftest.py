@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,23 @@ class Mesh:
 # twice, and says so on stderr.
 RESOURCE_FAILURES = ("pthread_create failed", "wakeup_fd_->Wakeup().ok()")
 STARTS = 3
+
+
+def process_pid(pattern: str) -> int:
+    """The one process whose command line holds `pattern` (pgrep -f): a mesh's service, to kill or measure."""
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, f"expected one process for {pattern!r}, found {out}"
+    return int(out[0])
+
+
+def engine_pid(index: int, offset: int) -> int:
+    """engine-`index` of the mesh `infermesh up --port-offset offset` started."""
+    return process_pid(f"services.engine --replica-id engine-{index} --port {50060 + index + offset}")
+
+
+def rss_mib(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+)", text, re.M).group(1)) / 1024   # type: ignore[union-attr]
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ import openai
 import pytest
 
 from bench.batch_api import batch_file, compare, report, start_batch, under_way, wait_batch
-from tests.e2e.conftest import OFFSET, Mesh, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, process_pid, running_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -91,20 +90,14 @@ def start_and_finish(client: openai.OpenAI) -> Any:
     return wait_batch(client, batch.id, 120)
 
 
-def pid(command: str, port: int) -> int:
-    pattern = f"{command} {port + PORTS}"
-    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    assert len(pids) == 1, pids
-    return int(pids[0])
-
-
 def test_a_batch_outlives_its_edge_and_its_cache_service(batch_mesh: Mesh, client: openai.OpenAI) -> None:
     batch = start_batch(client, 30, "killed", line_tokens=32)
     deadline = time.monotonic() + 120
     while client.batches.retrieve(batch.id).request_counts.completed < 5:      # type: ignore[union-attr]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    os.kill(pid("services.edge --replica-id edge-0 --host 127.0.0.1 --http-port", 8000), signal.SIGKILL)
+    edge = process_pid(f"services.edge --replica-id edge-0 --host 127.0.0.1 --http-port {8000 + PORTS}")
+    os.kill(edge, signal.SIGKILL)
     cache_killed = False
     deadline = time.monotonic() + 180
     while True:
@@ -115,7 +108,7 @@ def test_a_batch_outlives_its_edge_and_its_cache_service(batch_mesh: Mesh, clien
             if not cache_killed and done.request_counts.completed >= 15:          # type: ignore[union-attr]
                 # Then the cache service that holds the batch's state: the edge keeps its results and
                 # writes them once the launcher has restarted it.
-                os.kill(pid("services.cache --replica-id cache-0 --port", 50053), signal.SIGKILL)
+                os.kill(process_pid(f"services.cache --replica-id cache-0 --port {50053 + PORTS}"), signal.SIGKILL)
                 cache_killed = True
         except (openai.APIConnectionError, openai.InternalServerError):
             pass                                      # the edge or the cache service is restarting

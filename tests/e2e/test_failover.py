@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
@@ -21,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import OFFSET, Mesh, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, engine_pid, running_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -42,13 +41,6 @@ def chaos_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 @pytest.fixture(scope="module")
 def client(chaos_mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{chaos_mesh.http}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def engine_pid(index: int) -> int:
-    pattern = f"services.engine --replica-id engine-{index} --port {50060 + index + PORTS}"
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    assert len(out) == 1, f"expected one process for {pattern!r}, found {out}"
-    return int(out[0])
 
 
 def in_flight(replica: str) -> float:
@@ -103,7 +95,7 @@ def fault_free(client: openai.OpenAI) -> list[dict[str, Any]]:
 
 def test_sigstopped_engine_streams_move_and_new_requests_avoid_it(client: openai.OpenAI,
                                                                   fault_free: list[dict[str, Any]]) -> None:
-    pid = engine_pid(1)
+    pid = engine_pid(1, PORTS)
     stopped = threading.Event()
 
     def stop() -> None:
@@ -134,7 +126,7 @@ def test_sigstopped_engine_streams_move_and_new_requests_avoid_it(client: openai
 
 
 def test_killed_engine_mid_stream_loses_nothing(client: openai.OpenAI, fault_free: list[dict[str, Any]]) -> None:
-    pid = engine_pid(1)
+    pid = engine_pid(1, PORTS)
     results = run_all(client, lambda: os.kill(pid, signal.SIGKILL))
     assert [r["text"] for r in results] == [r["text"] for r in fault_free]
     assert all(r["finish"] == "length" and r["tokens"] == TOKENS for r in results)

@@ -11,9 +11,7 @@ released and each engine's memory is back within 10% of what it was with one ver
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +23,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import OFFSET, Mesh, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, engine_pid, rss_mib, running_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -67,18 +65,7 @@ def swap_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 def engine_pids() -> list[int]:
-    pids = []
-    for i in range(2):
-        out = subprocess.run(["pgrep", "-f", f"services.engine --replica-id engine-{i} --port {50060 + i + PORTS}"],
-                             capture_output=True, text=True).stdout.split()
-        assert len(out) == 1, out
-        pids.append(int(out[0]))
-    return pids
-
-
-def rss_mib(pid: int) -> float:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+)", text, re.M).group(1)) / 1024   # type: ignore[union-attr]
+    return [engine_pid(i, PORTS) for i in range(2)]
 
 
 def stream(client: openai.OpenAI, prompt: str, progress: list[int], slot: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.conftest import OFFSET, Mesh, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, engine_pid, rss_mib, running_mesh
 from tests.lora_adapters import TARGETS, build_adapter, random_adapter
 
 pytestmark = pytest.mark.e2e
@@ -95,18 +95,6 @@ def stream(client: openai.OpenAI, model: str, tokens: int = TOKENS, on_chunk: An
     return {"text": "".join(text), "replica": meta and meta["replica"]}
 
 
-def engine_pid(i: int) -> int:
-    out = subprocess.run(["pgrep", "-f", f"services.engine --replica-id engine-{i} --port {50060 + i + PORTS}"],
-                         capture_output=True, text=True).stdout.split()
-    assert len(out) == 1, out
-    return int(out[0])
-
-
-def rss_mib(pid: int) -> float:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+)", text, re.M).group(1)) / 1024   # type: ignore[union-attr]
-
-
 def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_unload(
         lora_mesh: Mesh, folders: dict[str, tuple[Path, Any]], hf: Any) -> None:
     def lora_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -153,7 +141,7 @@ def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_
     # A long stream on engine-1, which is killed mid-way: the router loads alpha on engine-0 and resumes.
     long_reference = stream(client, "alpha", 64)
     assert long_reference["replica"] == "engine-1"
-    pid = engine_pid(1)
+    pid = engine_pid(1, PORTS)
 
     def kill_at(n: int) -> None:
         if n == 8:
@@ -174,7 +162,7 @@ def test_adapters_loaded_at_run_time_answer_as_peft_move_with_a_dead_engine_and_
         client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
     # Unloading frees the adapter's memory: a wide one (rank 128 on every projection) on engine-0.
-    engine0 = engine_pid(0)
+    engine0 = engine_pid(0, PORTS)
     before = rss_mib(engine0)
     status, body = post(lora_mesh, "/v1/load_lora_adapter",
                         {"lora_name": "wide", "lora_path": str(folders["wide"][0]), "replica": "engine-0"})
