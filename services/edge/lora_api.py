@@ -28,15 +28,14 @@ class LoraApi:
         self.changed = changed          # the response cache reads the model list again
 
     async def load(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        body = await self._body(LOAD, headers, receive)
-        name, path = body.get("lora_name"), body.get("lora_path")
+        body, name = await self._body(LOAD, headers, receive)
+        path = body.get("lora_path")
         if not isinstance(path, str) or not path:
             raise ApiError(400, "lora_path: give the adapter's PEFT folder (a string) on the engines' machines",
                            "lora_path", code="missing_required_parameter")
         model, replica = body.get("model", ""), body.get("replica", "")
         if not isinstance(model, str) or not isinstance(replica, str):
             raise ApiError(400, "model and replica are strings", "model" if not isinstance(model, str) else "replica")
-        assert isinstance(name, str)
         try:
             cards = await self.router.load_lora_adapter(name, path, model, replica)
         except grpc.aio.AioRpcError as err:
@@ -48,9 +47,7 @@ class LoraApi:
         return 200
 
     async def unload(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        body = await self._body(UNLOAD, headers, receive)
-        name = body.get("lora_name")
-        assert isinstance(name, str)
+        _, name = await self._body(UNLOAD, headers, receive)
         try:
             await self.router.unload_lora_adapter(name)
         except grpc.aio.AioRpcError as err:
@@ -60,7 +57,8 @@ class LoraApi:
                                     "message": f"Success: LoRA adapter '{name}' removed successfully."})
         return 200
 
-    async def _body(self, path: str, headers: dict[str, str], receive: Receive) -> dict[str, Any]:
+    async def _body(self, path: str, headers: dict[str, str], receive: Receive) -> tuple[dict[str, Any], str]:
+        """The request's JSON object and its lora_name (400 for an unknown field or a missing name)."""
         body = parse_json(await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s))
         unknown = sorted(set(body) - set(FIELDS[path]))
         if unknown:
@@ -70,4 +68,4 @@ class LoraApi:
         if not isinstance(name, str) or not name:
             raise ApiError(400, "lora_name: give the adapter's name (a string), which requests then use as their "
                            "model", "lora_name", code="missing_required_parameter")
-        return body
+        return body, name
