@@ -4,8 +4,9 @@
 
 Starts `infermesh up --engines 1` (ports offset 1400) with API keys for tenants alpha and beta (tier
 "free", weight 1) and gamma (tier "premium", weight 3), and the engine's --max-running (its rows per
-step) at 16 so that 48 streams cannot all run at once.  In one run, each with fair scheduling on and
-then off (a fresh mesh, `--fair-scheduling off`):
+step) at 16 so that 48 streams cannot all run at once.  In one run, each with fair scheduling on, then
+with fair scheduling but no row cap for light tenants (a fresh mesh, `--fair-slowdown 0`: flood only), then
+off (a fresh mesh, `--fair-scheduling off`: flood only):
 
 1. Idle: beta sends 4 requests of 64 tokens one after another: its time to first token (TTFT) and
    tokens/s with the engine to itself (the baseline).
@@ -155,6 +156,16 @@ def tenant_tokens(metrics_url: str) -> dict[str, float]:
     return per_tenant(metrics_url, "infermesh_engine_tenant_tokens_total")
 
 
+def step_figures(metrics_url: str) -> tuple[float, float, float]:
+    """The engine's steps so far: (steps, rows summed over them, seconds summed over them)."""
+    text = httpx.get(metrics_url, timeout=10).text
+
+    def total(name: str) -> float:
+        return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return (total("infermesh_engine_batch_size_count"), total("infermesh_engine_batch_size_sum"),
+            total("infermesh_engine_step_seconds_sum"))
+
+
 def in_engine(metrics_url: str, tenant: str) -> int:
     """`tenant`'s requests the engine holds, running or waiting."""
     return int(sum(per_tenant(metrics_url, f"infermesh_engine_tenant_{kind}").get(f"t:{tenant}", 0)
@@ -169,6 +180,7 @@ class FloodResult:
     flood: int                      # the flood's streams, and how many of them had sent a token
     flood_before_beta: int          # before beta's first token,
     flood_before_beta_done: int     # and before beta's last request ended
+    steps: tuple[float, float, float] = (0.0, 0.0, 0.0)   # the engine's steps, rows, seconds while beta's ran
 
     @property
     def ttft_ratio(self) -> float:
@@ -188,6 +200,9 @@ class FloodResult:
     def lines(self, label: str) -> list[str]:
         order = (f"  {self.flood_before_beta} of the flood's {self.flood} streams had started before beta's first "
                  f"token, {self.flood_before_beta_done} before beta's last request ended")
+        steps, rows, seconds = self.steps
+        if steps:
+            order += f"; the engine's steps meanwhile: {rows / steps:.1f} rows, {seconds / steps * 1000:.1f} ms"
         return [*self._lines(label), order]
 
     def _lines(self, label: str) -> list[str]:
@@ -216,14 +231,16 @@ def flood_run(http: str, metrics_url: str, flood: int = 48, flood_tokens: int = 
                 raise RuntimeError(f"the flood did not start: {seen.chunks} chunks, "
                                    f"{in_engine(metrics_url, flooder)} requests in the engine")
             time.sleep(0.1)
-        before, started = tenant_tokens(metrics_url), time.monotonic()
+        before, started, steps = tenant_tokens(metrics_url), time.monotonic(), step_figures(metrics_url)
         busy = probe(http, tag + "b", requests, give_up_s=starved_after)
         after, done = tenant_tokens(metrics_url), time.monotonic()
+        end = step_figures(metrics_url)
+        steps = (end[0] - steps[0], end[1] - steps[1], end[2] - steps[2])
         firsts = list(seen.firsts)
     engine = sum(after.values()) - sum(before.values())
     beta_first = started + busy[0].ttft_s
     return FloodResult(idle, busy, engine / (done - started), flood, sum(f < beta_first for f in firsts),
-                       sum(f < done for f in firsts))
+                       sum(f < done for f in firsts), steps)
 
 
 def split_run(http: str, metrics_url: str, seconds: float = 60.0, streams: int = 24, settle_s: float = 5.0
@@ -259,14 +276,18 @@ def _all_in_engine(metrics_url: str, tenant: str, streams: int, seconds: float =
 
 
 @contextmanager
-def mesh(fair: bool, max_running: int, workdir: Path) -> Iterator[tuple[str, str]]:
-    """`infermesh up --engines 1` for the runs: (edge URL, engine metrics URL)."""
+def mesh(fair: bool, max_running: int, workdir: Path, slowdown: str = "") -> Iterator[tuple[str, str]]:
+    """`infermesh up --engines 1` for the runs: (edge URL, engine metrics URL); `slowdown`: the engine's
+    --fair-slowdown ("": its default)."""
     (workdir / "keys").write_text(KEYS_FILE)
     (workdir / "tiers.json").write_text(json.dumps(TIERS))
     env = {"INFERMESH_API_KEYS_FILE": str(workdir / "keys"), "INFERMESH_TIERS_FILE": str(workdir / "tiers.json"),
            "INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0", "INFERMESH_ENGINE_MAX_RUNNING": str(max_running),
            "INFERMESH_ENGINE_FAIR_SCHEDULING": "on" if fair else "off"}
-    with infermesh_up(OFFSET, workdir / f"infermesh-up-{'fair' if fair else 'fifo'}.log", env) as http:
+    if slowdown:
+        env["INFERMESH_ENGINE_FAIR_SLOWDOWN"] = slowdown
+    log = f"infermesh-up-{'fair' if fair else 'fifo'}{slowdown}.log"
+    with infermesh_up(OFFSET, workdir / log, env) as http:
         yield http, f"http://127.0.0.1:{9100 + OFFSET}/metrics"
 
 
@@ -276,11 +297,13 @@ def main() -> None:
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--split-seconds", type=float, default=60.0)
     p.add_argument("--starved-after", type=float, default=60.0)
+    p.add_argument("--fair-slowdown", default="", metavar="X",
+                   help="the engine's --fair-slowdown for the fair runs (default: the engine's)")
     a = p.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Model name:")[1].split("\n")[0]
     print(f"{cpu.strip()} | {os.cpu_count()} CPUs | --max-running {a.max_running} | flood {a.flood} x 256 tokens")
     workdir = Path(tempfile.mkdtemp(prefix="bench-fair-"))
-    with mesh(True, a.max_running, workdir) as (http, metrics):
+    with mesh(True, a.max_running, workdir, a.fair_slowdown) as (http, metrics):
         stream(http, "beta", "warm up", 4)
         fair = flood_run(http, metrics, a.flood, starved_after=a.starved_after)
         print(*fair.lines("fair scheduling on "), sep="\n")
@@ -289,6 +312,10 @@ def main() -> None:
         split = split_run(http, metrics, a.split_seconds)
         print(f"split over {a.split_seconds:.0f} s: gamma (weight 3) {split['gamma']:.0f} tokens, alpha (weight 1) "
               f"{split['alpha']:.0f}: ratio {split['gamma'] / max(split['alpha'], 1):.2f} (target 3)")
+    with mesh(True, a.max_running, workdir, "0") as (http, metrics):
+        stream(http, "beta", "warm up", 4)
+        uncapped = flood_run(http, metrics, a.flood, starved_after=a.starved_after)
+        print(*uncapped.lines("no row cap (--fair-slowdown 0)"), sep="\n")
     with mesh(False, a.max_running, workdir) as (http, metrics):
         stream(http, "beta", "warm up", 4)
         fifo = flood_run(http, metrics, a.flood, starved_after=a.starved_after)

@@ -134,6 +134,9 @@ METRICS: tuple[Metric, ...] = (
     _m("infermesh_engine_interrupted_steps_total", "counter", "engine", "replica",
        "Steps running only batch-class rows given up between two layers because an interactive request arrived "
        "(their rows run again in a later step)"),
+    _m("infermesh_engine_capped_steps_total", "counter", "engine", "replica",
+       "Steps that left requests out because their rows were capped so that a light tenant is not slowed more than "
+       "--fair-slowdown times below its share"),
     _m("infermesh_engine_tenant_queued", "gauge", "engine", "replica tenant",
        "Requests waiting for admission, by tenant (common: requests that name none)"),
     _m("infermesh_engine_tenant_running", "gauge", "engine", "replica tenant", "Requests holding KV blocks, by tenant"),

@@ -52,6 +52,10 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--fair-scheduling", choices=("on", "off"), default="on",
                    help="weighted fair queuing between tenants by tokens served (tier weights); off: first come, "
                         "first served within a class (default %(default)s)")
+    p.add_argument("--fair-slowdown", type=float, default=EngineConfig.fair_slowdown, metavar="X",
+                   help="with fair scheduling, cap a step's rows while a light tenant (all its requests within its "
+                        "share of the rows) is active, so that it decodes at most X times slower than its share of "
+                        "the engine (from the decode step times measured); 0: no cap (default %(default)s)")
     p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                    help="requests queued beyond the running batch before refusing (RESOURCE_EXHAUSTED); the "
                         "router sheds this replica only when its queue is here (default %(default)s)")
@@ -97,7 +101,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             kv_dtype=a.kv_dtype,
                             block_size=a.block_size, max_batched_tokens=a.max_batched_tokens,
                             max_running=a.max_running, max_waiting=a.max_waiting, cuda_graphs=a.cuda_graphs,
-                            fair_scheduling=a.fair_scheduling == "on",
+                            fair_scheduling=a.fair_scheduling == "on", fair_slowdown=a.fair_slowdown,
                             speculate=a.speculate, speculate_rows=a.speculate_rows,
                             metrics_port=a.metrics_port,
                             discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
@@ -116,7 +120,7 @@ async def serve(config: EngineConfig) -> None:
     runner = await asyncio.get_running_loop().run_in_executor(step_thread, load, config)
     remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running,
-                             fair=config.fair_scheduling)
+                             fair=config.fair_scheduling, fair_slowdown=config.fair_slowdown)
     speculation = speculate.for_plan(runner.plan, config.speculate, config.speculate_rows)
     engine = Engine(runner, config.max_waiting, limits, outbox, speculation, version=config.model_version,
                     grammar_limits=grammar_limits(config))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh.ratelimit import Rate
+from services.engine.fairness import check_slowdown
 
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -37,6 +38,7 @@ class EngineConfig:
     max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
     max_running: int = 64              # sequences per step
     fair_scheduling: bool = True       # weighted fair queuing between tenants (services/engine/fairness.py)
+    fair_slowdown: float = 1.5         # a light tenant's steps at most this x its share's (scheduler.py); 0: off
     speculate: int = -1                # prompt-lookup draft tokens per request and step; -1 auto, 0 off
     speculate_rows: int = 0            # draft while a step's rows stay within this; 0 auto (speculate.py)
     cuda_graphs: str = "auto"          # GRAPH_MODES; auto: pure-decode steps replay CUDA graphs on a GPU
@@ -77,6 +79,7 @@ class EngineConfig:
             raise ValueError("threads must be >= 0")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
+        check_slowdown(self.fair_slowdown)
         self._check_shared_cache()
         self._check_grammars()
 

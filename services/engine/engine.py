@@ -69,7 +69,7 @@ class Engine:
         self._pending: list[StepOutput] = []    # that step's outputs so far (aborts), for fail_step
         self._lock = threading.Lock()
         self._give_way: threading.Event | None = None   # set when an interactive request comes in a batch-only step
-        self.stats = EngineStats()
+        self.stats = EngineStats(self.scheduler.step_times)
         self.grammars = grammar.Grammars(runner.folder, runner.vocab_size, runner.eos_token_ids, grammar_limits)
 
     # -- admission ---------------------------------------------------------------------

@@ -27,6 +27,15 @@ def check_weight(weight: float) -> None:
         raise ValueError(f"weight {weight:g} must be above 0 and at most {MAX_WEIGHT:g}")
 
 
+MAX_SLOWDOWN = 100.0
+
+
+def check_slowdown(slowdown: float) -> None:
+    """ValueError unless the row cap's slowdown is 0 (off) or from 1 to MAX_SLOWDOWN."""
+    if slowdown and not 1.0 <= slowdown <= MAX_SLOWDOWN:
+        raise ValueError(f"fair slowdown {slowdown:g} must be 0 (no row cap) or from 1 to {MAX_SLOWDOWN:g}")
+
+
 class TenantClocks:
     """Virtual time and weight per tenant, and which tenants have requests in the engine."""
 
@@ -75,3 +84,60 @@ class TenantClocks:
     def _lowest_active(self, default: float) -> float:
         times = [self.vtime.get(t, default) for t in self.active]
         return max(default, min(times)) if times else default
+
+
+class StepTimes:
+    """Decode steps' wall time by their rows, as the engine measured them: a moving average per row count
+    (steps of decode rows only; prefill chunks and drafts would mix in other work)."""
+
+    SMOOTHING = 0.1     # a new step's weight in its row count's average
+    CLIP = 3.0          # a step over 3x its row count's average counts as 3x (a pause of the machine, a GC)
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        if old is None:
+            self.seconds[rows] = seconds
+        else:
+            self.seconds[rows] = old + self.SMOOTHING * (min(seconds, self.CLIP * old) - old)
+
+    def predict(self, rows: int) -> float | None:
+        """A step of `rows` decode rows: measured, else interpolated between the nearest row counts measured on
+        either side; above the largest measured, that one's time (a lower bound); None below the smallest.
+        Only neighbours count: a row count measured once under a passing load does not bend the others."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = max((k for k in self.seconds if k < rows), default=None)
+        if below is None:
+            return None
+        above = min((k for k in self.seconds if k > rows), default=None)
+        if above is None:
+            return self.seconds[below]
+        low, high = self.seconds[below], self.seconds[above]
+        return low + (high - low) * (rows - below) / (above - below)
+
+
+def row_cap(slots: int, demand: dict[str, int], weight: dict[str, float], times: StepTimes,
+            slowdown: float) -> int:
+    """The most rows the next step may take so that no light tenant runs more than `slowdown` times below its
+    share of the engine.  `weight`: every active tenant's; `demand`: the interactive requests of those that have
+    any.  A tenant is light when its interactive requests fit in its weighted share of the `slots` (fair queuing
+    then runs them all): alone it would decode them in steps of T(demand) seconds, its share is its weight over
+    all the active tenants' (batch-class work holds a share of the engine too, though its rows come last), so
+    the steps may last up to slowdown * T(demand) / share.  Other tenants' rows make steps longer; below the cap
+    they take their turns (fair queuing decides which), and the cap leaves every other tenant one row.
+    A light tenant's row count never timed sets no bound (until such a step has run); the others are
+    interpolated (StepTimes.predict)."""
+    total = sum(weight.values())
+    if not total or slowdown <= 0:
+        return slots
+    light = {t: d for t, d in demand.items() if d <= weight[t] / total * slots}
+    limits = [slowdown * alone * total / weight[t] for t, d in light.items() if (alone := times.predict(d))]
+    if not limits:
+        return slots
+    rows, floor = slots, min(slots, sum(light.values()) + len(weight) - len(light))
+    while rows > floor and (step := times.predict(rows)) is not None and step > min(limits):
+        rows -= 1
+    return rows

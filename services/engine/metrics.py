@@ -111,7 +111,7 @@ class TenantCollector:
         self.sources: dict[str, Any] = {}       # replica -> EngineStats
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily,
-                                 CounterMetricFamily]:
+                                 CounterMetricFamily, CounterMetricFamily]:
         labels = ["replica", "tenant"]
         return (GaugeMetricFamily("infermesh_engine_tenant_queued", "Requests waiting for admission, by tenant "
                                   "(\"common\": requests that name none)", labels=labels),
@@ -122,13 +122,16 @@ class TenantCollector:
                 CounterMetricFamily("infermesh_engine_paused_rows", "Running requests left out of a step (KV kept): "
                                     "their tenant's share spent, or a higher class took the row", labels=["replica"]),
                 CounterMetricFamily("infermesh_engine_interrupted_steps", "Steps of batch-class rows given up between "
-                                    "layers for an interactive request (their rows run again)", labels=["replica"]))
+                                    "layers for an interactive request (their rows run again)", labels=["replica"]),
+                CounterMetricFamily("infermesh_engine_capped_steps", "Steps that left requests out because their "
+                                    "rows were capped for a light tenant's share (--fair-slowdown)",
+                                    labels=["replica"]))
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        queued, running, tokens, paused, interrupted = self._families()
+        queued, running, tokens, paused, interrupted, capped = self._families()
         for replica, stats in list(self.sources.items()):
             for load in stats.tenants:
                 queued.add_metric([replica, load.tenant or "common"], load.waiting)
@@ -137,7 +140,8 @@ class TenantCollector:
                 tokens.add_metric([replica, tenant or "common"], n)
             paused.add_metric([replica], stats.paused)
             interrupted.add_metric([replica], stats.interrupted)
-        yield from (queued, running, tokens, paused, interrupted)
+            capped.add_metric([replica], stats.capped)
+        yield from (queued, running, tokens, paused, interrupted, capped)
 
 
 TENANTS = TenantCollector()

@@ -6,8 +6,11 @@ class, weighted fair queuing between tenants (fairness.py): the tenant with the 
 virtual time (tokens served / its weight) goes next, and within a tenant its running
 requests (a decode costs one token, an unfinished prefill takes the next chunk) go before
 its waiting ones, in arrival order.  So a tenant with many streams gets the rows its share
-allows and another tenant's single request runs at once.  A running request left out of a
-step (its tenant's share spent, or a higher class took its row) keeps its KV blocks.
+allows and another tenant's single request runs at once.  While such a light tenant is
+active, a step's rows are also capped (fairness.row_cap, from the decode step times the engine
+measured) so that its steps are not slowed more than `fair_slowdown` times below its share.
+A running request left out of a step (its tenant's share spent, or a higher class took its row)
+keeps its KV blocks.
 `fair=False` puts every request in one tenant: first come, first served within a class.
 
 When a running request needs a block and none is free, the running requests not taken this
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from services.engine.block_manager import BlockManager, BlockTable
-from services.engine.fairness import TenantClocks
+from services.engine.fairness import StepTimes, TenantClocks, check_slowdown, row_cap
 from services.engine.request import Request, RequestStatus, StagedBlock
 
 if TYPE_CHECKING:
@@ -45,10 +48,15 @@ class SchedulerConfig:
     # A running request left out of this many steps in a row goes first (a stream never stalls for long,
     # whatever the weights: the router takes ~10 s of silence for a dead engine).
     max_paused_steps: int = 32
+    # With fair queuing, a step's rows are capped so that no light tenant (one whose requests all fit in its share
+    # of the rows) decodes more than this many times slower than its share of the engine (fairness.row_cap,
+    # from the decode step times measured); 0: no cap (fair queuing only: the most tokens per step).
+    fair_slowdown: float = 1.5
 
     def __post_init__(self) -> None:
         if min(self.max_batched_tokens, self.max_running, self.max_paused_steps) < 1 or self.watermark_blocks < 0:
             raise ValueError("scheduler limits must be positive")
+        check_slowdown(self.fair_slowdown)
 
 
 class Chunk(NamedTuple):
@@ -65,6 +73,7 @@ class Batch(NamedTuple):
     # (block id, (layers, 2, block_size, kv_heads, head_dim) KV): copy in before running the chunks
     imports: list[tuple[int, torch.Tensor]]
     paused: int = 0     # running requests this step left out (their tenant's share spent, or a higher class)
+    capped: bool = False    # the row cap for light tenants (fairness.row_cap) left requests out of this step
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +88,7 @@ class Scheduler:
         self.waiting: tuple[deque[Request], deque[Request]] = (deque(), deque())
         self.running: list[Request] = []       # requests holding KV blocks (a step takes some or all)
         self.clocks = TenantClocks()
+        self.step_times = StepTimes()            # the engine records its decode steps' times (row_cap reads them)
         self.steps = 0                           # schedule() calls so far
         self._arrivals = 0
 
@@ -100,15 +110,17 @@ class Scheduler:
         """This step's chunks.  Candidates (each tenant's running requests, least recently served first, then
         its waiting ones in queue order: _candidates) are taken class by class, and within a class from the
         tenant with the lowest virtual time (fairness.py; the step's own chunks count as they are taken),
-        while the token budget and the sequence slots last.  A running request not taken this step keeps its
+        while the token budget and the sequence slots last (`max_running`, fewer while a light tenant is active:
+        fairness.row_cap).  A running request not taken this step keeps its
         KV blocks (paused).  A step that prefills an interactive request takes no batch-class rows: its first
         token comes as soon as it would on an idle engine."""
-        budget, slots = self.config.max_batched_tokens, self.config.max_running
         self.steps += 1
         chunks: list[Chunk] = []
         preempted: list[Request] = []
         imports: list[tuple[int, torch.Tensor]] = []
         queues = self._candidates()
+        cap = self._row_cap(queues)
+        budget, slots = self.config.max_batched_tokens, cap
         projected = {key[1]: self.clocks.vtime.get(key[1], 0.0) for key in queues}
         heap = [(key[0], projected[key[1]], q[0].arrival, key) for key, q in queues.items()]
         heapq.heapify(heap)
@@ -141,7 +153,8 @@ class Scheduler:
             if queue:
                 heapq.heappush(heap, (key[0], projected[key[1]], queue[0].arrival, key))
         self.clocks.keep_up(blocked | {key[1] for key, queue in queues.items() if queue})
-        return Batch(chunks, preempted, imports, len(untaken))
+        capped = cap < self.config.max_running and not slots and bool(heap)
+        return Batch(chunks, preempted, imports, len(untaken), capped)
 
     def _candidates(self) -> dict[tuple[int, str], deque[Request]]:
         """(class, tenant) -> its running requests, least recently served first (so a tenant's streams take
@@ -155,6 +168,17 @@ class Scheduler:
             for req in queue:
                 queues.setdefault((req.priority, self._tenant(req)), deque()).append(req)
         return queues
+
+    def _row_cap(self, queues: dict[tuple[int, str], deque[Request]]) -> int:
+        """The rows this step may take: `max_running`, or fewer while a light tenant is active (row_cap)."""
+        if not self.config.fair or not self.config.fair_slowdown:
+            return self.config.max_running
+        demand: dict[str, int] = {}
+        for (_, tenant), queue in queues.items():
+            if n := sum(r.priority == 0 for r in queue):
+                demand[tenant] = demand.get(tenant, 0) + n
+        weights = {key[1]: self.clocks.weight.get(key[1], 1.0) for key in queues}
+        return row_cap(self.config.max_running, demand, weights, self.step_times, self.config.fair_slowdown)
 
     def tenant_counts(self) -> dict[str, tuple[int, int]]:
         """tenant -> (its running requests, its waiting ones)."""

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from services.engine.fairness import StepTimes
 from services.engine.scheduler import Batch
 
 # Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
@@ -45,7 +46,9 @@ class Timing:
 
 
 class EngineStats:
-    def __init__(self) -> None:
+    def __init__(self, step_times: StepTimes | None = None) -> None:
+        self.step_times = step_times or StepTimes()     # decode steps' times by rows (the scheduler's row cap)
+        self.capped = 0                 # steps that left requests out for a light tenant's share, since start
         self.last_step_s = 0.0          # the last step that ran the model: its duration,
         self.last_step_tokens = 0       # tokens computed and sequences run (0 after an idle step)
         self.last_batch_size = 0
@@ -99,12 +102,15 @@ class EngineStats:
         tenant, recorded when it succeeds (a step that raises leaves the last figures as they were)."""
         self.preemptions += len(batch.preempted)
         self.paused += batch.paused
+        self.capped += batch.capped
         self.last_step_tokens = self.last_batch_size = 0
         started, started_ns = time.perf_counter(), time.time_ns()
         yield
         if not batch.chunks:
             return
         self.last_step_s = time.perf_counter() - started
+        if all(c.num_tokens == 1 for c in batch.chunks):
+            self.step_times.record(len(batch.chunks), self.last_step_s)
         self._count_tokens(batch)
         self.last_step_tokens = batch.num_tokens
         self.last_batch_size = len(batch.chunks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.block_manager import BlockManager
-from services.engine.fairness import TenantClocks, check_weight
+from services.engine.fairness import StepTimes, TenantClocks, check_weight, row_cap
 from services.engine.request import Request, RequestStatus, SamplingParams
 from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from tests.fakes.model import FakeModel
@@ -198,3 +198,76 @@ def test_an_interactive_request_preempts_batch_work_for_blocks_and_the_batch_tex
         model.step()
     assert {r.request_id: r.output_ids for r in [*jobs, chat]} == reference([*jobs, chat])
     assert jobs[1].num_preemptions == 1
+
+
+# -- the row cap for light tenants (fairness.row_cap) --------------------------------------
+def timed(**seconds: float) -> StepTimes:
+    """StepTimes measured as given: rows -> seconds (keys r1, r4, ...)."""
+    times = StepTimes()
+    for rows_, s in seconds.items():
+        times.record(int(rows_[1:]), s)
+    return times
+
+
+def test_step_times_average_per_row_count_and_interpolate_between_them() -> None:
+    times = timed(r1=0.010, r4=0.016, r8=0.040)
+    times.record(8, 0.020)                                       # averaged: 0.040 + 0.1 * (0.020 - 0.040)
+    assert times.predict(8) == pytest.approx(0.038)
+    times.record(1, 1.0)                                         # a pause: counted as 3x the average
+    assert times.predict(1) == pytest.approx(0.010 + 0.1 * (0.030 - 0.010))
+    assert times.predict(2) == pytest.approx(0.012 + (0.016 - 0.012) / 3)
+    assert times.predict(6) == pytest.approx(0.016 + (0.038 - 0.016) / 2)
+    assert times.predict(16) == pytest.approx(0.038)             # above the largest: its time, a lower bound
+    assert timed(r4=0.016).predict(2) is None                    # below every measured row count: unknown
+    assert timed(r1=0.030, r4=0.016, r8=0.040).predict(6) == pytest.approx(0.028)   # neighbours only
+
+
+def test_the_cap_keeps_a_light_tenants_steps_within_slowdown_times_its_share() -> None:
+    # Steps of n rows take 5 + 2n ms; B's single stream alone takes 7 ms steps; its share is half the engine,
+    # so at slowdown 1.5 the steps may last 1.5 * 7 / 0.5 = 21 ms: 8 rows.
+    times = timed(**{f"r{n}": (5 + 2 * n) / 1000 for n in range(1, 17)})
+    weights = {"A": 1.0, "B": 1.0}
+    assert row_cap(16, {"A": 48, "B": 1}, weights, times, 1.5) == 8
+    assert row_cap(16, {"A": 48, "B": 1}, weights, times, 3.0) == 16                # 42 ms allowed
+    assert row_cap(16, {"A": 48, "B": 1}, {"A": 1.0, "B": 3.0}, times, 1.5) == 4    # share 3/4: 14 ms
+    assert row_cap(16, {"A": 48, "B": 1}, weights, times, 0) == 16                  # 0: no cap
+    assert row_cap(16, {"A": 48}, {"A": 1.0}, times, 1.5) == 16                     # one tenant: nobody to shield
+    assert row_cap(16, {"A": 8, "B": 8}, weights, times, 1.5) == 16                 # T(16) <= 3 * T(8)
+    # Three light tenants of one row and a heavy one: each light one's share is a quarter; the cap leaves the
+    # heavy tenant a row even where the bound (1.5 * 7 / 0.25 = 42 ms) would allow fewer rows than that.
+    assert row_cap(16, {"A": 48, "B": 1, "C": 1, "D": 1}, dict.fromkeys("ABCD", 1.0), times, 1.5) == 16
+    assert row_cap(4, {"A": 48, "B": 1, "C": 1, "D": 1}, dict.fromkeys("ABCD", 1.0), timed(r1=0.001, r4=1.0),
+                   1.5) == 4
+
+
+def test_the_cap_needs_the_light_tenants_step_time_and_interpolates_the_others() -> None:
+    assert row_cap(16, {"A": 48, "B": 1}, {"A": 1.0, "B": 1.0}, timed(r16=0.037), 1.5) == 16   # T(1) unknown
+    # Only 1 and 16 rows timed: 15..2 interpolate (7 + 2(n - 1) ms), so the cap is 8 rows as above.
+    assert row_cap(16, {"A": 48, "B": 1}, {"A": 1.0, "B": 1.0}, timed(r1=0.007, r16=0.037), 1.5) == 8
+    # B's 4 streams: T(4) = 13 ms, so steps up to 39 ms are allowed: all 16 rows.
+    assert row_cap(16, {"A": 48, "B": 4}, {"A": 1.0, "B": 1.0}, timed(r4=0.013, r12=0.029, r16=0.037), 1.5) == 16
+    # B's 2 streams: 4 ms alone, 12 ms allowed; 2.5 ms a row between the 2 and 12 rows timed: 5 rows (11.5 ms).
+    assert row_cap(16, {"A": 48, "B": 2}, {"A": 1.0, "B": 1.0}, timed(r2=0.004, r12=0.029, r16=0.037), 1.5) == 5
+
+
+def test_a_capped_step_takes_the_light_tenants_row_and_fewer_of_the_floods() -> None:
+    s = sched(num_blocks=256, max_running=8, fair_slowdown=1.5)
+    for n in range(1, 9):
+        s.step_times.record(n, (5 + 2 * n) / 1000)        # B's bound: 1.5 * 7 ms / 0.5 = 21 ms: 8 rows
+    model = FakeModel(s)
+    flood(s, "A", 12)
+    assert rows(model.step()) == [f"A{i}" for i in range(8)]       # A alone: every row
+    s.add(req("B0", "B", [9], max_tokens=4))
+    s.step_times.seconds[8] = 0.030                                  # now 8 rows take 30 ms: 7 rows (19 ms) fit
+    batch = model.step()
+    assert rows(batch) == ["A0", "B0", "A1", "A2", "A3", "A4", "A5"] and batch.capped
+    assert rows(model.step()) == ["B0", "A6", "A7", "A0", "A1", "A2", "A3"]
+    s.config = SchedulerConfig(max_running=8, fair_slowdown=0)     # the cap off: all 8 rows again
+    assert len(rows(model.step())) == 8
+
+
+def test_batch_class_work_holds_a_share_and_keeps_a_row_under_the_cap() -> None:
+    times = timed(**{f"r{n}": (5 + 2 * n) / 1000 for n in range(1, 17)})
+    # B interactive, D's flood batch-class only (no interactive demand): D's weight still counts, B's share is half.
+    assert row_cap(16, {"B": 1}, {"B": 1.0, "D": 1.0}, times, 1.5) == 8
+    assert row_cap(16, {"B": 1}, {"B": 1.0, "D": 1.0}, timed(r1=0.007, r2=1.0), 1.5) == 2      # D keeps a row
