@@ -12,7 +12,8 @@ import pytest
 from services.engine.block_manager import BlockManager
 from services.engine.fairness import StepTimes, TenantClocks, check_weight, row_cap
 from services.engine.request import Request, RequestStatus, SamplingParams
-from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
+from services.engine.stats import EngineStats
 from tests.fakes.model import FakeModel
 from tests.unit.test_scheduler import reference
 
@@ -271,3 +272,15 @@ def test_batch_class_work_holds_a_share_and_keeps_a_row_under_the_cap() -> None:
     # B interactive, D's flood batch-class only (no interactive demand): D's weight still counts, B's share is half.
     assert row_cap(16, {"B": 1}, {"B": 1.0, "D": 1.0}, times, 1.5) == 8
     assert row_cap(16, {"B": 1}, {"B": 1.0, "D": 1.0}, timed(r1=0.007, r2=1.0), 1.5) == 2      # D keeps a row
+
+
+def test_the_engine_times_steps_of_decode_rows_only() -> None:
+    stats = EngineStats()
+    a, b = req("a", "A", [1, 2, 3]), req("b", "B", [4])
+    for chunks in ([Chunk(a, 0, 3, True)], [Chunk(a, 3, 1, True), Chunk(b, 1, 1, True)], [Chunk(a, 4, 3, True, 2)]):
+        with stats.step(Batch(chunks, [], [])):
+            pass
+    assert list(stats.step_times.seconds) == [2]        # a prefill chunk, or a row with a draft: not timed
+    with pytest.raises(RuntimeError), stats.step(Batch([Chunk(a, 4, 1, True)], [], [])):
+        raise RuntimeError("the model failed")          # a step that raised (or gave way) is not timed either
+    assert list(stats.step_times.seconds) == [2]
