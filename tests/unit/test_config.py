@@ -55,6 +55,20 @@ def test_engine_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert (config.cuda_graphs, config.device, config.max_running) == ("off", "cuda", 256)
     with pytest.raises(SystemExit):
         parse(["--model", f"m={tmp_path}", "--cuda-graphs", "always"])
+    monkeypatch.setenv("INFERMESH_ENGINE_FAIR_SLOWDOWN", "2.5")
+    assert parse(["--model", f"m={tmp_path}"]).fair_slowdown == 2.5
+    assert parse(["--model", f"m={tmp_path}", "--fair-slowdown", "0"]).fair_slowdown == 0
+
+
+@pytest.mark.parametrize("slowdown", ["0.5", "-1", "101"])
+def test_a_fair_slowdown_out_of_range_is_refused_by_name(slowdown: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from services.engine.__main__ import parse
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        parse(["--model", f"m={tmp_path}", "--fair-slowdown", slowdown])
+    assert "must be 0 (no row cap) or from 1 to 100" in capsys.readouterr().err
 
 
 def test_endpoint_parsing() -> None:
