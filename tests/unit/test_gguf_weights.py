@@ -181,3 +181,22 @@ def test_q4_and_q8_kinds_take_a_files_blocks_of_their_layout_as_they_are(tmp_pat
     assert not q4_of_q5.lossless
     for layer, weight in ((q4, q), (q4_of_q8, k), (head, k), (q4_of_q5, v)):
         torch.testing.assert_close(layer(x), x @ dense(weight).T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
+def test_a_split_plans_head_splits_as_its_layers(tmp_path: Path) -> None:
+    """q4 up to 4 rows, bf16w above: the head is the file's 8-bit blocks up to 4 rows (its exact product) and
+    bf16w's above; a plan of one kind keeps one head."""
+    from services.engine.models.linear import Bf16WeightLinear, Q8Linear, SplitLinear, head_kind
+
+    folder, _ = _folder(tmp_path, "qwen2", {"blk.0.attn_k.weight": Q.Q8_0})
+    k = load(folder, 1, HEADS, KV)["model.layers.0.self_attn.k_proj.weight"]
+    head = head_kind("q4", "bf16w", 4)(k, None)
+    assert isinstance(head, SplitLinear) and isinstance(head.small, Q8Linear) and head.small.lossless
+    assert isinstance(head.large, Bf16WeightLinear) and head.rows == 4
+    for rows, kind in ((4, head.small), (5, head.large)):
+        x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(head(x), kind(x), rtol=0, atol=0)
+    torch.testing.assert_close(head(x), x @ dense(k).T, rtol=2e-2, atol=2e-2)      # bf16's rounding above 4 rows
+    assert isinstance(head_kind("q4")(k, None), Q8Linear)
+    assert isinstance(head_kind("q4", "q4", 4)(k, None), Q8Linear)

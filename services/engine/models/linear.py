@@ -257,10 +257,20 @@ def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
     return lambda w, b: SplitLinear(small_kind(w, b), large_kind(w, b), rows)
 
 
-def head_kind(matmul: str) -> Kind:
+def head_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
     """The output head's Linear: fp32 even in the fp16-weight mode, so logits (and so sampling and
     logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax; 8-bit blocks
-    beside q4 (lossless only: else packed fp32)."""
+    beside q4 (lossless only: else packed fp32).  A split plan splits the head as the layers: above
+    `rows` rows the large kind's head (q4's 8-bit head at 16 rows took 7.4 ms of a 34 ms step on a
+    Zen 4 EPYC, bf16w's ~3)."""
+    small = _head_kind(matmul)
+    if not large or large == matmul:
+        return small
+    big = _head_kind(large)
+    return lambda w, b: SplitLinear(small(w, b), big(w, b), rows)
+
+
+def _head_kind(matmul: str) -> Kind:
     if matmul == "q4":
         return Q8Linear
     cls = PackedLinear if matmul == "fp16w" else LINEARS[matmul]

@@ -168,7 +168,8 @@ class LlamaModel:
         head: Weight = lw(head_name) if not tied or layer_blocks and isinstance(weights[head_name], Blocks) \
             else self.embed
         # A GGUF's head is quantized in the file already: with the gguf kind it splits as the layers do.
-        self.lm_head = linear(head, None) if plan.matmul == "gguf" else head_kind(plan.matmul)(head, None)
+        self.lm_head = linear(head, None) if plan.matmul == "gguf" else \
+            head_kind(plan.matmul, plan.matmul_large, plan.split_rows)(head, None)
         if plan.matmul != "gguf":
             head = dense(self.embed if tied else head).to(device=device, dtype=dtype)
         if isinstance(head, Blocks):        # the head in its blocks: logits (and argmax) from them, no copies
@@ -177,7 +178,8 @@ class LlamaModel:
         # then the top candidates are rescored exactly in fp32.  See greedy().  With the head in the
         # model's own 8-bit blocks, only for batches above the plan's split: up to it the blocks'
         # full product reads no more than the copy would.
-        exact_blocks = isinstance(self.lm_head, BlockLinear) and self.lm_head.lossless
+        small_head = self.lm_head.small if isinstance(self.lm_head, SplitLinear) else self.lm_head
+        exact_blocks = isinstance(small_head, BlockLinear) and small_head.lossless
         cpu_fast = plan.matmul not in ("exact", "gguf") and plan.device == "cpu" and (
             not exact_blocks or bool(plan.matmul_large))
         self.head_weight = head if cpu_fast else None
