@@ -186,7 +186,7 @@ def test_q4_and_q8_kinds_take_a_files_blocks_of_their_layout_as_they_are(tmp_pat
 @pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
 def test_a_split_plans_head_splits_as_its_layers(tmp_path: Path) -> None:
     """q4 up to 4 rows, bf16w above: the head is the file's 8-bit blocks up to 4 rows (its exact product) and
-    bf16w's above; a plan of one kind keeps one head."""
+    bf16w's above; a plan of one kind, or whose large kind's head would be an fp32 copy, keeps one head."""
     from services.engine.models.linear import Bf16WeightLinear, Q8Linear, SplitLinear, head_kind
 
     folder, _ = _folder(tmp_path, "qwen2", {"blk.0.attn_k.weight": Q.Q8_0})
@@ -199,4 +199,5 @@ def test_a_split_plans_head_splits_as_its_layers(tmp_path: Path) -> None:
         torch.testing.assert_close(head(x), kind(x), rtol=0, atol=0)
     torch.testing.assert_close(head(x), x @ dense(k).T, rtol=2e-2, atol=2e-2)      # bf16's rounding above 4 rows
     assert isinstance(head_kind("q4")(k, None), Q8Linear)
-    assert isinstance(head_kind("q4", "q4", 4)(k, None), Q8Linear)
+    assert isinstance(head_kind("q4", "fp16w", 4)(k, None), Q8Linear)     # an fp32 head above: not taken
+    assert isinstance(head_kind("bf16w")(k, None), Bf16WeightLinear)

@@ -260,11 +260,12 @@ def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
 def head_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
     """The output head's Linear: fp32 even in the fp16-weight mode, so logits (and so sampling and
     logprobs) are the fp32 model's and the greedy shortcut agrees with their argmax; 8-bit blocks
-    beside q4 (lossless only: else packed fp32).  A split plan splits the head as the layers: above
-    `rows` rows the large kind's head (q4's 8-bit head at 16 rows took 7.4 ms of a 34 ms step on a
-    Zen 4 EPYC, bf16w's ~3)."""
+    beside q4 (lossless only: else packed fp32).  A split plan whose large kind is bf16w splits the
+    head as the layers: above `rows` rows bf16w's head (q4's 8-bit head at 16 rows took 7.4 ms of a
+    34 ms step on a Zen 4 EPYC, bf16w's ~3).  Other large kinds keep the small kind's head: theirs is
+    an fp32 copy (more memory than the 8-bit blocks, and not measured faster)."""
     small = _head_kind(matmul)
-    if not large or large == matmul:
+    if large != "bf16w" or large == matmul:
         return small
     big = _head_kind(large)
     return lambda w, b: SplitLinear(small(w, b), big(w, b), rows)
