@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -64,6 +68,20 @@ def process_pid(pattern: str) -> int:
 def engine_pid(index: int, offset: int) -> int:
     """engine-`index` of the mesh `infermesh up --port-offset offset` started."""
     return process_pid(f"services.engine --replica-id engine-{index} --port {50060 + index + offset}")
+
+
+def json_call(mesh: Mesh, method: str, path: str, body: dict[str, Any] | None = None, key: str = "",
+              timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    """One JSON request to the mesh's edge (`Authorization: Bearer key` when a key is given): the status and the
+    JSON body, an HTTP error's as well."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{mesh.http}{path}", data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def rss_mib(pid: int) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.conftest import OFFSET, Mesh, engine_pid, rss_mib, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, engine_pid, json_call, rss_mib, running_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -83,14 +83,7 @@ def stream(client: openai.OpenAI, prompt: str, progress: list[int], slot: int) -
 
 
 def put_version(mesh: Mesh, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"{mesh.http}/admin/models/{MODEL}/versions/2", data=json.dumps(body).encode(),
-                                 method="PUT", headers={"Authorization": f"Bearer {ADMIN_KEY}",
-                                                        "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=600) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return json_call(mesh, "PUT", f"/admin/models/{MODEL}/versions/2", body, ADMIN_KEY, timeout=600)
 
 
 def test_a_hot_swap_under_16_streams(swap_mesh: Mesh, v2_folder: Path) -> None:

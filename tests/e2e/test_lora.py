@@ -11,15 +11,12 @@ its memory (engine-0's RSS back within 5%) and later requests are 404; bad input
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +26,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.conftest import OFFSET, Mesh, engine_pid, rss_mib, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, engine_pid, json_call, rss_mib, running_mesh
 from tests.lora_adapters import TARGETS, build_adapter, random_adapter
 
 pytestmark = pytest.mark.e2e
@@ -59,13 +56,7 @@ def lora_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 
 def post(mesh: Mesh, path: str, body: dict[str, Any], key: str = ADMIN_KEY) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"{mesh.http}{path}", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return json_call(mesh, "POST", path, body, key, timeout=300)
 
 
 def reference(hf: Any, model: Any) -> str:

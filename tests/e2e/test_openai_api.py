@@ -9,7 +9,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.e2e.conftest import Mesh
+from tests.e2e.conftest import Mesh, json_call
 
 pytestmark = pytest.mark.e2e
 
@@ -195,13 +195,7 @@ def test_precise_errors(client: openai.OpenAI, mesh: Mesh) -> None:
 
 
 def post(mesh: Mesh, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(f"{mesh.http}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return json_call(mesh, "POST", path, body, timeout=60)
 
 
 def test_tokenize_and_detokenize_agree_with_transformers(mesh: Mesh, client: openai.OpenAI, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e.conftest import OFFSET, Mesh, running_mesh
+from tests.e2e.conftest import OFFSET, Mesh, json_call, running_mesh
 
 pytestmark = pytest.mark.e2e
 
@@ -29,14 +26,7 @@ def versions_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 def call(mesh: Mesh, method: str, path: str, body: dict[str, Any] | None = None, key: str = ADMIN_KEY
          ) -> tuple[int, dict[str, Any]]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"{mesh.http}{path}", data=data, method=method,
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return json_call(mesh, method, path, body, key)
 
 
 def served(client: openai.OpenAI, model: str = "smollm2-135m", **extra: Any) -> str:
