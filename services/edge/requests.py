@@ -216,7 +216,8 @@ def _message(m: Any, i: int) -> Message:
         raise ApiError(400, f"messages[{i}].role {shown(repr(role))} is not one of {', '.join(ROLES)} (or developer)",
                        f"messages[{i}].role")
     calls = m.get("tool_calls")
-    if calls is not None and calls != [] and role != "assistant":
+    has_calls = calls is not None and calls != []     # null and [] say none; any other value must be a list of calls
+    if has_calls and role != "assistant":
         raise ApiError(400, f"messages[{i}].tool_calls is only for assistant messages", f"messages[{i}].tool_calls")
     call_id = m.get("tool_call_id")
     if role == "tool" and not isinstance(call_id, str):
@@ -225,7 +226,7 @@ def _message(m: Any, i: int) -> Message:
     if call_id is not None and role != "tool":
         raise ApiError(400, f"messages[{i}].tool_call_id is only for tool messages", f"messages[{i}].tool_call_id")
     return Message(role, _content(m, i), string(m, "name") if "name" in m else "",
-                   _tool_calls(calls, i) if calls else "", call_id or "")
+                   _tool_calls(calls, i) if has_calls else "", call_id or "")
 
 
 def parse_messages(raw: Any, max_messages: int = MAX_MESSAGES) -> tuple[Message, ...]:

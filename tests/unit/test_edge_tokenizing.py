@@ -48,6 +48,7 @@ def test_messages_go_through_the_template_with_tools_and_the_assistants_opening(
     ({"messages": CHAT, "add_special_tokens": True}, "add_special_tokens", "template places"),
     ({"messages": []}, "messages", "non-empty list"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "is not one of"),
+    ({"messages": [{"role": "assistant", "tool_calls": 0.0}]}, "messages[0].tool_calls", "must be a list"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0]", "must be"),
     ({"prompt": "a", "echo": True}, "echo", "echo"),
     ({"prompt": "a", "return_token_strs": "yes"}, "return_token_strs", "boolean"),

@@ -89,6 +89,8 @@ def test_header_session_wins_over_user() -> None:
      "messages[0].tool_calls"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": 0.0}]}, "messages[0].tool_calls"),   # falsy, not a list
+    ({"messages": [{"role": "assistant", "tool_calls": ""}]}, "messages[0].tool_calls"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"bogus": 1}, "bogus"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
