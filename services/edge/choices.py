@@ -128,9 +128,10 @@ class Choice:
         self.single = spec.tool_calls == "single"
         self.parts: list[str] = []
         self.logprobs: list[TokenLogprob] = []     # released: their text went out
-        # Logprobs wait with the text they belong to: (characters fed to the guard once this delta's text
-        # was, its entries); they go out when the guard has released that many characters.
-        self.held_logprobs: list[tuple[int, TokenLogprob]] = []
+        # Logprobs wait with the text they belong to: (characters fed to the thoughts' guard and to the answer's
+        # once this delta's text was, its entry); they go out when both guards have released that many
+        # characters (a thinking model's tokens are its thoughts' text: they must not spell what that guard hides).
+        self.held_logprobs: list[tuple[int, int, TokenLogprob]] = []
         self.new_logprobs: list[TokenLogprob] = []  # released by the last delta (a stream's chunk)
         self.filtered = False                  # a top_logprobs alternative was dropped: never cached
         self.calls: list[tools.ToolCall] = []
@@ -142,6 +143,7 @@ class Choice:
         self.think_guard = OutputGuard(policy)  # the same rules over a reasoning model's thoughts
         self.reasoning: list[str] = []         # reasoning_content released so far
         self.new_reasoning = ""                # released by the last delta
+        self.thoughts_shown = 0                # characters of reasoning_content given out (a block drops the rest)
         self.first: Delta | None = None
         self.generated = 0                     # token ids so far
         self.cut = False                       # its last chunk is out: later deltas are dropped
@@ -166,23 +168,26 @@ class Choice:
         if self.prompt_only:
             return []
         entries = self._screened(d.logprobs)
-        self.new_reasoning = self.think_guard.feed(d.reasoning) + (self.think_guard.finish() if self.final else "")
+        # Answer text means the thoughts are over: what their guard still holds is released now, not at the end.
+        thoughts_over = bool(self.final or d.text)
+        self.new_reasoning = self.think_guard.feed(d.reasoning) + (self.think_guard.finish() if thoughts_over else "")
         text = self.guard.feed(d.text) + (self.guard.finish() if self.final else "")
         if self.new_reasoning and not self.blocked:
             self.reasoning.append(self.new_reasoning)
+            self.thoughts_shown += len(self.new_reasoning)
         if self.blocked:                       # the rest of this choice is not generated
             self.final = dataclasses.replace(
                 d, text="", finish_reason="content_filter", prompt_tokens=self.first.prompt_tokens,
                 completion_tokens=self.generated, served_by=d.served_by or self.first.served_by)
         else:
-            self.held_logprobs.extend((self.guard.fed, e) for e in entries)
+            self.held_logprobs.extend((self.think_guard.fed, self.guard.fed, e) for e in entries)
         # Out go the entries whose delta's text all went out (at the end, all of them unless blocked);
         # the rest of a blocked choice's are dropped with its held text.
         done = self.final is not None and not self.blocked
         cut = len(self.held_logprobs) if done else next(
-            (k for k, (end, _) in enumerate(self.held_logprobs) if end > self.guard.released),
-            len(self.held_logprobs))
-        self.new_logprobs = [e for _, e in self.held_logprobs[:cut]]
+            (k for k, (thought, end, _) in enumerate(self.held_logprobs)
+             if end > self.guard.released or thought > self.thoughts_shown), len(self.held_logprobs))
+        self.new_logprobs = [e for _, _, e in self.held_logprobs[:cut]]
         self.held_logprobs = [] if self.blocked else self.held_logprobs[cut:]
         self.logprobs.extend(self.new_logprobs)
         pieces: list[Piece] = []
@@ -205,13 +210,15 @@ class Choice:
         return kept
 
     def _screened(self, entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
-        """Entries without the top_logprobs alternatives that would complete an output rule's match."""
+        """Entries without the top_logprobs alternatives that would complete an output rule's match, in the
+        answer or in the thoughts (an entry's token may be either's)."""
         if not self.guard.policy.output:
             return list(entries)
         out, before = [], ""
         for e in entries:
             top = tuple(t for t in e.top if t.token_id == e.token_id
-                        or not self.guard.completes_match(before, t.token))
+                        or not (self.guard.completes_match(before, t.token)
+                                or self.think_guard.completes_match(before, t.token)))
             if len(top) != len(e.top):
                 self.filtered = True
                 e = dataclasses.replace(e, top=top)
