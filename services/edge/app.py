@@ -10,9 +10,10 @@ Bad requests are answered here, in OpenAI's error shape, and never reach the rou
 
 Admission, in order: one Authorization header and bounded session/replica headers (400), failed
 keys per client address (429), API key (401), request rate per caller (429), body size (413) and
-read time (408), parsing (400), requests in flight across all callers (503), token rate per caller
-(429); only then the router (services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1
-request heads are cut off by the protocol (services/edge/http11.py, services/edge/heads.py).
+read time (408), the signature of a key that must sign, every method (401: EdgeApp._signed), parsing
+(400), requests in flight across all callers (503), token rate per caller (429); only then the router
+(services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1 request heads are cut off by the
+protocol (services/edge/http11.py, services/edge/heads.py).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from services.edge.console import FILES, Page
 from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
+from services.edge.files_api import FORM_SLACK_BYTES, MAX_UPLOAD_BYTES, Files, FileStore
 from services.edge.files_api import PREFIX as FILES_PREFIX
-from services.edge.files_api import Files, FileStore
 from services.edge.lora_api import PATHS as LORA_PATHS
 from services.edge.lora_api import LoraApi
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
@@ -59,6 +60,7 @@ REPLICAS = "/admin/replicas"
 CONSOLE = "/admin/console"
 # No API key needed: the page's static files, liveness, Prometheus' scrape, the API's description.
 PUBLIC = ("/health", "/metrics", "/openapi.json", *FILES)
+BODILESS = ("GET", "HEAD", "DELETE", "OPTIONS")      # signed over an empty body
 ROUTES = ("/health", "/v1/models", "/metrics", "/openapi.json", "/v1/chat/completions", "/v1/completions",
           "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/files", "/v1/batches", *LORA_PATHS,
           *FILES)
@@ -122,7 +124,7 @@ class EdgeApp:
 
         try:
             route = self._admit(scope, headers, route, admin)
-            status = await route(scope, headers, receive, tracked_send)
+            status = await route(scope, headers, await self._signed(scope, headers, receive), tracked_send)
         except ApiError as exc:
             status = exc.status
             if not started:
@@ -167,10 +169,30 @@ class EdgeApp:
             self.admission.check_admin(scope, headers)
         elif path not in PUBLIC:
             scope["infermesh.caller"] = caller = self.admission.authenticate(scope, headers)
-            if method == "GET":
-                self.admission.check_signature(caller, scope, headers, b"")
             self.admission.limit_requests(caller)
         return route
+
+    async def _signed(self, scope: Scope, headers: dict[str, str], receive: Receive) -> Receive:
+        """The request's body stream, once a caller whose key must sign has signed this request, every method,
+        with a body or not (401); the body is read here to check it, and handed on to the route as it came."""
+        caller = scope.get("infermesh.caller")
+        if caller is None or caller.signing_secret is None:
+            return receive
+        if scope["method"] in BODILESS:
+            self.admission.check_signature(caller, scope, headers, b"")
+            return receive
+        limit = MAX_UPLOAD_BYTES + FORM_SLACK_BYTES if scope["path"] == FILES_PREFIX else self.config.max_body_bytes
+        body = await read_body(receive, headers, limit, self.config.body_timeout_s)
+        self.admission.check_signature(caller, scope, headers, body)
+        given = False
+
+        async def replay() -> Message:
+            nonlocal given
+            if given:
+                return await receive()           # after the body: the client's disconnect, as before
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return replay
 
     # -- simple routes -----------------------------------------------------------------
     async def health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
