@@ -59,7 +59,7 @@ def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.Rou
             setattr(sampling.constraint, c.kind, c.text)
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
-        history_from=spec.history_from,
+        history_from=spec.history_from, caller_stores_turn=spec.caller_stores_turn,
         pinned_replica=spec.pinned_replica, model_version=spec.model_version, tenant=spec.tenant,
         include_token_ids=True, resume_ids=list(resume_ids), cache_class=spec.cache_class, weight=spec.weight,
         priority=common_pb2.PRIORITY_BATCH if spec.priority == "batch" else common_pb2.PRIORITY_INTERACTIVE)
@@ -179,6 +179,13 @@ class RouterClient:
         r = await self._stub.Detokenize(router_pb2.DetokenizeRequest(model=model, ids=ids), timeout=timeout,
                                         metadata=outgoing_metadata())
         return str(r.text)
+
+    async def store_turn(self, spec: GenerateSpec, answer: Message, timeout: float = 10.0) -> None:
+        """Store the turn of `spec` (a Generate with caller_stores_turn) with `answer`, as the caller gave it out."""
+        await self._stub.StoreTurn(router_pb2.StoreTurnRequest(
+            tenant=spec.tenant, session_id=spec.session_id, history_from=spec.history_from,
+            messages=[to_pb(m) for m in spec.messages], answer=to_pb(answer)), timeout=timeout,
+            metadata=outgoing_metadata())
 
     async def forget_conversation(self, session_id: str, tenant: str = "", timeout: float = 10.0) -> bool:
         """Delete a stored conversation (a session, a stored response) of `tenant` (the edge's) or the caller's."""

@@ -1,13 +1,12 @@
 """RouterPool: the edge's way to every router, with the RouterClient interface.
 
-Requests are spread over the routers (fewest of this edge's calls in flight, ties in turn) that
-answer their health checks; a probe every `probe_interval_s` follows each one, and with Consul
-the list itself follows the `router` registrations.  When a router dies mid-stream (its process
-gone, or silent past the channel's keepalive), the stream goes on through another router from
-the prompt and the token ids the client already has (`resume_ids`), on the same model version:
-the caller sees one stream, no token lost or repeated, exactly as a router resumes a stream when an
-engine dies.  A status the router itself answered (it carries grpcutil.ANSWERED) is the answer
-about the request and is raised as it is.
+Requests are spread over the routers (fewest of this edge's calls in flight, ties in turn) that answer their
+health checks; a probe every `probe_interval_s` follows each one, and with Consul the list itself follows the
+`router` registrations.  When a router dies mid-stream (its process gone, or silent past the channel's
+keepalive), the stream goes on through another router from the prompt and the token ids the client already
+has (`resume_ids`), on the same model version: the caller sees one stream, no token lost or repeated, exactly
+as a router resumes a stream when an engine dies.  A status the router itself answered (it carries
+grpcutil.ANSWERED) is the answer about the request and is raised as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from mesh.clients.router_client import (
     Delta,
     GenerateSpec,
     LoraCard,
+    Message,
     ModelCard,
     ModelRouting,
     RouterClient,
@@ -221,6 +221,9 @@ class RouterPool:
         result: str = await self._first(lambda c: c.detokenize(model, ids, timeout))
         return result
 
+    async def store_turn(self, spec: GenerateSpec, answer: Message, timeout: float = 10.0) -> None:
+        await self._first(lambda c: c.store_turn(spec, answer, timeout))
+
     async def forget_conversation(self, session_id: str, tenant: str = "", timeout: float = 10.0) -> bool:
         result: bool = await self._first(lambda c: c.forget_conversation(session_id, tenant, timeout))
         return result
@@ -332,8 +335,7 @@ async def _close_later(client: RouterClient, delay_s: float) -> None:
 
 async def _serving(client: RouterClient, timeout: float = 1.0) -> bool:
     try:
-        reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(),
-                                                                        timeout=timeout)
+        reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
     except grpc.aio.AioRpcError:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -45,6 +45,7 @@ class GenerateSpec:
     prompt_ids: tuple[int, ...] | None = None   # a prompt already tokenized
     session_id: str = ""
     history_from: str = ""                 # with session_id: continue the conversation stored under this one
+    caller_stores_turn: bool = False       # with session_id: the router stores no turn; the caller does (store_turn)
     pinned_replica: str = ""
     request_id: str = ""
     model_version: str = ""                # pin a version (also `model@version`)

@@ -80,6 +80,9 @@ def _check_fields(body: dict[str, Any], allowed: set[str], session_id: str) -> i
     if n > 1 and (session_id or body.get("user")):
         raise ApiError(400, "'n' > 1 cannot continue a session (x-session-id or 'user'): only one answer can "
                        "join its history; send n=1, or leave the session out", "n")
+    if str(session_id or body.get("user") or "").startswith("resp_"):     # another surface's conversations
+        raise ApiError(400, "a session id starting with 'resp_' would name a stored response's conversation; "
+                       "continue a response with POST /v1/responses and previous_response_id", "user")
     return n
 
 

@@ -27,12 +27,13 @@ from typing import Any
 import grpc
 
 from mesh import tools
+from mesh.chat import Message
 from mesh.clients.router_client import Delta, GenerateSpec
 from mesh.clients.router_pool import Routers
 from mesh.tool_stream import CallFragment
 from services.edge import requests
 from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
-from services.edge.choices import Choice, fan_out
+from services.edge.choices import Choice, fan_out, stop
 from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
@@ -65,14 +66,14 @@ class Output:
         self.thoughts: list[str] = []                      # its text so far
         self.final: Delta | None = None
 
-    def body(self, status: str) -> dict[str, Any]:
+    def body(self, status: str, reason: str = "max_output_tokens") -> dict[str, Any]:
         final = self.final
         usage = None if final is None else {
             "input_tokens": final.prompt_tokens, "output_tokens": final.completion_tokens,
             "total_tokens": final.prompt_tokens + final.completion_tokens,
             "input_tokens_details": {"cached_tokens": final.cached_tokens},
             "output_tokens_details": {"reasoning_tokens": 0}}
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        incomplete = {"reason": reason} if status == "incomplete" else None
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": list(self.items), "usage": usage, "error": None,
                 "incomplete_details": incomplete, **self.request.echo}
@@ -201,17 +202,20 @@ class Responses:
         spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
                                    cache_class=caller.tier.cache_class, weight=caller.tier.weight,
                                    session_id=rid if request.store else "", history_from=request.previous,
+                                   caller_stores_turn=request.store,
                                    model_version=headers.get("x-infermesh-model-version", "").strip())
         charge = self.completions.admission.enter(caller, spec)
         try:
             if request.stream:
                 return await self._stream(request, spec, Choice(0, True, spec, "", policy), charge, receive, send)
             output = Output(rid, spec.model, request, _silent)
-            done = await unless_gone(self._run(spec, Choice(0, True, spec, "", policy), output, charge), receive)
+            choice = Choice(0, True, spec, "", policy)
+            done = await unless_gone(self._run(spec, choice, output, charge), receive)
             if done is None:
                 return 499
-            body = output.body(done)
+            body = output.body(done, _reason(choice))
             if request.store:
+                await self._store_turn(spec, choice)
                 await self._keep(caller.tenant, rid, body)
             await send_json(send, 200, body)
             return 200
@@ -228,13 +232,27 @@ class Responses:
         except ApiError as exc:
             log.warning("response %s not kept for GET /v1/responses/%s: %s", rid, rid, exc.message)
 
-    async def _run(self, spec: GenerateSpec, choice: Choice, output: Output, charge: Any) -> str:
-        """Relay the answer into `output`; its final status (completed, incomplete)."""
+    async def _store_turn(self, spec: GenerateSpec, choice: Choice) -> None:
+        """The turn joins the stored conversation as it went out: the released text and the calls as calls (the
+        router stores nothing for a Generate with caller_stores_turn)."""
+        text = "".join(choice.parts)
+        calls = json.dumps([c.as_dict() for c in choice.calls]) if choice.calls else ""
         try:
-            async for _, delta in fan_out(self.router, [spec], 1, self.config.request_timeout_s):
+            await self.router.store_turn(spec, Message("assistant", text.strip() if calls else text, tool_calls=calls))
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+
+    async def _run(self, spec: GenerateSpec, choice: Choice, output: Output, charge: Any) -> str:
+        """Relay the answer into `output`; its final status (completed, incomplete).  A choice the output rules
+        block is stopped there: its engine generates no more of it."""
+        running: dict[int, asyncio.Task[None]] = {}
+        try:
+            async for _, delta in fan_out(self.router, [spec], 1, self.config.request_timeout_s, running):
                 charge.started = True
                 output.model = delta.served_by.model if delta.served_by else output.model
                 pieces = choice.add(delta)
+                if choice.blocked:
+                    stop(running, 0)
                 if choice.new_reasoning and not choice.blocked:
                     await output.thought(choice.new_reasoning)
                 for piece in pieces:
@@ -271,8 +289,9 @@ class Responses:
             done = await unless_gone(self._run(spec, choice, output, charge), receive)
             if done is None:
                 return 499
-            body = output.body(done)
+            body = output.body(done, _reason(choice))
             if request.store:
+                await self._store_turn(spec, choice)
                 await self._keep(spec.tenant, spec.request_id, body)
             await emit(f"response.{done}", {"response": body})
         except ApiError as exc:
@@ -283,6 +302,11 @@ class Responses:
             await emit("error", error_body("internal error", "server_error", None)["error"])
         await send({"type": "http.response.body", "body": b""})
         return 200
+
+
+def _reason(choice: Choice) -> str:
+    """An incomplete response's reason: the output rules', or the token limit's."""
+    return "content_filter" if choice.finish_reason == "content_filter" else "max_output_tokens"
 
 
 async def _silent(kind: str, fields: dict[str, Any]) -> None:

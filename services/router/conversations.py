@@ -1,6 +1,7 @@
-"""The router's ForgetConversation RPC: delete a stored conversation of the caller's tenant (a session, or
-a stored response of the edge's Responses API, whose id is its session id).  A mixin of RouterServicer
-(services/router/server.py), which holds the callers and the session-store client."""
+"""The router's conversation RPCs: ForgetConversation deletes a stored conversation of the caller's tenant (a
+session, or a stored response of the edge's Responses API, whose id is its session id); StoreTurn appends a
+turn whose Generate left the storing to its caller (the edge stores what its output rules released).  A mixin
+of RouterServicer (services/router/server.py), which holds the callers and the session-store client."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from mesh.chat import from_pb
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import rpc_errors
 from mesh.request_limits import name_problem
 from meshpb.v1 import router_pb2
-from services.router.sessions import session_key
+from services.router.sessions import merge, session_key
 
 if TYPE_CHECKING:
     from services.router.callers import Callers
@@ -32,3 +34,23 @@ class ConversationRPCs:
             raise InvalidArgument(refused or "session_id is empty")
         found = await self.sessions.forget(session_key(caller.tenant, request.session_id))
         return router_pb2.ForgetConversationResponse(found=found)
+
+    @rpc_errors
+    async def StoreTurn(self, request: router_pb2.StoreTurnRequest,
+                        context: grpc.aio.ServicerContext) -> router_pb2.StoreTurnResponse:
+        """The turn stored as Generate stores it: the conversation it continued (history_from's, stored again
+        under session_id), the request's new messages, then the answer as the caller gave it out."""
+        caller = self.callers.caller(context, request.tenant)
+        for what, value in (("session_id", request.session_id), ("history_from", request.history_from)):
+            refused = name_problem(what, value)
+            if refused:
+                raise InvalidArgument(refused)
+        if not request.session_id:
+            raise InvalidArgument("session_id is empty")
+        if request.answer.role != "assistant":
+            raise InvalidArgument("answer.role must be 'assistant'")
+        session = session_key(caller.tenant, request.session_id)
+        history, branched = await self.sessions.continued(caller.tenant, request.history_from, session, True)
+        _, new = merge(history, [from_pb(m) for m in request.messages])
+        await self.sessions.remember(session, [*(history if branched else ()), *new, from_pb(request.answer)])
+        return router_pb2.StoreTurnResponse()

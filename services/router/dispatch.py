@@ -70,7 +70,7 @@ class Dispatcher:
         key = session_key(request.tenant, request.session_id)
         chat = request.WhichOneof("input") == "chat"
         session = key if chat else ""
-        history, branched = await self.sessions.continued(request, session, chat)
+        history, branched = await self.sessions.continued(request.tenant, request.history_from, session, chat)
         conversation, new = merge(history, incoming)
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
@@ -85,8 +85,9 @@ class Dispatcher:
             async for reply in self._attempts(hop):
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    await self.sessions.remember(session, [*(history if branched else ()), *new,
-                                                           Message("assistant", "".join(answer))])
+                    if not request.caller_stores_turn:      # else the caller stores what it gave out (StoreTurn)
+                        await self.sessions.remember(session, [*(history if branched else ()), *new,
+                                                               Message("assistant", "".join(answer))])
                     # Before the last message (the caller may close us after it).  A degraded answer is
                     # a fallback's, not the primary's: no mirror compares with it.
                     served = None if reply.served_by.degraded else ("".join(answer), time.monotonic() - started)

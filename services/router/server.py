@@ -8,7 +8,7 @@ The parts it is built from do the work:
     engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf)
     admin.py     Admin: models, version routing and replicas, as plain values
     tokens.py    TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
-    conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted)
+    conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted), StoreTurn
     lora_rpcs.py LoraRPCs: LoRA adapters loaded, unloaded, listed (the work: lora.py)
 
 The policies (policies/), failover (failover/) and stop strings (stops.py) are pure code.

@@ -196,17 +196,17 @@ class Sessions:
         return Unavailable(f"the session store {self.address} is unreachable ({_why(err)}): {what}; "
                            f"retry in {wait} s", retry_after_s=wait)
 
-    async def continued(self, request: router_pb2.RouterGenerateRequest, session: str, chat: bool
+    async def continued(self, tenant: str, history_from: str, session: str, chat: bool
                         ) -> tuple[list[Message], bool]:
-        """The stored conversation a chat continues (its session's, or history_from's), and whether it came
-        from another session (history_from: the whole of it is stored again under the request's own)."""
-        if not request.history_from:
+        """The stored conversation a chat continues (its session's, or `history_from`'s of `tenant`), and
+        whether it came from another session (history_from: the whole of it is stored again under `session`)."""
+        if not history_from:
             return await self.history(session), False
         if not chat:
             raise InvalidArgument("history_from needs chat messages")
-        history = await self.history(session_key(request.tenant, request.history_from))
+        history = await self.history(session_key(tenant, history_from))
         if not history:
-            raise NotFound(f"no stored conversation {request.history_from!r}")
+            raise NotFound(f"no stored conversation {history_from!r}")
         return history, True
 
     async def history(self, session_id: str) -> list[Message]:

@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mesh.chat import Message
 from mesh.clients.router_client import Delta, GenerateSpec, ServedBy
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
@@ -29,6 +30,7 @@ class FakeRouter:
         served = ServedBy("engine-0", "m", "1", "local", False, 1.0)
         self.deltas = deltas or [Delta("Hi"), Delta("!", "stop", 7, 2, served_by=served)]
         self.release: asyncio.Event | None = None
+        self.turns: list[tuple[GenerateSpec, Message]] = []     # store_turn's (the edge stores what it released)
 
     address = "127.0.0.1:1"
 
@@ -45,6 +47,9 @@ class FakeRouter:
             await self.release.wait()
         for d in self.deltas:
             yield d
+
+    async def store_turn(self, spec: GenerateSpec, answer: Message, timeout: float = 10.0) -> None:
+        self.turns.append((spec, answer))
 
 
 async def asgi(app: EdgeApp, method: str, path: str, body: bytes | None = b"", headers: dict[str, str] | None = None,

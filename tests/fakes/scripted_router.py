@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from mesh.chat import Message
 from mesh.clients.router_client import Delta, GenerateSpec, ModelCard, ServedBy, TokenLogprob, TopLogprob
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
@@ -40,6 +41,8 @@ class ScriptedRouter:
         self.deltas = deltas
         self.calls: list[GenerateSpec] = []
         self.versions = versions
+        self.turns: list[tuple[GenerateSpec, Message]] = []     # store_turn's (the edge stores what it released)
+        self.sent = 0                                           # deltas yielded, over every call
 
     async def healthy(self) -> bool:
         return True
@@ -54,8 +57,12 @@ class ScriptedRouter:
     async def generate(self, spec: GenerateSpec, timeout: float | None = None) -> AsyncIterator[Delta]:
         self.calls.append(spec)
         for d in self.deltas:
+            self.sent += 1
             yield d
             await asyncio.sleep(0)
+
+    async def store_turn(self, spec: GenerateSpec, answer: Message, timeout: float = 10.0) -> None:
+        self.turns.append((spec, answer))
 
 
 def app(router: ScriptedRouter, **config: Any) -> EdgeApp:

@@ -17,7 +17,7 @@ def test_generated_modules_import(name: str) -> None:
     ("tokenizer", {"ApplyChatTemplate", "Encode", "GetTokenizerJson"}),
     ("engine", {"Generate", "Abort", "WatchLoad", "GetInfo", "LoadVersion", "Drain", "LoadAdapter", "UnloadAdapter"}),
     ("router", {"Generate", "ListModels", "ListReplicas", "GetModelRouting", "SetModelRouting", "LoadModelVersion",
-                "DrainReplica", "AddReplica", "Tokenize", "Detokenize", "ForgetConversation", "LoadLoraAdapter",
+                "DrainReplica", "AddReplica", "Tokenize", "Detokenize", "ForgetConversation", "StoreTurn", "LoadLoraAdapter",
                 "UnloadLoraAdapter", "ListLoraAdapters"}),
     ("cache", {"PutBlocks", "GetBlocks", "MatchPrefix", "GetStats", "GetSession", "AppendSession",
                "DeleteSession", "GetCheckpointFile", "GetResponse", "PutResponse", "PutObject", "GetObject",
