@@ -131,7 +131,8 @@ def _cmd_model(a: argparse.Namespace) -> int:
         elif a.action == "path":
             print(models.path(a.name))
         elif a.action == "register" and a.folder.lower().endswith(".gguf"):
-            print(models.import_gguf(a.name, a.folder, check=engine_check))
+            source = Path(a.folder).expanduser()
+            print(models.import_gguf(a.name, a.folder, check=lambda folder: engine_check(folder, source)))
         elif a.action == "register":
             engine_check(models.validate_folder(a.folder))
             print(models.register(a.name, a.folder, a.task))
@@ -150,15 +151,25 @@ def _cmd_model(a: argparse.Namespace) -> int:
     return 0
 
 
-def engine_check(folder: Path) -> None:
-    """Raise ModelError when the engine cannot run the folder's config (the field it refuses named)."""
+def engine_check(folder: Path, gguf: Path | None = None) -> None:
+    """Raise ModelError when the engine cannot run the folder's config (the field it refuses named), or when its
+    GGUF's tensors disagree with it (the tensor named: models/gguf_check.py).  `gguf`: the file the folder's
+    model.gguf was made from, named in the message instead of the folder's copy."""
     from mesh import models
+    from mesh.models.gguf_header import GgufError
     from services.engine.models.config import LlamaConfig
+    from services.engine.models.gguf_check import check_file
 
     try:
-        LlamaConfig.from_folder(folder)
+        config = LlamaConfig.from_folder(folder)
     except (ValueError, KeyError) as exc:
         raise models.ModelError(f"{folder}: the engine cannot run this config: {exc}") from exc
+    file = gguf or folder / "model.gguf"
+    if gguf is not None or file.is_file():
+        try:
+            check_file(file, config)
+        except GgufError as exc:
+            raise models.ModelError(str(exc)) from exc
 
 
 def engine_view(folder: Path) -> str:

@@ -153,8 +153,10 @@ def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None
     and tokenizer beside it); nothing is de-quantized on disk.
 
     The tensors' GGUF types go into the marker (`infermesh model inspect` shows them).  Refuses a name
-    already registered or in the catalog, and a file that is not a GGUF; `check(folder)` (the engine's
-    config check) may refuse the converted folder (raising ModelError) before anything is kept."""
+    already registered or in the catalog, a file that is not a GGUF and one whose header or tensors do not fit
+    the file (mesh/models/gguf_header.py); `check(folder)` (the engine's config and tensor check) may refuse the
+    converted folder (raising ModelError) before anything is kept."""
+    from mesh.models.gguf_header import GgufError, read_header
     from mesh.models.store import register
 
     source = Path(gguf_file).expanduser().resolve()
@@ -163,6 +165,10 @@ def import_gguf(name: str, gguf_file: str | Path, progress: Callable[[str], None
     with source.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelError(f"{source} is not a GGUF file (no GGUF magic)")
+    try:            # its header and each tensor's place in the file, before transformers reads any of it
+        read_header(source).require_tensors()
+    except GgufError as exc:
+        raise ModelError(str(exc)) from None
     key = canonical(name)
     if key in CATALOG or key in load_registry():
         raise ModelError(f"{name!r} is already a model name; import the GGUF under another name")

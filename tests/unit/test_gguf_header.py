@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from mesh.models.gguf_header import HeaderError, SkippedArray, read_header, tensor_data
+from mesh.models.gguf_header import GgufError, SkippedArray, read_header, tensor_data
 
 
 def write_file(path: Path) -> None:
@@ -60,15 +60,15 @@ def test_the_header_and_tensors_equal_gguf_pys_reader(tmp_path: Path) -> None:
 def test_what_is_not_a_gguf_file_is_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"PK\x03\x04 not a gguf")
-    with pytest.raises(HeaderError, match=r"x\.gguf: not a GGUF file"):
+    with pytest.raises(GgufError, match=r"x\.gguf: not a GGUF file"):
         read_header(path)
     path.write_bytes(b"GGUF" + (9).to_bytes(4, "little"))
-    with pytest.raises(HeaderError, match="GGUF version 9"):
+    with pytest.raises(GgufError, match="GGUF version 9"):
         read_header(path)
     good = tmp_path / "good.gguf"
     write_file(good)
     path.write_bytes(good.read_bytes()[:200])
-    with pytest.raises(HeaderError, match="ends early"):
+    with pytest.raises(GgufError, match="ends early"):
         read_header(path)
-    with pytest.raises(HeaderError, match="no string 'general.nothing'"):
+    with pytest.raises(GgufError, match="no string 'general.nothing'"):
         read_header(good).string("general.nothing")

@@ -47,8 +47,9 @@ def _weights(seed: int = 0) -> dict[str, np.ndarray]:
             "blk.0.ffn_up.weight": g.normal(0, 0.1, (2 * H, H))}
 
 
-def _folder(tmp_path: Path, arch: str, types: dict[str, Q]) -> tuple[Path, dict[str, np.ndarray]]:
-    raw = {k: v.astype(np.float32) for k, v in _weights().items()}
+def _folder(tmp_path: Path, arch: str, types: dict[str, Q], extra: dict[str, np.ndarray] | None = None
+            ) -> tuple[Path, dict[str, np.ndarray]]:
+    raw = {k: v.astype(np.float32) for k, v in {**_weights(), **(extra or {})}.items()}
     _write(tmp_path / "model.gguf", arch, {k: (v, types.get(k, Q.F32)) for k, v in raw.items()})
     return tmp_path, raw
 
@@ -133,11 +134,14 @@ def test_tuning_times_the_files_own_blocks(tmp_path: Path) -> None:
 
     from services.engine import tune
 
+    # Every tensor the forward reads, and a config they fit: tuning loads the folder as the engine does (its
+    # tensors checked against the config first, models/gguf_check.py).
     folder, _ = _folder(tmp_path, "qwen2", {"blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_k.weight": Q.Q5_0,
-                                            "blk.0.attn_v.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q8_0})
+                                            "blk.0.attn_v.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q8_0},
+                        {"blk.0.ffn_norm.weight": np.ones(H)})
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": KV,
-        "intermediate_size": 2 * H, "num_hidden_layers": 1}))
+        "intermediate_size": 2 * H, "num_hidden_layers": 1, "vocab_size": 96, "tie_word_embeddings": True}))
     assert "gguf" in tune.candidates(folder) and "gguf" not in tune.candidates(None)
     layers, gemms = tune.shapes(folder)
     table = tune.measure(layers, gemms, ["gguf"], reps=1, folder=folder)

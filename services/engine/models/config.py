@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.engine.models import gguf_weights, rope
+from services.engine.models import gguf_check, gguf_weights, rope
 from services.engine.models.gguf_weights import Weight
 
 # Gemma2Config's defaults (transformers), for the fields a Gemma 2 config.json may leave out.
@@ -150,13 +150,13 @@ def _dense(weight: Weight | None) -> torch.Tensor | None:
 
 def load_weights(folder: Path) -> dict[str, Weight]:
     """The folder's weights by Hugging Face name: its safetensors, or its GGUF file (quantized tensors kept
-    as blocks: models/gguf_weights.py)."""
+    as blocks: models/gguf_weights.py), its tensors first checked against the config (models/gguf_check.py:
+    GgufError naming the tensor; a replica never serves weights its kernels would fail on)."""
     from safetensors.torch import load_file
 
     if gguf_weights.has_gguf(folder):
-        c = json.loads((folder / "config.json").read_text())
-        heads = c["num_attention_heads"]
-        return gguf_weights.load(folder, c["num_hidden_layers"], heads, c.get("num_key_value_heads", heads))
+        config = check_weights(folder)
+        return gguf_weights.load(folder, config.num_layers, config.num_heads, config.num_kv_heads)
 
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
@@ -165,3 +165,12 @@ def load_weights(folder: Path) -> dict[str, Weight]:
     for name in files:
         weights.update(load_file(str(folder / name)))
     return weights
+
+
+def check_weights(folder: Path) -> LlamaConfig:
+    """The folder's config, its GGUF's tensors checked against it (models/gguf_check.py; GgufError naming the
+    tensor): before a load, and before a hot swap frees the running weights for one that would fail."""
+    config = LlamaConfig.from_folder(folder)
+    if gguf_weights.has_gguf(folder):
+        gguf_check.check_file(folder / gguf_weights.FILE, config)
+    return config

@@ -105,28 +105,40 @@ def _tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
         return torch.from_numpy(array).clone()
 
 
+def hf_names(arch_name: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name of each tensor the forward may read, by gguf-py's tensor-name map of
+    the file's architecture (the first Hugging Face name wins where two map to one tensor)."""
+    import gguf
+
+    from mesh.models.gguf_header import GgufError
+
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name), None)
+    if arch is None:
+        raise GgufError(f"{FILE}: gguf-py does not know the architecture {arch_name!r}")
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    names: dict[str, str] = {}
+    for base in (*_TOP, *(f"model.layers.{i}.{part}" for i in range(num_layers) for part in _LAYER)):
+        found = name_map.get_name(base)
+        if found is not None:
+            names.setdefault(found + ".weight", base + ".weight")
+            names.setdefault(found + ".bias", base + ".bias")
+    return names
+
+
 def load(folder: Path, num_layers: int, num_heads: int, num_kv_heads: int) -> dict[str, Weight]:
-    """The weights of `folder`/model.gguf by Hugging Face name (see the module's docstring)."""
+    """The weights of `folder`/model.gguf by Hugging Face name (see the module's docstring).  Their shapes and types
+    are not checked here: the engine's load_weights (models/config.py) runs models/gguf_check.py first."""
     import gguf
 
     from mesh.models.gguf_header import read_header, tensor_data
 
     header = read_header(Path(folder) / FILE)
     arch_name = header.string("general.architecture")
-    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name), None)
-    if arch is None:
-        raise ValueError(f"{FILE}: gguf-py does not know the architecture {arch_name!r}")
-    name_map = gguf.get_tensor_name_map(arch, num_layers)
-    hf_names: dict[str, str] = {}
-    for base in (*_TOP, *(f"model.layers.{i}.{part}" for i in range(num_layers) for part in _LAYER)):
-        found = name_map.get_name(base)
-        if found is not None:
-            hf_names.setdefault(found + ".weight", base + ".weight")
-            hf_names.setdefault(found + ".bias", base + ".bias")
+    names = hf_names(arch_name, num_layers)
     mapped = np.memmap(header.path, np.uint8, "c")
     weights: dict[str, Weight] = {}
     for t in header.tensors:
-        name = hf_names.get(t.name)
+        name = names.get(t.name)
         if name is None:
             continue                          # e.g. rope_freqs: derived from the config, as transformers does
         qtype = gguf.GGMLQuantizationType(t.qtype)
