@@ -19,9 +19,11 @@ from typing import Any
 import grpc
 
 from mesh import tools
+from mesh.chat import Message
 from mesh.clients.router_client import Delta, GenerateSpec, TokenLogprob
 from mesh.clients.router_pool import Routers
 from mesh.tool_stream import CallFragment
+from services.edge.errors import from_grpc
 from services.edge.responses import LogprobFormatter
 from services.edge.safety import NO_RULES, ContentPolicy, OutputGuard
 
@@ -312,3 +314,14 @@ def meta(choices: Sequence[Choice]) -> dict[str, Any] | None:
         out["choices"] = [{"index": c.index, "replica": c.final.served_by.replica if c.final.served_by else "",
                            "cached_tokens": c.final.cached_tokens} for c in choices if c.final is not None]
     return out
+
+
+async def store_turn(router: Routers, spec: GenerateSpec, choice: Choice) -> None:
+    """Store the choice's turn as it went out (for a Generate with caller_stores_turn, whose router stores none):
+    the text released, and its calls as calls."""
+    text = "".join(choice.parts)
+    calls = json.dumps([c.as_dict() for c in choice.calls]) if choice.calls else ""
+    try:
+        await router.store_turn(spec, Message("assistant", text.strip() if calls else text, tool_calls=calls))
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None

@@ -57,6 +57,7 @@ class CompletionHop:
     n: int
     include_usage: bool
     charge: Charge
+    stored: GenerateSpec | None = None      # a session's turn the edge stores (choices.store_turn), as released
 
 
 class Completions:
@@ -119,9 +120,11 @@ class Completions:
                     return await _replay(chat, entry, stream, include_usage, scope, send)
         charge = self.admission.enter(caller, spec)
         rid = responses.new_id(chat)
+        # Under output rules a session's turn is stored as it went out, by the edge (the router's would be raw).
         spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
                                    cache_class=caller.tier.cache_class, weight=caller.tier.weight,
-                                   model_version=pinned)
+                                   model_version=pinned, caller_stores_turn=bool(chat and spec.session_id
+                                                                                 and policy.output))
         calls = choices.specs(spec)
         running: dict[int, asyncio.Task[None]] = {}
         answers = [Choice(i, chat, spec, call.prompt or "", policy) for i, call in enumerate(calls)]
@@ -133,7 +136,8 @@ class Completions:
                                                 attributes={"request_id": rid, "stream": stream,
                                                             "choices": len(answers)}):
                 deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
-                hop = CompletionHop(chat, rid, deltas, answers, spec.n, include_usage, charge)
+                hop = CompletionHop(chat, rid, deltas, answers, spec.n, include_usage, charge,
+                                    spec if spec.caller_stores_turn else None)
                 whole = None
                 if stream:
                     status = await self._stream(hop, receive, send)
@@ -159,6 +163,8 @@ class Completions:
         # watch for its disconnect, or an abandoned request would run to max_tokens.
         if await unless_gone(_collect(hop.deltas, answers, charge), receive) is None:
             return 499, None
+        if hop.stored is not None:
+            await choices.store_turn(self.router, hop.stored, answers[0])
         use = choices.usage(answers, hop.n)
         charge.used = use["total_tokens"]
         DURATION.observe(time.monotonic() - started)
@@ -249,6 +255,8 @@ class Completions:
                     answer.stop_call()
                 if answer.final is not None:
                     answer.cut = True
+                    if hop.stored is not None:
+                        await choices.store_turn(self.router, hop.stored, answer)
                     await emit(responses.chunk_body(head, "", answer.finish_reason, final=answer.final,
                                                     index=index))
                 item = await anext(deltas, None)
@@ -260,6 +268,8 @@ class Completions:
         except grpc.aio.AioRpcError as err:
             status, kind = http_status(err.code())
             await emit(error_body(err.details() or "generation failed", kind, status))
+        except ApiError as exc:                 # the turn not stored (choices.store_turn)
+            await emit(exc.body())
 
 
 def _whole_body(chat: bool, rid: str, answers: list[Choice], use: dict[str, Any]) -> dict[str, Any]:

@@ -27,13 +27,12 @@ from typing import Any
 import grpc
 
 from mesh import tools
-from mesh.chat import Message
 from mesh.clients.router_client import Delta, GenerateSpec
 from mesh.clients.router_pool import Routers
 from mesh.tool_stream import CallFragment
 from services.edge import requests
 from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
-from services.edge.choices import Choice, fan_out, stop
+from services.edge.choices import Choice, fan_out, stop, store_turn
 from services.edge.completions import Completions
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
@@ -215,7 +214,7 @@ class Responses:
                 return 499
             body = output.body(done, _reason(choice))
             if request.store:
-                await self._store_turn(spec, choice)
+                await store_turn(self.router, spec, choice)
                 await self._keep(caller.tenant, rid, body)
             await send_json(send, 200, body)
             return 200
@@ -231,16 +230,6 @@ class Responses:
             await self.stored.put(tenant, "response", rid, json.dumps(body).encode())
         except ApiError as exc:
             log.warning("response %s not kept for GET /v1/responses/%s: %s", rid, rid, exc.message)
-
-    async def _store_turn(self, spec: GenerateSpec, choice: Choice) -> None:
-        """The turn joins the stored conversation as it went out: the released text and the calls as calls (the
-        router stores nothing for a Generate with caller_stores_turn)."""
-        text = "".join(choice.parts)
-        calls = json.dumps([c.as_dict() for c in choice.calls]) if choice.calls else ""
-        try:
-            await self.router.store_turn(spec, Message("assistant", text.strip() if calls else text, tool_calls=calls))
-        except grpc.aio.AioRpcError as err:
-            raise from_grpc(err) from None
 
     async def _run(self, spec: GenerateSpec, choice: Choice, output: Output, charge: Any) -> str:
         """Relay the answer into `output`; its final status (completed, incomplete).  A choice the output rules
@@ -291,7 +280,7 @@ class Responses:
                 return 499
             body = output.body(done, _reason(choice))
             if request.store:
-                await self._store_turn(spec, choice)
+                await store_turn(self.router, spec, choice)
                 await self._keep(spec.tenant, spec.request_id, body)
             await emit(f"response.{done}", {"response": body})
         except ApiError as exc:

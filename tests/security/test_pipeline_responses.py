@@ -106,3 +106,21 @@ def test_a_chat_session_cannot_name_a_stored_response(headers: dict[str, str], e
                                      {**body, "user": "alice"} if extra else body, {"x-session-id": "s-1"})
         assert status == 200 and router.calls[0].session_id == "s-1"
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_sessions_turn_under_output_rules_is_stored_as_released(policy: str, stream: bool) -> None:
+    """The same for chat sessions: under output rules the edge stores the turn (the router's copy would be raw)."""
+    async def main() -> None:
+        router = ScriptedRouter(tokens(ESSAY))
+        body = {"model": "m", "messages": [{"role": "user", "content": "France?"}], "stream": stream}
+        status, _, raw = await request(app(router, content_policy=policy), "POST", "/v1/chat/completions", body,
+                                       {"x-session-id": "s-1"})
+        assert status == 200 and router.calls[0].caller_stores_turn
+        (spec, answer), = router.turns
+        assert spec.session_id == "s-1" and answer.content == "The capital of France is " and router.sent < 20
+        # without output rules the router stores the turn itself, as before
+        plain = ScriptedRouter(tokens(["ok"]))
+        await request(app(plain), "POST", "/v1/chat/completions", body, {"x-session-id": "s-1"})
+        assert not plain.calls[0].caller_stores_turn and plain.turns == []
+    asyncio.run(main())
