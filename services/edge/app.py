@@ -72,8 +72,8 @@ class EdgeApp:
         self.router = router
         self.admission = Admission(config)
         self.completions = Completions(config, router, self.admission)
-        self.tokenizing = Tokenizing(config, router, self.completions.read_json)
-        self.embeddings = Embeddings(config, router, self.admission, self.completions.read_json)
+        self.tokenizing = Tokenizing(config, router, self.completions.read_json, self.completions.screened_json)
+        self.embeddings = Embeddings(config, router, self.admission, self.completions.screened_json)
         self.stored = StoredObjects(config.cache_service)     # responses, files, batches (services/edge/stored.py)
         self.responses = Responses(config, router, self.completions, self.stored)
         files = FileStore(self.stored)

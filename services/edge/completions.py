@@ -91,6 +91,13 @@ class Completions:
         """The body as JSON (its signature, for a key that must sign, was checked by the app: EdgeApp._signed)."""
         return parse_json(await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s))
 
+    async def screened_json(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
+        """The body as JSON, once the input rules pass every text of it that reaches the model (the routes with
+        no completion of their own: /tokenize, /v1/embeddings)."""
+        body = await self.read_json(scope, receive, headers)
+        await self.check_input(self.safety.current(), body, scope["infermesh.caller"])
+        return body
+
     async def chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         body = await self.read_json(scope, receive, headers)
         spec = requests.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),

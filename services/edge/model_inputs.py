@@ -29,7 +29,8 @@ FIELDS = {
     "grammar": "the grammar, as written",
     "stop": "each stop sequence",
     "instructions": "the Responses API's instructions",
-    "input": "the Responses API's input items",
+    "input": "the Responses API's input items; the embeddings' inputs",
+    "chat_template_kwargs": "each variable's name and value (the template writes them into the prompt)",
 }
 
 
@@ -81,8 +82,8 @@ def _message(m: Any, i: int) -> Iterator[tuple[str, str]]:
 def texts(body: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, text) for every text in `body` that reaches the model, in the order the model sees them."""
     out: list[tuple[str, str]] = []
-    for field in ("instructions", "tools", "messages", "input", "prompt", "suffix", "response_format", "regex",
-                  "grammar", "stop"):
+    for field in ("chat_template_kwargs", "instructions", "tools", "messages", "input", "prompt", "suffix",
+                  "response_format", "regex", "grammar", "stop"):
         value = body.get(field)
         if value is None:
             continue

@@ -75,11 +75,11 @@ def parse_detokenize(body: dict[str, Any]) -> tuple[str, list[int]]:
 class Tokenizing:
     """The two routes' handlers (app.py routes them; the caller is admitted by then)."""
 
-    def __init__(self, config: EdgeConfig, router: Routers, read_json: Any):
-        self.config, self.router, self.read_json = config, router, read_json
+    def __init__(self, config: EdgeConfig, router: Routers, read_json: Any, screened_json: Any):
+        self.config, self.router, self.read_json, self.screened_json = config, router, read_json, screened_json
 
     async def tokenize(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        spec = parse_tokenize(await self.read_json(scope, receive, headers), self.config.max_messages)
+        spec = parse_tokenize(await self.screened_json(scope, receive, headers), self.config.max_messages)
         try:
             tokens = await self.router.tokenize(spec)
         except grpc.aio.AioRpcError as err:
