@@ -16,6 +16,7 @@ same seed gives the same token on either path (up to float rounding at a bucket'
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Collection, Sequence
 
@@ -24,14 +25,14 @@ import torch
 from meshkernels import cpu_ops
 from services.engine.request import EngineTokenLogprob, SamplingParams
 
-_SEED_MIX = 1_000_003
-_SEED_MOD = 2**63 - 1
-
 
 def step_generator(seed: int | None, position: int) -> torch.Generator | None:
+    """The generator of a seeded row's draw at `position`: a hash of both, so no two seeds (uint64) share a
+    stream (an earlier `(seed * k + position) mod 2^63-1` gave seeds 1 and 2^63 the same text)."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed((seed * _SEED_MIX + position) % _SEED_MOD)
+    key = hashlib.blake2b(seed.to_bytes(8, "little") + position.to_bytes(8, "little"), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key, "little"))
 
 
 def process(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
