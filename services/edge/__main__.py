@@ -60,6 +60,11 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                         "an error and its generation aborted (slow readers)")
     p.add_argument("--batch-concurrency", type=int, default=8,
                    help="a batch's lines under way at once (/v1/batches; they run in the engines' batch class)")
+    p.add_argument("--batch-share", type=float, default=0.25,
+                   help="batch lines' places in flight, all tenants together, as a share of --max-concurrent (apart "
+                        "from the interactive ones; lines beyond it wait); above 0, at most 1")
+    p.add_argument("--batch-tenant-share", type=float, default=0.5,
+                   help="one tenant's batch lines in flight, as a share of the batch places; above 0, at most 1")
     p.add_argument("--tiers-file", default=os.environ.get("INFERMESH_TIERS_FILE", ""),
                    help="JSON: tier -> requests, tokens, priority, cache_class (reloaded when it changes)")
     p.add_argument("--content-policy", default=os.environ.get("INFERMESH_CONTENT_POLICY", ""),
@@ -95,7 +100,8 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
                       max_concurrent=a.max_concurrent, max_connections=a.max_connections,
                       header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, advertise=a.advertise,
                       stream_send_timeout_s=a.stream_send_timeout,
-                      tls_dir=a.tls_dir, batch_concurrency=a.batch_concurrency)
+                      tls_dir=a.tls_dir, batch_concurrency=a.batch_concurrency,
+                      batch_share=a.batch_share, batch_tenant_share=a.batch_tenant_share)
 
 
 async def serve(config: EdgeConfig) -> None:

@@ -28,6 +28,7 @@ from mesh.ratelimit import (
     settlement,
 )
 from services.edge.asgi import Scope
+from services.edge.batch_admission import BatchLineCaller, BatchPlaces
 from services.edge.config import EdgeConfig
 from services.edge.errors import DO_NOT_RETRY, ApiError
 from services.edge.jwt_auth import JwtRefused, JwtVerifier, looks_like_jwt
@@ -56,6 +57,8 @@ class Admission:
         self._limiters: dict[tuple[str, str], Limiter] = {}
         self.nonces = signing.NonceCache()
         self.in_flight = InFlight(config.max_concurrent)
+        # Batch lines' own places (services/edge/batch_admission.py), never the interactive ones above.
+        self.batch_places = BatchPlaces.shared(self.in_flight, config.batch_share, config.batch_tenant_share)
         # Failed keys per client address: past the limit the address gets 429 whatever key it sends
         # (a right key must not be told apart while guessing is refused); good keys never draw on it.
         self.auth_failures = Limiter(config.auth_failure_limit) if config.auth_failure_limit else None
@@ -164,6 +167,8 @@ class Admission:
     def enter(self, caller: AuthenticatedCaller, spec: GenerateSpec) -> Charge:
         """Admit a completion: a place among those in flight (503), then its tokens (429).  Every
         Charge returned must be given back to `leave`."""
+        if isinstance(caller, BatchLineCaller):
+            return self.enter_batch_line(caller, spec)
         if not self.in_flight.enter():
             REFUSED.labels("in_flight").inc()
             raise ApiError(503, f"the edge is at its limit of {self.in_flight.limit} requests in flight; "
@@ -175,8 +180,16 @@ class Admission:
             raise
 
     def leave(self, charge: Charge) -> None:
-        self.in_flight.leave()
+        if not isinstance(charge.caller, BatchLineCaller):
+            self.in_flight.leave()
         self._settle_tokens(charge)
+
+    def enter_batch_line(self, caller: BatchLineCaller, spec: GenerateSpec) -> Charge:
+        """Admit a batch line: its place is one of the batch places (services/edge/batch_lines.py took it before
+        the line's route ran), not one of the interactive ones; its tokens are reserved from its budget, the
+        token bucket of the batch creator's interactive requests (429 as theirs: the batch runner waits the
+        Retry-After and tries again; request_too_large when it can never fit)."""
+        return self._reserve_tokens(dataclasses.replace(caller, bucket=caller.budget), spec)
 
     def _reserve_tokens(self, caller: AuthenticatedCaller, spec: GenerateSpec) -> Charge:
         """Reserve the whole request before any of it reaches the router: every prompt's estimate plus

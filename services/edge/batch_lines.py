@@ -1,7 +1,9 @@
 """One batch line through the edge's own route for it (services/edge/batch_runner.py runs them): the same
-parsing, content policy, token rate and router call as the request sent over HTTP, as the batch's tenant
-in the batch scheduling class.  The line's request rate is its tier's, in a bucket of its own per tenant
-(batch work does not spend the interactive requests' rate)."""
+parsing, content policy, token reservation and router call as the request sent over HTTP, as the batch's
+tenant in the batch scheduling class.  The line's request rate is its tier's, in a bucket of its own per
+tenant (batch work does not spend the interactive requests' rate); its tokens come from the budget of the
+interactive caller that created the batch, and it runs in one of the edge's batch places, waiting for one
+when all are taken (services/edge/batch_admission.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 from services.edge.admission import Admission
 from services.edge.asgi import Message, Receive, Scope, Send
+from services.edge.batch_admission import BatchLineCaller, budget_bucket
 from services.edge.errors import ApiError, error_body
 from services.edge.metrics import TENANT_REQUESTS
 from services.edge.tenants import STANDARD, AuthenticatedCaller
@@ -24,13 +27,14 @@ log = logging.getLogger(__name__)
 Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[int]]
 
 
-def batch_caller(admission: Admission, run: dict[str, Any]) -> AuthenticatedCaller:
+def batch_caller(admission: Admission, run: dict[str, Any]) -> BatchLineCaller:
     """The caller a batch's lines run as: its tenant and tier (as the tiers file says now; the standard tier
-    if the tier is gone), in the batch scheduling class."""
+    if the tier is gone), in the batch scheduling class, reserving tokens from its creator's budget."""
     tiers = admission.directory.tiers
     tier = tiers.get(run["tier"]) or tiers[STANDARD]
-    return AuthenticatedCaller(("batch", run["tenant"]), run["tenant"], dataclasses.replace(tier, priority="batch"),
-                               run["label"])
+    budget = budget_bucket(run.get("budget"), run["tenant"], admission.directory.keys)
+    return BatchLineCaller(("batch", run["tenant"]), run["tenant"], dataclasses.replace(tier, priority="batch"),
+                           run["label"], budget=budget)
 
 
 class LineCaller:
@@ -59,6 +63,8 @@ class LineCaller:
             sent.append(message)
 
         status = 500
+        places = self.admission.batch_places
+        await places.acquire(caller.tenant)              # waits for a batch place (never an interactive one)
         try:
             self.admission.limit_requests(caller)
             status = await self.routes[("POST", url)](scope, headers, receive, send)
@@ -69,6 +75,7 @@ class LineCaller:
             log.exception("batch line %s failed", url)
             return 500, error_body("internal error", "server_error", None), 0
         finally:
+            places.release(caller.tenant)
             TENANT_REQUESTS.labels(caller.label, caller.tier.name, str(status)).inc()
         payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         try:

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.edge.batch_jsonl import nonblank
 from services.edge.errors import ApiError
 from services.edge.files_api import FileStore
 from services.edge.metrics import BATCH_LINES
@@ -63,10 +64,9 @@ class Line:
 def parse_lines(content: bytes) -> list[Line]:
     """An input file already checked at creation (batches_api.check_lines): its requests in order."""
     out = []
-    for raw in content.decode("utf-8").splitlines():
-        if raw.strip():
-            item = json.loads(raw)
-            out.append(Line(item["custom_id"], item["url"], item["body"]))
+    for _, raw in nonblank(content.decode("utf-8")):
+        item = json.loads(raw)
+        out.append(Line(item["custom_id"], item["url"], item["body"]))
     return out
 
 
@@ -156,7 +156,7 @@ class BatchRunner:
             if content is None:
                 await progress.fail("input_file_missing", "the input file was deleted or expired before the batch ran")
                 return
-            lines = parse_lines(content)
+            lines = await asyncio.to_thread(parse_lines, content)      # seconds for a large file: not on the loop
             await progress.load(len(lines))
             if record["status"] in ("validating", "in_progress"):
                 record["status"] = "in_progress"
@@ -305,24 +305,13 @@ class Progress:
         if record["status"] != "finalizing":
             record.update(status="finalizing", finalizing_at=now)
             await self.runner.put(self.tenant, record)
-        code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(ending, "")
-        ok: list[str] = []
-        failed: list[str] = []
-        for i, line in enumerate(lines):
-            result = self.results.get(i)
-            if result is None:
-                result = {"ok": False, "line": {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
-                                                "response": None, "error": {"code": code or "not_run", "message":
-                                                f"the batch was {ending} before this request ran"}}}
-            (ok if result["ok"] else failed).append(json.dumps(result["line"]) + "\n")
+        ok, failed = await asyncio.to_thread(_result_files, lines, self.results, ending)   # up to 50,000 lines
         bid = record["id"]
         if ok and not record.get("output_file_id"):
-            meta = await self.runner.files.save(self.tenant, f"{bid}_output.jsonl", "batch_output",
-                                                "".join(ok).encode())
+            meta = await self.runner.files.save(self.tenant, f"{bid}_output.jsonl", "batch_output", ok)
             record["output_file_id"] = meta["id"]
         if failed and not record.get("error_file_id"):
-            meta = await self.runner.files.save(self.tenant, f"{bid}_error.jsonl", "batch_output",
-                                                "".join(failed).encode())
+            meta = await self.runner.files.save(self.tenant, f"{bid}_error.jsonl", "batch_output", failed)
             record["error_file_id"] = meta["id"]
         record.update(status=ending, **{f"{ending}_at": now})
         record["_run"]["lease_until"] = 0
@@ -331,3 +320,18 @@ class Progress:
             await self.runner.stored.delete(self.tenant, KIND, f"{bid}.r{k}")
         log.info("batch %s of %s %s: %s", bid, self.tenant, ending, record["request_counts"])
 
+
+
+def _result_files(lines: list[Line], results: dict[int, dict[str, Any]], ending: str) -> tuple[bytes, bytes]:
+    """The output and error files' bytes: a line each, in input order; a line with no result is an error line."""
+    code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(ending, "not_run")
+    ok: list[str] = []
+    failed: list[str] = []
+    for i, line in enumerate(lines):
+        result = results.get(i)
+        if result is None:
+            result = {"ok": False, "line": {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
+                                            "response": None, "error": {"code": code, "message":
+                                            f"the batch was {ending} before this request ran"}}}
+        (ok if result["ok"] else failed).append(json.dumps(result["line"]) + "\n")
+    return "".join(ok).encode(), "".join(failed).encode()

@@ -3,28 +3,31 @@ GET /v1/batches/{id}, POST /v1/batches/{id}/cancel.  The lines run in services/e
 
 A batch names an uploaded file of purpose "batch" (services/edge/files_api.py) whose lines are
 `{"custom_id", "method": "POST", "url", "body"}`, every url the batch's endpoint (/v1/chat/completions,
-/v1/completions or /v1/embeddings), custom_ids unique, no `stream`.  A file that breaks these makes a batch
-whose status is "failed" with `errors` naming each line (as OpenAI's validation does), not a 400; a field of
-the create request itself that is wrong is a 400 that names it.  Records keep `_run` (the tenant, tier and
-lease the runner needs) out of what clients see.  Another tenant's ids are not found.
+/v1/completions, /v1/embeddings or /v1/responses), custom_ids unique, no `stream`.  A file that breaks these
+makes a batch whose status is "failed" with `errors` naming each line (as OpenAI's validation does), not a
+400; a field of the create request itself that is wrong is a 400 that names it.  The file's lines are checked
+in a thread (seconds of CPU for a large one).  Records keep `_run` (the tenant, tier and lease the runner
+needs, and the name of the token budget its lines draw on: services/edge/batch_admission.py) out of what
+clients see.  Another tenant's ids are not found.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
 from typing import Any
 
 from services.edge.asgi import Receive, Scope, Send, send_json
+from services.edge.batch_admission import budget_name
+from services.edge.batch_jsonl import MAX_LINES, LineProblem, load_line, nonblank
 from services.edge.batch_runner import KIND, BatchRunner
 from services.edge.errors import ApiError, shown
 from services.edge.files_api import FileStore
 
 PREFIX = "/v1/batches"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 WINDOW_S = {"24h": 86400}
-MAX_LINES = 50_000
 MAX_ERRORS = 100
 FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
 
@@ -101,7 +104,7 @@ class Batches:
         if content is None:
             raise ApiError(404, f"No such File object: {shown(fid)}", "input_file_id", kind="not_found_error",
                            code=None)
-        total, errors = check_lines(content, endpoint)
+        total, errors = await asyncio.to_thread(check_lines, content, endpoint)
         now = int(time.time())
         record: dict[str, Any] = {
             "id": new_batch_id(), "object": "batch", "endpoint": endpoint, "errors": None, "input_file_id": fid,
@@ -110,7 +113,8 @@ class Batches:
             "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
             "cancelled_at": None, "request_counts": {"total": total, "completed": 0, "failed": 0},
             "metadata": metadata,
-            "_run": {"tenant": caller.tenant, "tier": caller.tier.name, "label": caller.label}}
+            "_run": {"tenant": caller.tenant, "tier": caller.tier.name, "label": caller.label,
+                     "budget": budget_name(caller)}}
         if errors:
             record.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
         else:
@@ -167,20 +171,21 @@ def check_lines(content: bytes, endpoint: str) -> tuple[int, list[dict[str, Any]
     """The input's requests, and what is wrong with them (OpenAI's batch error objects, at most MAX_ERRORS)."""
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
-    total = 0
 
     def wrong(code: str, message: str, param: str | None, line: int) -> None:
         if len(errors) < MAX_ERRORS:
             errors.append({"code": code, "message": message, "param": param, "line": line})
 
-    for number, raw in enumerate(content.decode("utf-8", "replace").splitlines(), 1):
-        if not raw.strip():
-            continue
+    total = 0
+    for number, raw in nonblank(content.decode("utf-8", "replace")):
         total += 1
+        if total > MAX_LINES:      # refused whole: the rest is only counted
+            continue
         try:
-            item = json.loads(raw)
-        except ValueError:
-            item = None
+            item = load_line(raw)
+        except LineProblem as exc:
+            wrong("invalid_json_line", f"this line is not a JSON object a batch can take: {exc}", None, number)
+            continue
         if not isinstance(item, dict):
             wrong("invalid_json_line", "this line is not a JSON object", None, number)
             continue
@@ -203,6 +208,7 @@ def check_lines(content: bytes, endpoint: str) -> tuple[int, list[dict[str, Any]
     if total == 0:
         wrong("empty_file", "the input file has no requests", None, 0)
     elif total > MAX_LINES:
-        wrong("too_many_requests", f"the input file has {total} requests; a batch takes at most {MAX_LINES}", None, 0)
+        errors[:] = [{"code": "too_many_requests", "param": None, "line": 0,
+                      "message": f"the input file has {total} requests; a batch takes at most {MAX_LINES}"}]
     return total, errors
 

@@ -46,6 +46,10 @@ class EdgeConfig:
     # slowly than tokens come); past it the stream ends with an error event and its generation is aborted.
     stream_send_timeout_s: float = 30.0
     batch_concurrency: int = 8             # a batch's lines under way at once (services/edge/batch_runner.py)
+    # Batch lines' own places in flight (services/edge/batch_admission.py), apart from max_concurrent's: at most
+    # this share of max_concurrent for all batches together, and of those at most batch_tenant_share for one tenant's.
+    batch_share: float = 0.25
+    batch_tenant_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not (self.api_key_digests or self.keys_file or self.jwt_secret
@@ -65,6 +69,9 @@ class EdgeConfig:
         for name in ("max_messages", "max_concurrent", "max_connections", "batch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        for name in ("batch_share", "batch_tenant_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be above 0 and at most 1")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "stream_send_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

@@ -5,20 +5,21 @@ A file lives in the cache service's object store under the caller's tenant (serv
 disk, so it outlives a restart of any service), as its metadata (kind "file", id `file-...`) and its bytes in
 parts of at most PART_BYTES (ids `file-....0`, `.1`, ...; the store keeps values up to 4 MiB), the metadata
 written last: a file is listed only once whole.  An upload is at most MAX_UPLOAD_BYTES; a batch input's lines
-must each be a JSON object (which line is not is a 400 that names it).  Batches write their results as files
+must each be a JSON object nested at most batch_jsonl.MAX_DEPTH deep, at most MAX_LINES of them (which line is
+not is a 400 that names it), checked in a thread (services/edge/batch_jsonl.py).  Batches write their results as files
 of purpose "batch_output" (services/edge/batch_runner.py).  Another tenant's ids are not found.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from email import policy
-from email.parser import BytesParser
 from typing import Any
 
 from services.edge.asgi import Receive, Scope, Send, read_body, send_json
+from services.edge.batch_jsonl import MAX_LINES, LineProblem, load_line, nonblank, parse_form
 from services.edge.errors import ApiError, shown
 from services.edge.stored import StoredObjects
 
@@ -141,55 +142,48 @@ class Files:
     async def upload(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         raw = await read_body(receive, headers, MAX_UPLOAD_BYTES + FORM_SLACK_BYTES, self.body_timeout_s)
         # (its signature, for a key that must sign, was checked by the app over this body: EdgeApp._signed)
-        form = parse_form(headers.get("content-type", ""), raw)
-        purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
-        if purpose not in PURPOSES:
-            raise ApiError(400, f"purpose {shown(purpose)!r} is not supported; use 'batch'", "purpose")
-        if "file" not in form or form["file"][0] is None:
-            raise ApiError(400, "give the file as a multipart field 'file' with a filename", "file",
-                           code="missing_required_parameter")
-        filename, content = form["file"]
-        if len(content) > MAX_UPLOAD_BYTES:
-            raise ApiError(413, f"the file is {len(content)} bytes; at most {MAX_UPLOAD_BYTES}", "file",
-                           code="file_too_large")
-        check_jsonl(content)
+        # Seconds of CPU for a large file: in a thread, so that the edge's other requests go on meanwhile.
+        purpose, filename, content = await asyncio.to_thread(read_upload, headers.get("content-type", ""), raw)
         meta = await self.files.save(scope["infermesh.caller"].tenant, str(filename)[:256], purpose, content)
         await send_json(send, 200, meta)
         return 200
 
 
-def parse_form(content_type: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """multipart/form-data: field name -> (its filename or None, its bytes)."""
-    if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
-        raise ApiError(400, "send the upload as multipart/form-data with fields 'file' and 'purpose'", "file")
-    message = BytesParser(policy=policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n" + raw)
-    if not message.is_multipart():
-        raise ApiError(400, "the multipart body did not parse; send fields 'file' and 'purpose'", "file")
-    form: dict[str, tuple[str | None, bytes]] = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        payload = part.get_payload(decode=True)
-        if isinstance(name, str) and isinstance(payload, bytes):
-            form[name] = (part.get_filename(), payload)
-    return form
+def read_upload(content_type: str, raw: bytes) -> tuple[str, str | None, bytes]:
+    """(purpose, filename, content) of an upload, its lines checked (off the event loop: a thread's work)."""
+    form = parse_form(content_type, raw)
+    purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
+    if purpose not in PURPOSES:
+        raise ApiError(400, f"purpose {shown(purpose)!r} is not supported; use 'batch'", "purpose")
+    if "file" not in form or form["file"][0] is None:
+        raise ApiError(400, "give the file as a multipart field 'file' with a filename", "file",
+                       code="missing_required_parameter")
+    filename, content = form["file"]
+    if len(content) > MAX_UPLOAD_BYTES:
+        raise ApiError(413, f"the file is {len(content)} bytes; at most {MAX_UPLOAD_BYTES}", "file",
+                       code="file_too_large")
+    check_jsonl(content)
+    return purpose, filename, content
 
 
 def check_jsonl(content: bytes) -> None:
-    """400 naming the first line of a batch input that is not a JSON object (blank lines are allowed)."""
+    """400 naming the first line of a batch input that is not a JSON object (or is nested past MAX_DEPTH), or
+    the first request past MAX_LINES; blank lines are allowed."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"the file is not UTF-8 (byte {exc.start})", "file") from None
-    if not text.strip():
+    if not text or text.isspace():
         raise ApiError(400, "the file is empty; a batch input has one JSON request per line", "file")
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for count, (number, line) in enumerate(nonblank(text), 1):
+        if count > MAX_LINES:
+            raise ApiError(400, f"line {number} of the file is request {count}; a batch input has at most "
+                           f"{MAX_LINES} requests", "file")
         try:
-            ok = isinstance(json.loads(line), dict)
-        except ValueError:
-            ok = False
-        if not ok:
+            value = load_line(line)
+        except LineProblem as exc:
+            raise ApiError(400, f"line {number} of the file is not a JSON object a batch can take: {exc}", "file",
+                           code="invalid_json_line") from None
+        if not isinstance(value, dict):
             raise ApiError(400, f"line {number} of the file is not a JSON object; a batch input has one JSON "
-                           "request per line", "file")
+                           "request per line", "file", code="invalid_json_line")
