@@ -37,7 +37,7 @@ from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
 from services.edge.fields import parse_json
 from services.edge.metrics import COMPLETION_TOKENS, DURATION, RESPONSE_CACHE, SLOW_READERS, TENANT_TOKENS, TTFT
-from services.edge.response_cache import Entry, ResponseCache, ServedVersions, bypassed, cache_key, storable
+from services.edge.response_cache import Entry, ResponseCache, ServedVersions, blocked_by, bypassed, cache_key, storable
 from services.edge.safety import ContentPolicy, PolicySource
 from services.edge.tenants import AuthenticatedCaller
 
@@ -123,7 +123,7 @@ class Completions:
                 RESPONSE_CACHE.labels("bypass").inc()
             else:
                 entry = await self.cache.get(key, pinned)
-                if entry is not None and not _blocked(policy, entry):
+                if entry is not None and not blocked_by(policy, entry):
                     return await _replay(chat, entry, stream, include_usage, scope, send)
         charge = self.admission.enter(caller, spec)
         rid = responses.new_id(chat)
@@ -281,25 +281,6 @@ class Completions:
 
 def _whole_body(chat: bool, rid: str, answers: list[Choice], use: dict[str, Any]) -> dict[str, Any]:
     return responses.whole_body(chat, rid, _model(answers), [a.body() for a in answers], use, choices.meta(answers))
-
-
-def _blocked(policy: ContentPolicy, entry: Entry) -> bool:
-    """A cached answer the output rules now in force would cut: answered afresh (and cut) instead."""
-    if not policy.output:
-        return False
-    texts = [c.get("text") or (c.get("message") or {}).get("content") or "" for c in entry.body["choices"]]
-    texts += [(c.get("message") or {}).get("reasoning_content") or "" for c in entry.body["choices"]]
-    texts += [t for c in entry.body["choices"] for t in _alternatives(c.get("logprobs"))]
-    return any(policy.first_match(t, policy.output) for t in texts)
-
-
-def _alternatives(logprobs: dict[str, Any] | None) -> list[str]:
-    """The top_logprobs alternatives' texts of a cached choice (chat's or completions' shape)."""
-    if not logprobs:
-        return []
-    if "content" in logprobs:
-        return [t["token"] for e in logprobs["content"] or [] for t in e.get("top_logprobs") or []]
-    return [t for top in logprobs.get("top_logprobs") or [] if top for t in top]
 
 
 async def _replay(chat: bool, entry: Entry, stream: bool, include_usage: bool, scope: Scope, send: Send) -> int:

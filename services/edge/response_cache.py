@@ -31,6 +31,7 @@ from mesh.clients.router_client import GenerateSpec, ModelCard
 from mesh.grpcutil import channel
 from meshpb.v1 import cache_pb2, cache_pb2_grpc
 from services.edge.metrics import RESPONSE_CACHE
+from services.edge.safety import ContentPolicy
 
 log = logging.getLogger(__name__)
 
@@ -215,3 +216,22 @@ class ResponseCache:
         except grpc.aio.AioRpcError as err:
             RESPONSE_CACHE.labels("shared_error").inc()
             log.debug("response cache: shared tier store %s", err.code().name)
+
+
+def blocked_by(policy: ContentPolicy, entry: Entry) -> bool:
+    """A cached answer the output rules now in force would cut: answered afresh (and cut) instead."""
+    if not policy.output:
+        return False
+    texts = [c.get("text") or (c.get("message") or {}).get("content") or "" for c in entry.body["choices"]]
+    texts += [(c.get("message") or {}).get("reasoning_content") or "" for c in entry.body["choices"]]
+    texts += [t for c in entry.body["choices"] for t in _alternatives(c.get("logprobs"))]
+    return any(policy.first_match(t, policy.output) for t in texts)
+
+
+def _alternatives(logprobs: dict[str, Any] | None) -> list[str]:
+    """The top_logprobs alternatives' texts of a cached choice (chat's or completions' shape)."""
+    if not logprobs:
+        return []
+    if "content" in logprobs:
+        return [t["token"] for e in logprobs["content"] or [] for t in e.get("top_logprobs") or []]
+    return [t for top in logprobs.get("top_logprobs") or [] if top for t in top]

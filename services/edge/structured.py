@@ -47,6 +47,21 @@ def _size_checked(text: str, field: str) -> str:
     return text
 
 
+def _schema_checked(schema: dict[str, Any], field: str) -> None:
+    """`schema`, once it is a JSON Schema (the 2020-12 meta-schema, by jsonschema): a malformed one is a 400 here,
+    never a grammar compiler's failure in an engine.  (jsonschema is imported at the first schema: the edge
+    starts fast.)"""
+    from jsonschema import Draft202012Validator, SchemaError
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = "".join(f"[{p!r}]" for p in exc.path)
+        raise ApiError(400, f"'{field}' is not a valid JSON Schema: at {where or 'the top'}: {exc.message[:200]}",
+                       field, code="invalid_schema") from None
+    except RecursionError:
+        raise ApiError(400, f"'{field}' is nested too deeply", field, code="invalid_schema") from None
+
+
 def _response_format(value: Any) -> Constraint | None:
     field = "response_format"
     if not isinstance(value, dict):
@@ -77,7 +92,9 @@ def _response_format(value: Any) -> Constraint | None:
     if not isinstance(schema, dict):
         raise ApiError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
                        "response_format.json_schema.schema", code="invalid_type")
-    return Constraint("json_schema", _size_checked(json.dumps(schema), "response_format.json_schema.schema"))
+    text = _size_checked(json.dumps(schema), "response_format.json_schema.schema")
+    _schema_checked(schema, "response_format.json_schema.schema")
+    return Constraint("json_schema", text)
 
 
 def _tools(value: Any) -> tuple[dict[str, Any], ...]:
@@ -107,6 +124,8 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         if params is not None and not isinstance(params, dict):
             raise ApiError(400, f"'{where}.function.parameters' must be a JSON Schema object",
                            f"{where}.function.parameters", code="invalid_type")
+        if params is not None:
+            _schema_checked(params, f"{where}.function.parameters")
         boolean(f, "strict")
         out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
                                                      if f.get(k) is not None}})
