@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from services.engine.lora_checks import Factor, check_config, check_factor, check_kept, shown
+
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Which fused projection a module writes into, and its slice there (in units the model's config gives).
 PROJECTION = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
@@ -117,51 +119,76 @@ def weights_key(name: str, weights: Path) -> str:
     return f"{name}|{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
-def _read_peft(folder: Path, shape: Shape) -> tuple[dict[str, Any], dict[tuple[int, str], dict[str, torch.Tensor]],
-                                                    Path]:
+Pairs = dict[tuple[int, str], dict[str, Factor]]      # (layer, module) -> "A" | "B" -> (name in the file, tensor)
+
+
+def _read_peft(folder: Path, shape: Shape) -> tuple[dict[str, Any], Pairs, Path]:
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"{folder}: no adapter_config.json (a PEFT LoRA folder has one)")
-    config = json.loads(config_file.read_text())
+    try:
+        config = check_config(json.loads(config_file.read_text()), config_file)
+    except UnicodeDecodeError:
+        raise ValueError(f"{config_file}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file}: not JSON ({exc})") from None
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise ValueError(f"{folder}: peft_type {shown(config.get('peft_type'))} is not LORA")
     if config.get("use_dora"):
         raise ValueError(f"{folder}: DoRA adapters are not supported")
     weights = weights_file(folder)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    pairs: Pairs = {}
     for key, value in _tensors(weights).items():
         match = _KEY.search(key)
         if match is None:
-            raise ValueError(f"{folder}: tensor {key!r} is not a LoRA factor of a layer's projection")
+            raise ValueError(f"{weights}: tensor {shown(key)} is not a LoRA factor of a layer's projection")
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         if module not in MODULES:
-            raise ValueError(f"{folder}: target module {module!r} is not one of {', '.join(MODULES)}")
+            raise ValueError(f"{weights}: target module {module!r} is not one of {', '.join(MODULES)}")
         if layer >= shape.layers:
-            raise ValueError(f"{folder}: layer {layer} is past the model's {shape.layers} layers")
-        pairs.setdefault((layer, module), {})[which] = value
+            raise ValueError(f"{weights}: layer {layer} is past the model's {shape.layers} layers")
+        add_factor(pairs, weights, (layer, module, which), key, value)
     return config, pairs, weights
 
 
-def build(name: str, key: str, config: dict[str, Any], pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
-          shape: Shape, dtype: torch.dtype, source: Path) -> Adapter:
+def add_factor(pairs: Pairs, source: Path, at: tuple[int, str, str], name: str, value: Any) -> None:
+    """One factor checked (lora_checks.py) into `pairs`: the second tensor for one layer's module and side is
+    refused, not taken in place of the first."""
+    layer, module, which = at
+    held = pairs.setdefault((layer, module), {})
+    if which in held:
+        raise ValueError(f"{source}: tensors {held[which][0]!r} and {name!r} are both layer {layer}'s {module} "
+                         f"lora_{which}")
+    held[which] = (name, check_factor(source, name, value))
+
+
+def build(name: str, key: str, config: dict[str, Any], pairs: Pairs, shape: Shape, dtype: torch.dtype,
+          source: Path) -> Adapter:
     """An Adapter from each (layer, module)'s {"A": (r, in), "B": (out, r)} and its config (r, lora_alpha,
-    use_rslora, alpha_pattern): shapes checked, scales folded into B, each projection's modules merged."""
+    use_rslora, alpha_pattern; checked: lora_checks.py): shapes checked against the base's projections, scales
+    folded into B, each projection's modules merged."""
+    if not pairs:
+        raise ValueError(f"{source}: the adapter has no LoRA factors")
+    check_config(config, source)
     adapter = Adapter(name, int(config.get("r", 0)), key, [{} for _ in range(shape.layers)])
     # layer -> projection -> (A (r, in), B (out, r) scaled, first column in the projection's output) per module
     modules: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]] = [{} for _ in range(shape.layers)]
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{source}: layer {layer} {module} has lora_{next(iter(ab))} without its pair")
-        a, b = ab["A"], ab["B"]
+        (a_name, a), (b_name, b) = ab["A"], ab["B"]
         fan_in, fan_out = shape.dims(module)
         rank = a.shape[0]
-        if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
-            raise ValueError(f"{source}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
-                             f"do not fit the model's ({fan_in} -> {fan_out}) projection: an adapter of another base")
+        for factor, got, want in ((a_name, a, (rank, fan_in)), (b_name, b, (fan_out, rank))):
+            if tuple(got.shape) != want:
+                raise ValueError(f"{source}: tensor {factor!r} has shape {tuple(got.shape)}; the model's layer {layer} "
+                                 f"{module} ({fan_in} -> {fan_out}) at rank {rank} expects {want}: an adapter of "
+                                 "another base?")
         scale = _scale(config, module, rank)
-        modules[layer].setdefault(PROJECTION[module], []).append((a.float(), b.float() * scale, shape.offset(module)))
-    if not pairs:
-        raise ValueError(f"{source}: the adapter has no LoRA factors")
+        scaled = b.float() * scale
+        check_kept(source, a_name, a, dtype)
+        check_kept(source, b_name, scaled, dtype, scale)
+        modules[layer].setdefault(PROJECTION[module], []).append((a.float(), scaled, shape.offset(module)))
     for layer, projections in enumerate(modules):
         for projection, parts in projections.items():
             merged = _merged(parts, shape.width(projection), dtype)
@@ -183,11 +210,12 @@ def _merged(parts: list[tuple[torch.Tensor, torch.Tensor, int]], width: int, dty
     return Factors(a_t, b_t.to(dtype).contiguous(), tuple(blocks))
 
 
-def _scale(config: dict[str, object], module: str, rank: int) -> float:
-    """lora_alpha / r (or / sqrt(r) with use_rslora), with the config's per-module patterns."""
-    alpha = float(config.get("lora_alpha", rank))                        # type: ignore[arg-type]
-    for pattern, value in dict(config.get("alpha_pattern") or {}).items():   # type: ignore[call-overload]
-        if module in str(pattern):
+def _scale(config: dict[str, Any], module: str, rank: int) -> float:
+    """lora_alpha / r (or / sqrt(r) with use_rslora), with the config's per-module patterns (their values checked
+    finite and positive: lora_checks.py)."""
+    alpha = float(config.get("lora_alpha", rank))
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if module in pattern:
             alpha = float(value)
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
@@ -199,12 +227,26 @@ def weights_file(folder: Path) -> Path:
     raise ValueError(f"{folder}: no adapter_model.safetensors or adapter_model.bin")
 
 
-def _tensors(file: Path) -> dict[str, torch.Tensor]:
+def _tensors(file: Path) -> dict[str, Any]:
+    """The weights file's tensors by name.  adapter_model.bin is a pickle: torch reads it with weights_only=True,
+    which builds tensors and plain containers only and refuses any other object (a pickle that would run code);
+    what it or safetensors refuses comes back as a ValueError naming the file."""
     if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(file))
-    return dict(torch.load(file, map_location="cpu", weights_only=True))
+        try:
+            return dict(load_file(str(file)))
+        except Exception as exc:            # safetensors' own error class, not a ValueError
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{file}: not a safetensors file ({shown(first)})") from None
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception:                       # pickle's and torch's errors; their text offers to load it unsafely
+        raise ValueError(f"{file}: torch's weights_only reader refuses it (adapter_model.bin may hold tensors and "
+                         "plain containers only; adapter_model.safetensors is the safe format)") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{file}: holds a {type(loaded).__name__}, not a dict of tensor name -> tensor")
+    return {str(k): v for k, v in loaded.items()}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""GGUF LoRA files as llama.cpp's `convert_lora_to_gguf.py` writes them, read with gguf-py for lora.py's `build`.
+"""GGUF LoRA files as llama.cpp's `convert_lora_to_gguf.py` writes them, read for lora.py's `build` by
+mesh/models/gguf_header.py's reader (every count, length and tensor bounded by the file: a short or malformed file
+is refused by name) and de-quantized by gguf-py.
 
 Such a file has `general.type` "adapter", `adapter.type` "lora" and `adapter.lora.alpha`; each adapted projection
 is two tensors, `blk.N.{attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down}.weight.lora_a` (PEFT's lora_A,
@@ -17,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.engine.lora import Adapter, Shape, build, weights_key
+from services.engine.lora import Adapter, Pairs, Shape, add_factor, build, weights_key
+from services.engine.lora_checks import positive, shown
 from services.engine.models.gguf_weights import unpermute
 
 MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
@@ -42,52 +45,56 @@ def is_gguf_lora(path: Path) -> Path | None:
     return None
 
 
-def read_gguf_lora(file: Path, shape: Shape) -> tuple[dict[str, Any], dict[tuple[int, str], dict[str, torch.Tensor]]]:
-    """(config, {(layer, module): {"A": (r, in), "B": (out, r)}}) of a GGUF LoRA file; ValueError naming what is
-    wrong with it."""
+def read_gguf_lora(file: Path, shape: Shape) -> tuple[dict[str, Any], Pairs]:
+    """(config, {(layer, module): {"A": (name, (r, in)), "B": (name, (out, r))}}) of a GGUF LoRA file; ValueError
+    naming what is wrong with it.  The header is mesh/models/gguf_header.py's reader, which refuses a file too short
+    for its header, counts or tensors the file cannot hold, before any tensor is read."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(file))
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{file}: not a GGUF file gguf-py can read ({exc})") from None
-    kind, lora, alpha = (_field(reader, k) for k in ("general.type", "adapter.type", "adapter.lora.alpha"))
+    from mesh.models.gguf_header import read_header, tensor_data
+
+    header = read_header(file)                          # GgufError (a ValueError) naming the file and the fault
+    kind, lora, alpha = (header.metadata.get(k) for k in ("general.type", "adapter.type", "adapter.lora.alpha"))
     if kind != "adapter" or lora != "lora":
-        raise ValueError(f"{file}: general.type {kind!r} / adapter.type {lora!r}: not a LoRA adapter (llama.cpp's "
-                         "convert_lora_to_gguf.py writes 'adapter' / 'lora')")
-    permuted = _field(reader, "general.architecture") in _PERMUTED
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for tensor in reader.tensors:
+        raise ValueError(f"{file}: general.type {shown(kind)} / adapter.type {shown(lora)}: not a LoRA adapter "
+                         "(llama.cpp's convert_lora_to_gguf.py writes 'adapter' / 'lora')")
+    if alpha is not None and not (alpha == 0 or positive(alpha)):
+        raise ValueError(f"{file}: adapter.lora.alpha {shown(alpha)} is not a finite positive number (or 0: none)")
+    permuted = header.metadata.get("general.architecture") in _PERMUTED
+    mapped = np.memmap(file, np.uint8, "c")
+    pairs: Pairs = {}
+    for tensor in header.tensors:
         match = _NAME.match(tensor.name)
         if match is None or match.group(2) not in MODULES:
-            raise ValueError(f"{file}: tensor {tensor.name!r} is not a LoRA factor of {', '.join(MODULES)}")
+            raise ValueError(f"{file}: tensor {shown(tensor.name)} is not a LoRA factor of {', '.join(MODULES)}")
         layer, module, which = int(match.group(1)), MODULES[match.group(2)], match.group(3).upper()
         if layer >= shape.layers:
             raise ValueError(f"{file}: layer {layer} is past the model's {shape.layers} layers")
-        value = torch.from_numpy(_floats(tensor, gguf))
+        if len(tensor.dims) != 2:
+            raise ValueError(f"{file}: tensor {tensor.name!r} has dims {list(tensor.dims)}; a LoRA factor is a matrix")
+        value = torch.from_numpy(_floats(tensor_data(mapped, tensor), tensor.shape, gguf.GGMLQuantizationType(
+            tensor.qtype), gguf, file, tensor.name))
         if which == "B" and permuted and module in ("q_proj", "k_proj") and shape.heads:
             heads = shape.heads if module == "q_proj" else shape.kv_heads or shape.heads
-            value = unpermute(value, heads)            # type: ignore[assignment]   # a tensor in, a tensor out
-        pairs.setdefault((layer, module), {})[which] = value
+            if value.shape[0] % (2 * heads) == 0:       # else the shape check (lora.py's build) names it
+                value = unpermute(value, heads)        # type: ignore[assignment]   # a tensor in, a tensor out
+        add_factor(pairs, file, (layer, module, which), tensor.name, value)
+    del mapped
     # One alpha for the file: lora.py scales each pair by it over the pair's own rank, as llama.cpp does (no
-    # alpha: a scale of 1, which lora.py gives when lora_alpha is absent).
-    config: dict[str, Any] = {"r": max((ab["A"].shape[0] for ab in pairs.values() if "A" in ab), default=0)}
+    # alpha, or 0: a scale of 1, which lora.py gives when lora_alpha is absent).
+    config: dict[str, Any] = {"r": max((ab["A"][1].shape[0] for ab in pairs.values() if "A" in ab), default=0)}
     if alpha:
         config["lora_alpha"] = float(alpha)
     return config, pairs
 
 
-def _floats(tensor: Any, gguf: Any) -> np.ndarray:
+def _floats(data: np.ndarray, shape: tuple[int, ...], qtype: Any, gguf: Any, file: Path, name: str) -> np.ndarray:
     """A tensor as float32 (rows, columns), in memory of its own: F32 and F16 as stored, others by gguf-py's
-    dequantization."""
+    dequantization (a type it has none for refused by name)."""
     T = gguf.GGMLQuantizationType
-    shape = tuple(int(n) for n in reversed(tensor.shape))          # ggml lists the row length first
-    if tensor.tensor_type in (T.F32, T.F16):
-        return np.array(tensor.data, dtype=np.float32).reshape(shape)      # a copy: the file's map is read-only
-    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-
-
-def _field(reader: Any, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
+    if qtype in (T.F32, T.F16):
+        return np.array(data, dtype=np.float32).reshape(shape)      # a copy: the file's map is not kept
+    try:
+        return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(shape)
+    except NotImplementedError:
+        raise ValueError(f"{file}: tensor {name!r} is of type {qtype.name}, which gguf-py cannot de-quantize") from None
