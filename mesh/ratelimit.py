@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections import OrderedDict
-from collections.abc import Hashable
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 _UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
@@ -145,22 +145,44 @@ class Limiter:
         return len(self._buckets)
 
 
+def over_fair_share(held: Mapping[str, int], tenant: str, limit: int, asking: int = 1) -> bool:
+    """Whether `tenant` (holding held[tenant] of `limit` places) must not take `asking` more: once three quarters
+    of the places would be taken, a tenant is admitted only while it holds less than an equal share with one more
+    tenant (limit // (tenants + 1)), so one tenant's flood leaves the others at least a quarter of the places."""
+    total = sum(held.values())
+    mine = held.get(tenant, 0)
+    tenants = sum(1 for v in held.values() if v) + (not mine)
+    return total + asking > limit - limit // 4 and mine + asking > limit // (tenants + 1)
+
+
 class InFlight:
-    """At most `limit` requests in flight across all callers; the excess is refused at once, not queued
-    (a queue in front of a saturated mesh only turns overload into timeouts)."""
+    """At most `limit` places in flight across all callers (a place is one router call: a request with prompts x n
+    choices takes that many), shared fairly between tenants (over_fair_share); the excess is refused at once, not
+    queued (a queue in front of a saturated mesh only turns overload into timeouts)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.count = 0
+        self.held: Counter[str] = Counter()
 
-    def enter(self) -> bool:
-        if self.count >= self.limit:
+    def refusal(self, tenant: str = "", places: int = 1, fair: bool = False) -> str | None:
+        """Why `places` more for `tenant` are refused ("full"; with `fair`, "share": over_fair_share), or None."""
+        if self.count + places > self.limit:
+            return "full"
+        return "share" if fair and over_fair_share(self.held, tenant, self.limit, places) else None
+
+    def enter(self, tenant: str = "", places: int = 1, fair: bool = False) -> bool:
+        if self.refusal(tenant, places, fair) is not None:
             return False
-        self.count += 1
+        self.count += places
+        self.held[tenant] += places
         return True
 
-    def leave(self) -> None:
-        self.count = max(0, self.count - 1)
+    def leave(self, tenant: str = "", places: int = 1) -> None:
+        self.count = max(0, self.count - places)
+        self.held[tenant] -= places
+        if self.held[tenant] <= 0:
+            del self.held[tenant]
 
 
 DEFAULT_COMPLETION_TOKENS = 256    # reserved for a generation whose max_tokens is unbounded (0)

@@ -44,6 +44,7 @@ class Charge:
     reserved: int
     started: bool = False           # a delta arrived: the router may have generated tokens
     used: int | None = None         # prompt + completion tokens, once the final message told
+    places: int = 0                 # in-flight places held: one a router call (prompts x n)
 
 
 class Admission:
@@ -164,24 +165,48 @@ class Admission:
                            f"Please try again in {wait:.3g}s.", kind="requests", code="rate_limit_exceeded",
                            retry_after_s=retry_after_s(wait))
 
-    def enter(self, caller: AuthenticatedCaller, spec: GenerateSpec) -> Charge:
-        """Admit a completion: a place among those in flight (503), then its tokens (429).  Every
-        Charge returned must be given back to `leave`."""
+    def enter(self, caller: AuthenticatedCaller, spec: GenerateSpec, places: int = 0) -> Charge:
+        """Admit a completion: its places among those in flight (a place a router call it has open at once:
+        prompts x n unless `places` says; 429, 503), then its tokens (429).  Every Charge returned must be
+        given back to `leave`."""
         if isinstance(caller, BatchLineCaller):
             return self.enter_batch_line(caller, spec)
-        if not self.in_flight.enter():
-            REFUSED.labels("in_flight").inc()
-            raise ApiError(503, f"the edge is at its limit of {self.in_flight.limit} requests in flight; "
-                           "retry shortly", kind="service_unavailable", code="overloaded", retry_after_s=1)
+        places = places or (len(spec.prompts) or 1) * spec.n     # fan-out counts as it calls
+        self._take_places(caller, places)
         try:
-            return self._reserve_tokens(caller, spec)
+            charge = self._reserve_tokens(caller, spec)
         except ApiError:
-            self.in_flight.leave()
+            self.in_flight.leave(caller.tenant if self.enabled else "", places)
             raise
+        charge.places = places
+        return charge
+
+    def _take_places(self, caller: AuthenticatedCaller, places: int) -> None:
+        """`places` in flight for the caller's tenant: 429 over its fair share (it leaves the others room), 503
+        when the edge is full; a request of more calls than half the edge's places never fits (429, no retry)."""
+        gate = self.in_flight
+        if places > max(1, gate.limit // 2):
+            REFUSED.labels("in_flight").inc()
+            raise ApiError(429, f"this request makes {places} router calls (prompts x n); this edge runs at most "
+                           f"{max(1, gate.limit // 2)} of one request at once: lower n or the number of prompts",
+                           kind="in_flight", code="request_too_large", retry_after_s=DO_NOT_RETRY)
+        # Tenants share fairly where callers are told apart by keys or tokens (unauthenticated loopback callers are
+        # one tenant: they take the whole edge).
+        refused = gate.refusal(caller.tenant if self.enabled else "", places, fair=self.enabled)
+        if refused == "share":
+            REFUSED.labels("in_flight").inc()
+            raise ApiError(429, f"this caller has {gate.held[caller.tenant]} router calls in flight, its share of "
+                           f"this edge's {gate.limit} while it is nearly full; retry shortly", kind="in_flight",
+                           code="rate_limit_exceeded", retry_after_s=1)
+        if refused == "full":
+            REFUSED.labels("in_flight").inc()
+            raise ApiError(503, f"the edge is at its limit of {gate.limit} requests in flight; "
+                           "retry shortly", kind="service_unavailable", code="overloaded", retry_after_s=1)
+        gate.enter(caller.tenant if self.enabled else "", places, fair=self.enabled)
 
     def leave(self, charge: Charge) -> None:
         if not isinstance(charge.caller, BatchLineCaller):
-            self.in_flight.leave()
+            self.in_flight.leave(charge.caller.tenant if self.enabled else "", charge.places)
         self._settle_tokens(charge)
 
     def enter_batch_line(self, caller: BatchLineCaller, spec: GenerateSpec) -> Charge:

@@ -104,7 +104,8 @@ class Embeddings:
         request = parse_embeddings(await self.read_json(scope, receive, headers))
         caller = scope["infermesh.caller"]
         estimate = tuple(t if isinstance(t, str) else "    " * len(t) for t in request.inputs)   # ~4 bytes a token
-        charge = self.admission.enter(caller, GenerateSpec(request.model, Sampling(max_tokens=1), prompts=estimate))
+        charge = self.admission.enter(caller, GenerateSpec(request.model, Sampling(max_tokens=1), prompts=estimate),
+                                      places=min(len(estimate), PARALLEL))      # _run's calls open at once
         rid = responses.new_id(False)
         pinned = headers.get("x-infermesh-model-version", "").strip()
         base = GenerateSpec(request.model, Sampling(temperature=0.0, max_tokens=1, pooling="model"), request_id=rid,

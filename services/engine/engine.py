@@ -1,17 +1,17 @@
 """The engine: add / abort / step.  One step is schedule -> run the model -> postprocess.
 
-add() and abort() are called from the event loop while step() runs in a worker thread:
-they only append to thread-safe inboxes, which step() drains, so the scheduler and the
-block manager are touched by one thread only.  What a step measures is kept in `stats`
-(services/engine/stats.py).
+add() and abort() are called from the event loop while step() runs in a worker thread: they only append to
+thread-safe inboxes, which step() drains, so the scheduler and the block manager are touched by one thread
+only.  What a step measures is kept in `stats` (services/engine/stats.py).  add() refuses a request the
+waiting room has no place for (fairness.waiting_refusal: a flooding tenant leaves the others a quarter).
 
-With a shared KV cache, running a batch also copies in the KV the scheduler imported (fetched
-by the server before add) and, after the model ran, copies out the prompt blocks it just
-computed into `outbox`, which the server's publisher drains.
+With a shared KV cache, running a batch also copies in the KV the scheduler imported (fetched by the server
+before add) and, after the model ran, copies out the prompt blocks it just computed into `outbox`, which the
+server's publisher drains.
 
-A step that raises (a model failure) leaves the engine usable: the server calls fail_step(),
-which ends the requests of the batch that step was running with FinishReason.ERROR; the requests
-the step did not touch (waiting for admission, or left out of the batch) go on.
+A step that raises (a model failure) leaves the engine usable: the server calls fail_step(), which ends the
+requests of the batch that step was running with FinishReason.ERROR; the requests the step did not touch
+(waiting for admission, or left out of the batch) go on.
 
 With speculation on (services/engine/speculate.py), a step may verify draft tokens of its decode
 rows: a request's step output then carries every token the step accepted, in order.
@@ -20,7 +20,7 @@ rows: a request's step output then carries every token the step accepted, in ord
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
@@ -29,20 +29,13 @@ from mesh.errors import ResourceExhausted
 from services.engine import grammar, kv_transfer, sampler
 from services.engine.adapters import AdapterPool, factor_dtype, shape_of
 from services.engine.block_manager import BlockManager
+from services.engine.fairness import waiting_refusal
 from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
 from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
 from services.engine.models.interrupt import StepInterrupted, interruptible
-from services.engine.request import (
-    COMMON,
-    EngineTokenLogprob,
-    FinishReason,
-    Owner,
-    Request,
-    SamplingParams,
-    StepOutput,
-)
+from services.engine.request import COMMON, EngineTokenLogprob, FinishReason, Owner, Request, SamplingParams, StepOutput
 from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
 from services.engine.speculate import Lookup, SpeculationConfig
 from services.engine.stats import EngineStats, Timing
@@ -87,8 +80,10 @@ class Engine:
 
     def add(self, request: Request) -> None:
         with self._lock:
-            if len(self._inbox) + self.scheduler.num_waiting >= self.max_waiting:
-                raise ResourceExhausted(f"engine queue is full ({self.max_waiting} waiting requests); retry later")
+            queued = [*self._inbox, *self.scheduler.waiting[0], *self.scheduler.waiting[1]]
+            refused = waiting_refusal(Counter(r.tenant for r in queued), request.tenant, self.max_waiting)
+            if refused:
+                raise ResourceExhausted(refused)
             self.stats.arrived(request.request_id)
             self._inbox.append(request)
             if request.priority == 0 and self._give_way is not None:

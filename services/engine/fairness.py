@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from mesh.ratelimit import over_fair_share
 from mesh.request_limits import MAX_WEIGHT
 
 
@@ -141,3 +142,15 @@ def row_cap(slots: int, demand: dict[str, int], weight: dict[str, float], times:
     while rows > floor and (step := times.predict(rows)) is not None and step > min(limits):
         rows -= 1
     return rows
+
+
+def waiting_refusal(waiting: Counter[str], tenant: str, limit: int) -> str | None:
+    """Why a new request of `tenant` may not join the engine's waiting room of `limit` places (`waiting`: each
+    tenant's waiting requests), or None: the room is full, or the tenant holds its fair share of a room nearly
+    full (mesh.ratelimit.over_fair_share, the edge's rule for its places: a flood leaves the others a quarter)."""
+    if sum(waiting.values()) >= limit:
+        return f"engine queue is full ({limit} waiting requests); retry later"
+    if over_fair_share(waiting, tenant, limit):
+        return (f"this tenant holds {waiting[tenant]} of the engine's {limit} waiting places, its share while "
+                "the queue is nearly full; retry later")
+    return None

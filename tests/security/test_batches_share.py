@@ -111,7 +111,9 @@ def test_interactive_requests_are_admitted_beyond_what_batches_leave() -> None:
         app = _app(router, max_concurrent=8, batch_tenant_share=1.0)
         first = await _batch(app, A, 4)
         assert await _steady(router) == 2
-        chats = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, B)) for _ in range(8)]
+        # (one tenant holds at most 6 of the 8 while the edge is nearly full: its fair share leaves others room)
+        chats = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, who))
+                 for who in [B] * 6 + [A] * 2]
         assert await _steady(router) == 10 and app.admission.in_flight.count == 8
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, B)    # the 9th: the limit's 503
         assert status == 503
@@ -119,7 +121,8 @@ def test_interactive_requests_are_admitted_beyond_what_batches_leave() -> None:
         assert [s for s, _, _ in await asyncio.gather(*chats)] == [200] * 8
         await _completed(app, A, first)
         router.release = asyncio.Event()                    # the engine holds everything again
-        held = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, A)) for _ in range(8)]
+        held = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, who))
+                for who in [A] * 6 + [B] * 2]
         await _steady(router)
         second = await _batch(app, B, 2)
         await _steady(router)
