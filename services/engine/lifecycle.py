@@ -19,10 +19,8 @@ import grpc
 from mesh import models, peers
 from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.grpcutil import rpc_errors
-from mesh.models.gguf_header import GgufError
 from mesh.request_limits import name_problem
 from meshpb.v1 import engine_pb2
-from services.engine.models.config import check_weights
 from services.engine.versions import available_bytes, weight_bytes
 
 log = logging.getLogger(__name__)
@@ -57,10 +55,8 @@ class Lifecycle:
             except models.ModelError as exc:
                 raise InvalidArgument(f"{request.folder!r} is not a model folder or a registered model on this "
                                       f"engine's machine: {exc}") from None
-            try:        # a GGUF that would fail refused now: _replace frees the running weights before it loads
-                await asyncio.to_thread(check_weights, folder)
-            except GgufError as exc:
-                raise InvalidArgument(f"version {request.version}: {exc}") from None
+            # What would be refused is refused now: _replace frees the running weights before it builds.
+            await asyncio.to_thread(versions.check, request.version, folder)
             need, free = weight_bytes(folder), available_bytes()
             async with self._loading:
                 if need <= free * MEMORY_HEADROOM:

@@ -27,8 +27,9 @@ import torch
 
 from mesh.errors import FailedPrecondition, InvalidArgument
 from mesh.heap import trim_heap
+from mesh.models.gguf_header import GgufError
 from services.engine.models import ARCHITECTURES
-from services.engine.models.config import load_weights
+from services.engine.models.config import check_weights, load_weights
 from services.engine.request import Request
 from services.engine.scheduler import Chunk
 
@@ -68,13 +69,8 @@ class Versions:
         this takes seconds).  Raises InvalidArgument when they cannot run on this engine's cache."""
         if version in self.models:
             raise FailedPrecondition(f"version {version!r} is loaded already; activate it instead")
-        config_cls, model_cls = ARCHITECTURES[_model_type(folder)]
-        config = config_cls.from_folder(folder)
-        old = self.runner.config
-        differs = [f for f in SHAPE if getattr(config, f, None) != getattr(old, f, None)]
-        if type(config) is not type(old) or differs:
-            raise InvalidArgument(f"{folder}: a different architecture ({', '.join(differs) or type(config).__name__})"
-                                  " cannot replace the running model in place; start another engine for it")
+        config = self.check(version, folder)
+        _, model_cls = ARCHITECTURES[_model_type(folder)]
         with torch.inference_mode():
             model = model_cls(config, load_weights(folder), self.runner.plan)
         with self._lock:
@@ -82,6 +78,24 @@ class Versions:
             self.folders[version] = folder
             self._holders.setdefault(version, weakref.WeakValueDictionary())
             self._staged.add(version)
+
+    def check(self, version: str, folder: Path) -> Any:
+        """`folder`'s config, or InvalidArgument (nothing loaded, nothing freed) when `version` cannot run here:
+        another architecture or cache shape than the running model's, or a GGUF whose tensors disagree with its
+        config (models/gguf_check.py).  LoadVersion asks first: a replacement frees the running weights before
+        it builds."""
+        config_cls, _ = ARCHITECTURES[_model_type(folder)]
+        config = config_cls.from_folder(folder)
+        old = self.runner.config
+        differs = [f for f in SHAPE if getattr(config, f, None) != getattr(old, f, None)]
+        if type(config) is not type(old) or differs:
+            raise InvalidArgument(f"{folder}: a different architecture ({', '.join(differs) or type(config).__name__})"
+                                  " cannot replace the running model in place; start another engine for it")
+        try:
+            check_weights(folder)
+        except GgufError as exc:
+            raise InvalidArgument(f"version {version}: {exc}") from None
+        return config
 
     def replace(self, version: str, folder: Path) -> None:
         """With nothing in flight (the engine drained): free every version's weights, then load and

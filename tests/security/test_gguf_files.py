@@ -202,3 +202,46 @@ def test_an_alignment_that_would_start_the_data_inside_the_header(tmp_path: Path
     file = write(tmp_path / f"aligned{alignment}.gguf", alignment=alignment)
     assert refused_at_load(file) == (f"{file}: general.alignment {alignment} is not a positive whole number (the "
                                      "tensors' data would not start after the header)")
+
+
+def test_a_hot_swap_to_a_bad_file_is_refused_before_the_running_weights_go(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoadVersion with too little memory for two versions drains the engine and frees its weights before it builds
+    the new ones: a file that would fail, or another architecture, is refused first (INVALID_ARGUMENT), and the
+    running version serves on (before, the engine was left drained with no model)."""
+    import asyncio
+
+    import grpc
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshpb.v1 import engine_pb2
+    from services.engine import lifecycle
+    from tests.service.test_engine_server import request, serving
+    from tests.service.test_hot_swap import tiny
+
+    torch.manual_seed(0)
+    running = tmp_path / "running"                  # the sizes of CONFIG: the same architecture and cache shapes
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
+                                 num_attention_heads=HEADS, num_key_value_heads=KV,
+                                 max_position_embeddings=128)).save_pretrained(running)
+    bad = folder_of(write(tmp_path / "swap.gguf", shapes={**SHAPES, "blk.0.ffn_up.weight": (INTER, 32)}))
+    other = tiny(tmp_path / "other", 1)             # two layers of 8-wide heads
+    monkeypatch.setattr(lifecycle, "available_bytes", lambda: 1)
+
+    async def scenario() -> None:
+        async with serving(running) as (stub, servicer):
+            for folder, message in (
+                    (bad, f"version 2: {bad / 'model.gguf'}: tensor 'blk.0.ffn_up.weight' (model.layers.0.mlp."
+                          "up_proj.weight) has shape (128, 32) in the file (dims [32, 128]); the config "
+                          "(intermediate_size 128, hidden_size 64) expects (128, 64)"),
+                    (other, f"{other}: a different architecture (num_layers, head_dim) cannot replace the running "
+                            "model in place; start another engine for it")):
+                swap = engine_pb2.LoadVersionRequest(version="2", folder=str(folder), activate=True)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.LoadVersion(swap)
+                assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+                assert servicer.engine.versions.loaded() == ["1"] and not servicer.draining
+                assert len([i async for r in stub.Generate(request("after")) for i in r.ids]) == 3
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
