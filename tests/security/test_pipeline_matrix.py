@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +170,7 @@ async def caching(surface: str, files: dict[str, str]) -> None:
     assert len(clean.calls) == 1                      # a clean answer is (the cache works here)
 
 
-CHECKS: dict[str, Callable[[str, dict[str, str]], Awaitable[None]]] = {
+CHECKS: dict[str, Callable[[str, dict[str, str]], Coroutine[Any, Any, None]]] = {
     "input": input_rule, "output": output_rule, "budget": budget, "admission": admission, "storage": storage,
     "caching": caching}
 
