@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                    help="with fair scheduling, cap a step's rows while a light tenant (all its requests within its "
                         "share of the rows) is active, so that it decodes at most X times slower than its share of "
                         "the engine (from the decode step times measured); 0: no cap (default %(default)s)")
+    p.add_argument("--lora-roots", default="", metavar="DIR[,DIR]",
+                   help="LoRA adapters are loaded from under these folders only (symlinks resolved; a path "
+                        "outside is INVALID_ARGUMENT); empty: from any folder this process can read")
     p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                    help="requests queued beyond the running batch before refusing (RESOURCE_EXHAUSTED); the "
                         "router sheds this replica only when its queue is here (default %(default)s)")
@@ -103,7 +106,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             max_running=a.max_running, max_waiting=a.max_waiting, cuda_graphs=a.cuda_graphs,
                             fair_scheduling=a.fair_scheduling == "on", fair_slowdown=a.fair_slowdown,
                             speculate=a.speculate, speculate_rows=a.speculate_rows,
-                            metrics_port=a.metrics_port,
+                            metrics_port=a.metrics_port, lora_roots=tuple(r for r in a.lora_roots.split(",") if r),
                             discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
                             cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout,
                             grammar_cache_mb=a.grammar_cache_mb, grammar_compile_rate=compile_rate,

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from typing import Any
 
 import grpc
 
 from mesh import peers
+from mesh.errors import InvalidArgument
 from mesh.grpcutil import rpc_errors
 from mesh.heap import trim_heap
 from meshpb.v1 import engine_pb2
@@ -30,6 +32,7 @@ class AdapterRPCs:
                           ) -> engine_pb2.AdaptersResponse:
         peers.require(context, "LoadAdapter", peers.ENGINE)
         started = time.monotonic()
+        confined(request.path, self.config.lora_roots)
         pool = self.engine.adapters
         adapter = await asyncio.get_running_loop().run_in_executor(None, pool.load, request.name, request.path)
         seconds = time.monotonic() - started
@@ -51,3 +54,14 @@ class AdapterRPCs:
         if found:
             log.info("engine %s: LoRA adapter %s unloaded", self.config.replica_id, request.name)
         return engine_pb2.AdaptersResponse(adapters=pool.names(), found=found)
+
+
+def confined(path: str, roots: tuple[str, ...]) -> None:
+    """INVALID_ARGUMENT unless `path`, its symlinks and `..` resolved, lies under one of `roots` (--lora-roots;
+    none: anywhere).  An admin key must not be a way to read any folder of the engine's machine."""
+    if not roots:
+        return
+    real = os.path.realpath(path)
+    if not any(real == (r := os.path.realpath(root)) or real.startswith(r.rstrip(os.sep) + os.sep) for root in roots):
+        raise InvalidArgument(f"lora_path {path[:200]!r} is outside the folders this engine loads adapters from "
+                              f"(--lora-roots: {', '.join(roots)})")

@@ -43,6 +43,7 @@ class EngineConfig:
     speculate_rows: int = 0            # draft while a step's rows stay within this; 0 auto (speculate.py)
     cuda_graphs: str = "auto"          # GRAPH_MODES; auto: pure-decode steps replay CUDA graphs on a GPU
     metrics_port: int = 0              # Prometheus /metrics; 0: off
+    lora_roots: tuple[str, ...] = ()   # LoadAdapter reads adapters under these folders only; (): from anywhere
     discovery: str = "static"          # static | consul: where this engine announces itself
     advertise: str = ""                # HOST[:PORT] registered in discovery; "": the bind host
     tls_dir: str = ""                  # mesh mutual TLS (ca.crt, tls.crt, tls.key); "": plaintext

@@ -13,7 +13,7 @@
 | grammar / schema recursion exhausting the stack (llama.cpp)   | test_grammar_limits.py                       |
 | pickle where a file or a peer can reach (vLLM, SGLang)        | here: test_no_pickle_loads...; LoRA .bin:    |
 |                                                               | test_lora_folders.py                         |
-| LoRA paths outside the operator's folders                     | test_lora_folders.py                         |
+| LoRA paths outside the operator's folders                     | test_lora_roots.py                           |
 | a prefix-cache timing side channel between tenants            | test_prefix_isolation.py                     |
 """
 
