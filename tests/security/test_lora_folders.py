@@ -216,7 +216,7 @@ def test_adapter_model_bin_is_read_weights_only(good: Path, tmp_path: Path) -> N
 class Servicer(AdapterRPCs, engine_pb2_grpc.EngineServicer):
     def __init__(self) -> None:
         self.engine = SimpleNamespace(adapters=AdapterPool(SHAPE, torch.float32))
-        self.config = SimpleNamespace(replica_id="lora-checks")
+        self.config = SimpleNamespace(replica_id="lora-checks", lora_roots=())
 
 
 def test_load_adapter_over_grpc_is_invalid_argument_naming_the_field(good: Path, tmp_path: Path) -> None:
