@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import OrderedDict
 
 from mesh import signing
 from mesh.apikeys import ApiKeys
@@ -45,6 +46,10 @@ class Charge:
     started: bool = False           # a delta arrived: the router may have generated tokens
     used: int | None = None         # prompt + completion tokens, once the final message told
     places: int = 0                 # in-flight places held: one a router call (prompts x n)
+    conversation: tuple[str, str] | None = None    # (tenant, session) whose stored tokens its usage updates
+
+
+MAX_CONVERSATIONS = 100_000          # conversations whose tokens an edge remembers (least recently used go)
 
 
 class Admission:
@@ -58,6 +63,9 @@ class Admission:
         self._limiters: dict[tuple[str, str], Limiter] = {}
         self.nonces = signing.NonceCache()
         self.in_flight = InFlight(config.max_concurrent)
+        # Each stored conversation's tokens as its last turn here used them (prompt, history included, + answer):
+        # the next turn reserves them too, counted by the tokenizer, not estimated from bytes.
+        self.conversations: OrderedDict[tuple[str, str], int] = OrderedDict()
         # Batch lines' own places (services/edge/batch_admission.py), never the interactive ones above.
         self.batch_places = BatchPlaces.shared(self.in_flight, config.batch_share, config.batch_tenant_share)
         # Failed keys per client address: past the limit the address gets 429 whatever key it sends
@@ -222,14 +230,17 @@ class Admission:
         arriving together see each other's reservations."""
         generations = (len(spec.prompts) or 1) * spec.n
         text_bytes = _prompt_bytes(spec)
-        charge = Charge(caller, estimate_tokens(text_bytes, spec.sampling.max_tokens, generations=generations))
+        history = self.conversations.get((caller.tenant, spec.history_from or spec.session_id), 0)
+        charge = Charge(caller, history + estimate_tokens(text_bytes, spec.sampling.max_tokens,
+                                                          generations=generations),
+                        conversation=(caller.tenant, spec.session_id) if spec.session_id else None)
         limit = self._limiter(caller.tier, "tokens")
         if limit is None:
             return charge
         wait = limit.reserve(caller.bucket, charge.reserved, time.monotonic())
         if wait == math.inf:
             REFUSED.labels("tokens").inc()
-            raise ApiError(429, _too_large(limit.rate, caller.tier.name, charge.reserved, spec, text_bytes),
+            raise ApiError(429, _too_large(limit.rate, caller.tier.name, charge.reserved, spec, text_bytes, history),
                            kind="tokens", code="request_too_large", retry_after_s=DO_NOT_RETRY)
         if wait > 0:
             REFUSED.labels("tokens").inc()
@@ -242,7 +253,12 @@ class Admission:
     def _settle_tokens(self, charge: Charge) -> None:
         """Refund what was reserved but not used; an overrun becomes the caller's debt.  A request that
         ended before any token (refused by the router) costs nothing; one cut off mid-stream keeps its
-        reservation, since its usage is unknown."""
+        reservation, since its usage is unknown.  A conversation's usage is what its next turn reserves."""
+        if charge.conversation is not None and charge.used is not None:
+            self.conversations[charge.conversation] = charge.used
+            self.conversations.move_to_end(charge.conversation)
+            while len(self.conversations) > MAX_CONVERSATIONS:
+                self.conversations.popitem(last=False)
         limit = self._limiter(charge.caller.tier, "tokens")
         back = settlement(charge.reserved, charge.used, charge.started)
         if limit is not None and back:
@@ -264,15 +280,16 @@ def _prompt_bytes(spec: GenerateSpec) -> int:
     return sum(len(t.encode()) for t in texts)
 
 
-def _too_large(rate: Rate, tier: str, reserved: int, spec: GenerateSpec, text_bytes: int) -> str:
+def _too_large(rate: Rate, tier: str, reserved: int, spec: GenerateSpec, text_bytes: int, history: int) -> str:
     """OpenAI's words for a request over the whole budget, with what it asked for and what to lower."""
     period = {1.0: "second", 60.0: "min", 3600.0: "hour"}.get(rate.period_s, f"{rate.period_s:g} s")
     prompts, max_tokens = len(spec.prompts) or 1, spec.sampling.max_tokens
     each = f"max_tokens {max_tokens}" if max_tokens else f"max_tokens unset ({DEFAULT_COMPLETION_TOKENS} reserved)"
     completion = prompts * spec.n * (max_tokens or DEFAULT_COMPLETION_TOKENS)
+    stored = f" + the stored conversation's {history}" if history else ""
     return (f"Request too large for tokens per {period}: limit {rate.amount:g} ({tier} tier), requested about "
-            f"{reserved} = prompt estimate {math.ceil(text_bytes / 4)} + {prompts} prompt(s) x n {spec.n} x {each} "
-            f"({completion}). Lower max_tokens, n or the number of prompts (or shorten the prompt) to fit in "
+            f"{reserved} = prompt estimate {math.ceil(text_bytes / 4)}{stored} + {prompts} prompt(s) x n {spec.n} x "
+            f"{each} ({completion}). Lower max_tokens, n or the number of prompts (or shorten the prompt) to fit in "
             f"{rate.amount:g} tokens; the request cannot pass as it is, so do not retry it unchanged.")
 
 
