@@ -1,6 +1,6 @@
 """A batch (/v1/batches) beside interactive traffic: does it slow the interactive requests' first token?
 
-    .venv/bin/python bench/batch_api.py [--lines 50] [--streams 8] [--rounds 4]
+    .venv/bin/python bench/batch_api.py [--lines 50] [--streams 8] [--rounds 4] [--batches 1]
 
 Starts `infermesh up --engines 1` (ports offset 1600).  In one run:
 
@@ -12,6 +12,10 @@ Starts `infermesh up --engines 1` (ports offset 1600).  In one run:
 
 Prints the interactive TTFT p50 with the batch against without (the target: within 1.25x), the batch's
 lines/s, and the CPU it ran on.  Every request is sampled (temperature 0.7, top_p 0.95).
+
+With `--batches N` (N > 1; issue 49's probe: 40 batches of 12 lines) the mesh has API keys, one tenant's key
+posts the N batches and another tenant's sends the interactive rounds: every one of those must be served
+(none refused) with its TTFT p50 within 3x of idle; the batches are cancelled at the end.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ def batch_file(lines: int, tag: str, max_tokens: int = 64) -> bytes:
         + "\n" for i in range(lines)).encode()
 
 
-def ttft(http: str, text: str, max_tokens: int = 16) -> float:
+KEYS = ("k-batches", "k-interactive")        # --batches N: one tenant each
+
+
+def ttft(http: str, text: str, max_tokens: int = 16, key: str = "") -> float:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0.7, "top_p": 0.95, "stream": True}
     started, first = time.perf_counter(), 0.0
-    with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, timeout=300) as reply:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", f"{http}/v1/chat/completions", json=body, timeout=300, headers=headers) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not first and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
@@ -61,11 +69,11 @@ def ttft(http: str, text: str, max_tokens: int = 16) -> float:
     return first
 
 
-def interactive(http: str, streams: int, rounds: int, tag: str) -> list[float]:
-    """`rounds` rounds of `streams` concurrent requests: every request's TTFT (seconds)."""
+def interactive(http: str, streams: int, rounds: int, tag: str, key: str = "") -> list[float]:
+    """`rounds` rounds of `streams` concurrent requests: every request's TTFT (seconds; a refused one raises)."""
     out: list[float] = []
     def one(text: str) -> None:
-        out.append(ttft(http, text))
+        out.append(ttft(http, text, key=key))
 
     for r in range(rounds):
         threads = [threading.Thread(target=one, args=(f"[{tag}-{r}-{i}] Write a sentence about "
@@ -124,6 +132,22 @@ def compare(http: str, lines: int = 50, streams: int = 8, rounds: int = 4, line_
             "ratio": statistics.median(beside) / statistics.median(alone)}
 
 
+def compare_tenants(http: str, batches: int, lines: int, streams: int, rounds: int) -> dict[str, Any]:
+    """Tenant A's `batches` batches of `lines` lines under way, tenant B's interactive rounds beside them."""
+    owner = openai.OpenAI(base_url=f"{http}/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+    tag = uuid.uuid4().hex[:8]
+    interactive(http, streams, 1, tag + "w", KEYS[1])
+    alone = interactive(http, streams, rounds, tag + "a", KEYS[1])
+    posted = [start_batch(owner, lines, f"{tag}-{b}") for b in range(batches)]
+    under_way(owner, posted[0].id)
+    beside = interactive(http, streams, rounds, tag + "b", KEYS[1])     # raises on any refusal
+    counts = [owner.batches.retrieve(b.id).request_counts for b in posted]
+    for b in posted:
+        owner.batches.cancel(b.id)
+    return {"alone": alone, "beside": beside, "ratio": statistics.median(beside) / statistics.median(alone),
+            "lines_done": sum(c.completed for c in counts if c), "lines": batches * lines}
+
+
 def report(result: dict[str, Any], lines: int) -> str:
     alone, beside = result["alone"], result["beside"]
     return (f"interactive TTFT p50 {statistics.median(beside) * 1000:.0f} ms with the batch running vs "
@@ -138,7 +162,19 @@ def main() -> None:
     p.add_argument("--lines", type=int, default=50)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--batches", type=int, default=1, help="N > 1: one tenant's N batches, another's rounds")
     a = p.parse_args()
+    if a.batches > 1:
+        log = Path(tempfile.mkdtemp(prefix="bench-batch-")) / "infermesh-up.log"
+        print(f"{cpu_name()} | tenant A: {a.batches} batches x {a.lines} lines | tenant B: {a.streams} streams x "
+              f"{a.rounds} rounds")
+        with infermesh_up(OFFSET, log, {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0",
+                                        "INFERMESH_API_KEYS": ",".join(KEYS)}) as http:
+            r = compare_tenants(http, a.batches, a.lines, a.streams, a.rounds)
+        print(f"tenant B: {len(r['beside'])} of {len(r['beside'])} served beside the batches, TTFT p50 "
+              f"{statistics.median(r['beside']) * 1000:.0f} ms vs {statistics.median(r['alone']) * 1000:.0f} ms "
+              f"idle: {r['ratio']:.2f}x (target <= 3x); tenant A: {r['lines_done']} of {r['lines']} lines done")
+        return
     print(f"{cpu_name()} | {a.lines} batch lines x 64 tokens | {a.streams} interactive streams x {a.rounds} rounds")
     log = Path(tempfile.mkdtemp(prefix="bench-batch-")) / "infermesh-up.log"
     with infermesh_up(OFFSET, log, {"INFERMESH_EDGE_RESPONSE_CACHE_TTL": "0"}) as http:
