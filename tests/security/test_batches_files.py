@@ -5,20 +5,26 @@ nested 5,000 deep was a 500 (RecursionError).
 
 Now the form is split with byte searches and the lines are checked in a thread (services/edge/batch_jsonl.py),
 at most 50,000 requests a file (OpenAI's limit: checking stops at the first past it) and each line nested at
-most MAX_DEPTH deep (a 400 naming the line at upload; at creation the batch fails naming it).  The stall is
-measured in-process: the longest any GET /v1/models took while the file was uploaded, checked and batched.
+most MAX_DEPTH deep (a 400 naming the line at upload; at creation the batch fails naming it).  What is checked
+is where the work runs: every split and parse of a file's lines (the form, each line) in a thread, never on the
+event loop's; the stall (the longest any GET /v1/models took meanwhile) is printed, not asserted (machines are
+shared and noisy).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from mesh.apikeys import digest
+from services.edge import batch_runner, batches_api, files_api
 from services.edge.app import EdgeApp
 from services.edge.batch_jsonl import MAX_DEPTH
 from services.edge.config import EdgeConfig
@@ -33,6 +39,30 @@ B = {"authorization": "Bearer k-b"}
 class Router(FakeRouter):
     async def models(self) -> list[Any]:
         return []
+
+
+@pytest.fixture
+def threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """(function, ran on the event loop's thread) of every split and parse of a file's lines (nonblank, load_line,
+    parse_form, as the files, batches and runner modules call them)."""
+    seen: list[tuple[str, bool]] = []
+    loop_thread = threading.current_thread()
+
+    def spied(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append((name, threading.current_thread() is loop_thread))
+            return fn(*args, **kwargs)
+        return call
+    for module in (files_api, batches_api, batch_runner):
+        for name in ("nonblank", "load_line", "parse_form"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, spied(name, getattr(module, name)))
+    return seen
+
+
+def _off_the_loop(seen: list[tuple[str, bool]], names: set[str]) -> None:
+    assert {name for name, _ in seen} >= names and not [name for name, on_loop in seen if on_loop]
 
 
 def _app(router: Router | None = None) -> EdgeApp:
@@ -82,9 +112,9 @@ def _valid_lines(size: int) -> bytes:
     return b"".join(lines)
 
 
-def test_a_32_mib_file_of_empty_objects_is_refused_without_stopping_the_edge() -> None:
+def test_a_32_mib_file_of_empty_objects_is_refused_without_stopping_the_edge(threads: list[tuple[str, bool]]) -> None:
     """The probe's file: 11 million `{}` lines.  Refused at upload (400 naming line 50,001: more requests than
-    a batch takes), while GET /v1/models from another tenant goes on being answered within a second."""
+    a batch takes), the form and its lines read in a thread while GET /v1/models from another tenant goes on."""
     async def main() -> None:
         app = _app()
         content = b"{}\n" * ((MAX_UPLOAD_BYTES - 1024) // 3)
@@ -92,15 +122,16 @@ def test_a_32_mib_file_of_empty_objects_is_refused_without_stopping_the_edge() -
         (status, _, raw), worst = await _worst_wait(app, asgi(app, "POST", "/v1/files", body, {**headers, **A}))
         print(f"\n32 MiB of {{}} lines: upload {status}, another tenant's longest GET /v1/models {worst:.3f} s")
         assert status == 400 and "line 50001" in json.loads(raw)["error"]["message"]
-        assert worst < 1.0
+        _off_the_loop(threads, {"parse_form", "nonblank", "load_line"})
 
     asyncio.run(main())
 
 
-def test_a_32_mib_batch_is_uploaded_and_created_without_stopping_the_edge() -> None:
-    """32 MiB of valid chat lines (45,000): uploaded, checked, made a batch and read by its runner, while GET
-    /v1/models from another tenant is answered within half a second (0.6-0.9 s before, when the form and every
-    line were parsed on the event loop; ~0.1 s now, the parsing thread and the loop sharing the GIL)."""
+def test_a_32_mib_batch_is_uploaded_and_created_without_stopping_the_edge(threads: list[tuple[str, bool]]) -> None:
+    """32 MiB of valid chat lines (45,000): uploaded, checked, made a batch and read by its runner, every line in
+    a thread (the longest GET /v1/models of another tenant meanwhile: 0.6-0.9 s before, when the form and every
+    line were parsed on the event loop; ~0.1 s on an idle 2-core machine now, the thread and the loop sharing the
+    GIL)."""
     async def main() -> None:
         router = Router()
         router.release = asyncio.Event()              # the lines wait in the "engine" until cancelled
@@ -127,7 +158,8 @@ def test_a_32_mib_batch_is_uploaded_and_created_without_stopping_the_edge() -> N
         print(f"\n32 MiB batch ({record['request_counts']['total']} lines): upload + create + read {took:.1f} s, "
               f"another tenant's longest GET /v1/models {worst:.3f} s")
         assert record["status"] == "validating" and record["request_counts"]["total"] > 40_000
-        assert worst < 0.5
+        _off_the_loop(threads, {"parse_form", "nonblank", "load_line"})
+        assert [name for name, _ in threads].count("nonblank") >= 3        # at upload, at creation, by the runner
         await asyncio.wait_for(asyncio.gather(*app.batch_runner.running.values()), 60)
 
     asyncio.run(main())
