@@ -45,6 +45,7 @@ from services.edge.files_api import PREFIX as FILES_PREFIX
 from services.edge.lora_api import PATHS as LORA_PATHS
 from services.edge.lora_api import LoraApi
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
+from services.edge.pipeline import Pipeline
 from services.edge.responses_api import PREFIX as RESPONSES_PREFIX
 from services.edge.responses_api import Responses
 from services.edge.stored import StoredObjects
@@ -71,11 +72,12 @@ class EdgeApp:
         self.config = config
         self.router = router
         self.admission = Admission(config)
-        self.completions = Completions(config, router, self.admission)
-        self.tokenizing = Tokenizing(config, router, self.completions.read_json, self.completions.screened_json)
-        self.embeddings = Embeddings(config, router, self.admission, self.completions.screened_json)
+        self.pipeline = Pipeline(config, router, self.admission)     # every surface's policies (pipeline.py)
+        self.completions = Completions(config, router, self.pipeline)
+        self.tokenizing = Tokenizing(config, router, self.pipeline.read_json, self.pipeline.screened_json)
+        self.embeddings = Embeddings(config, router, self.pipeline)
         self.stored = StoredObjects(config.cache_service)     # responses, files, batches (services/edge/stored.py)
-        self.responses = Responses(config, router, self.completions, self.stored)
+        self.responses = Responses(config, router, self.pipeline, self.stored)
         files = FileStore(self.stored)
         self.files = Files(files, self.admission, config.body_timeout_s)
         self.openapi = json.dumps(openapi.document(config)).encode()
@@ -102,7 +104,7 @@ class EdgeApp:
         self.batch_runner = BatchRunner(self.stored, files, LineCaller(self.routes, self.admission),
                                         lambda run: batch_caller(self.admission, run), config.replica_id,
                                         config.batch_concurrency)
-        self.batches = Batches(files, self.batch_runner, self.completions.read_json)
+        self.batches = Batches(files, self.batch_runner, self.pipeline.read_json)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

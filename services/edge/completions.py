@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions and /v1/completions: parse, admit, call the router, answer whole or as SSE.
+"""POST /v1/chat/completions and /v1/completions: parse, then the edge's pipeline (services/edge/pipeline.py:
+screen, stamp, admit, guarded answers, store), the response cache, and the answer whole or as SSE.
 
 A request reaches the router only once it parsed (400), found a place in flight (503) and its
 tokens (429).  Streaming answers pull the first delta before the 200, so an error the router
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,31 +27,29 @@ from mesh.clients.router_client import Delta, GenerateSpec
 from mesh.clients.router_pool import Routers
 from mesh.errors import http_status
 from mesh.telemetry import headers_context, tracer
-from services.edge import choices, model_inputs, requests, responses
-from services.edge.admission import Admission, Charge
-from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_json, unless_gone, wait_disconnect
-from services.edge.choices import Choice, fan_out
-from services.edge.classifier import Classifier
+from services.edge import choices, requests, responses
+from services.edge.admission import Charge
+from services.edge.asgi import JSON_HEADERS, Receive, Scope, Send, send_json, unless_gone, wait_disconnect
+from services.edge.choices import Choice, Piece
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
-from services.edge.fields import parse_json
-from services.edge.metrics import COMPLETION_TOKENS, DURATION, RESPONSE_CACHE, SLOW_READERS, TENANT_TOKENS, TTFT
+from services.edge.metrics import COMPLETION_TOKENS, DURATION, RESPONSE_CACHE, SLOW_READERS, TTFT
+from services.edge.pipeline import Guarded, Pipeline, drain, guarded
 from services.edge.response_cache import Entry, ResponseCache, ServedVersions, blocked_by, bypassed, cache_key, storable
-from services.edge.safety import ContentPolicy, PolicySource
 from services.edge.tenants import AuthenticatedCaller
 
-Deltas = AsyncGenerator[tuple[int, Delta], None]     # services/edge/choices.py: fan_out
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 @dataclass(frozen=True)
 class CompletionHop:
-    """What answering one request carries from the router's deltas to the client: chat or completions,
-    the response id, the fanned-out deltas and each choice's answer, `n`, whether a stream ends with a
-    usage chunk (stream_options.include_usage), and the caller's admission charge (its usage settled)."""
+    """What answering one request carries from the router's deltas to the client: chat or completions, the
+    response id, the fanned-out deltas through the choices' guards (pipeline.guarded), each choice's answer, `n`,
+    whether a stream ends with a usage chunk (stream_options.include_usage), and the caller's admission charge
+    (its usage settled)."""
     chat: bool
     rid: str
-    deltas: Deltas
+    deltas: Guarded
     answers: list[Choice]
     n: int
     include_usage: bool
@@ -61,51 +58,23 @@ class CompletionHop:
 
 
 class Completions:
-    def __init__(self, config: EdgeConfig, router: Routers, admission: Admission):
-        self.config = config
-        self.router = router
-        self.admission = admission
-        self.safety = PolicySource(config.content_policy)
-        self.classifier = Classifier(config.content_classifier) if config.content_classifier else None
+    def __init__(self, config: EdgeConfig, router: Routers, pipe: Pipeline):
+        self.config, self.router, self.pipe = config, router, pipe
         self.cache = ResponseCache(config.response_cache_ttl_s, config.response_cache_bytes,
                                    ServedVersions(lambda: router.models()), config.cache_service)
 
     async def close(self) -> None:
         await self.cache.close()
-        if self.classifier is not None:
-            await self.classifier.close()
-
-    async def check_input(self, policy: ContentPolicy, body: dict[str, Any], caller: AuthenticatedCaller) -> None:
-        """400 `content_filter` for an input the rules or the classifier block: every text of the request
-        that reaches the model (services/edge/model_inputs.py)."""
-        texts = model_inputs.texts(body)
-        found = policy.blocked_input(texts)
-        if found is None and self.classifier is not None:
-            category = await self.classifier.check_input([t for _, t in texts], caller.label)
-            found = (category, "messages" if "messages" in body else "prompt") if category else None
-        if found is not None:
-            raise ApiError(400, f"the request was refused by the content policy (category: {found[0]})",
-                           found[1], code="content_filter")
-
-    async def read_json(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
-        """The body as JSON (its signature, for a key that must sign, was checked by the app: EdgeApp._signed)."""
-        return parse_json(await read_body(receive, headers, self.config.max_body_bytes, self.config.body_timeout_s))
-
-    async def screened_json(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
-        """The body as JSON, once the input rules pass every text of it that reaches the model (the routes with
-        no completion of their own: /tokenize, /v1/embeddings)."""
-        body = await self.read_json(scope, receive, headers)
-        await self.check_input(self.safety.current(), body, scope["infermesh.caller"])
-        return body
+        await self.pipe.close()
 
     async def chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        body = await self.read_json(scope, receive, headers)
+        body = await self.pipe.read_json(scope, receive, headers)
         spec = requests.parse_chat(body, headers.get("x-session-id", ""), headers.get("x-infermesh-replica", ""),
                                  self.config.max_messages)
         return await self.complete(True, body, spec, scope, headers, receive, send)
 
     async def completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        body = await self.read_json(scope, receive, headers)
+        body = await self.pipe.read_json(scope, receive, headers)
         spec = requests.parse_completion(body, headers.get("x-session-id", ""),
                                        headers.get("x-infermesh-replica", ""))
         return await self.complete(False, body, spec, scope, headers, receive, send)
@@ -114,8 +83,7 @@ class Completions:
                        headers: dict[str, str], receive: Receive, send: Send) -> int:
         stream, include_usage = requests.stream_options(body)
         caller: AuthenticatedCaller = scope["infermesh.caller"]
-        policy = self.safety.current()
-        await self.check_input(policy, body, caller)
+        policy = await self.pipe.screen(body, caller)
         pinned = headers.get("x-infermesh-model-version", "").strip()
         key = cache_key(chat, caller.tenant, body, spec, pinned) if self.cache.enabled else None
         if key is not None:
@@ -125,26 +93,17 @@ class Completions:
                 entry = await self.cache.get(key, pinned)
                 if entry is not None and not blocked_by(policy, entry):
                     return await _replay(chat, entry, stream, include_usage, scope, send)
-        charge = self.admission.enter(caller, spec)
         rid = responses.new_id(chat)
         # Under output rules a session's turn is stored as it went out, by the edge (the router's would be raw).
-        spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
-                                   cache_class=caller.tier.cache_class, weight=caller.tier.weight,
-                                   model_version=pinned, caller_stores_turn=bool(chat and spec.session_id
-                                                                                 and policy.output))
-        calls = choices.specs(spec)
-        running: dict[int, asyncio.Task[None]] = {}
-        answers = [Choice(i, chat, spec, call.prompt or "", policy) for i, call in enumerate(calls)]
-        for i, answer in enumerate(answers):
-            answer.stop_call = functools.partial(choices.stop, running, i)
-        parent = headers_context(headers)
-        try:
-            with tracer().start_as_current_span("edge.request", context=parent, kind=trace.SpanKind.SERVER,
-                                                attributes={"request_id": rid, "stream": stream,
-                                                            "choices": len(answers)}):
-                deltas = fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
-                hop = CompletionHop(chat, rid, deltas, answers, spec.n, include_usage, charge,
-                                    spec if spec.caller_stores_turn else None)
+        spec = self.pipe.stamp(spec, caller, headers, rid,
+                               caller_stores_turn=bool(chat and spec.session_id and policy.output))
+        with self.pipe.admitted(caller, spec) as charge:
+            _, answers, deltas = self.pipe.answers(chat, spec, policy)
+            with tracer().start_as_current_span("edge.request", context=headers_context(headers),
+                                                kind=trace.SpanKind.SERVER, attributes={
+                                                    "request_id": rid, "stream": stream, "choices": len(answers)}):
+                hop = CompletionHop(chat, rid, guarded(deltas, answers, charge), answers, spec.n, include_usage,
+                                    charge, spec if spec.caller_stores_turn else None)
                 whole = None
                 if stream:
                     status = await self._stream(hop, receive, send)
@@ -158,17 +117,13 @@ class Completions:
                         self.cache.put(key, Entry(whole, whole["model"], (whole["infermesh"] or {}).get(
                             "model_version", "")))
                 return status
-        finally:
-            self.admission.leave(charge)
-            if charge.used:
-                TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
     async def _whole(self, hop: CompletionHop, receive: Receive, send: Send) -> tuple[int, dict[str, Any] | None]:
         """The status and the answer sent (None when the client left)."""
         answers, charge, started = hop.answers, hop.charge, time.monotonic()
         # The client may leave while the answer is collected, with no write to notice it by:
         # watch for its disconnect, or an abandoned request would run to max_tokens.
-        if await unless_gone(_collect(hop.deltas, answers, charge), receive) is None:
+        if await unless_gone(_collect(hop.deltas, answers), receive) is None:
             return 499, None
         if hop.stored is not None:
             await choices.store_turn(self.router, hop.stored, answers[0])
@@ -185,7 +140,6 @@ class Completions:
         # Pull the first delta before answering, so an early error is still a proper 4xx/5xx.
         try:
             first = await anext(hop.deltas)
-            hop.charge.started = True
         except grpc.aio.AioRpcError as err:
             raise from_grpc(err) from None
         except StopAsyncIteration:
@@ -207,7 +161,8 @@ class Completions:
         DURATION.observe(time.monotonic() - started)
         return 200
 
-    async def _relay(self, hop: CompletionHop, model: str, first: tuple[int, Delta], send: Send) -> None:
+    async def _relay(self, hop: CompletionHop, model: str, first: tuple[int, Delta, list[Piece]], send: Send
+                     ) -> None:
         async def emit(obj: dict[str, Any]) -> None:
             # A client that does not take a chunk in time (its transport buffer full) is cut off: waiting
             # for it would hold an engine slot, and edge memory, for as long as it cares to read.
@@ -233,19 +188,16 @@ class Completions:
             return
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    async def _relay_deltas(self, hop: CompletionHop, model: str, item: tuple[int, Delta] | None,
+    async def _relay_deltas(self, hop: CompletionHop, model: str, item: tuple[int, Delta, list[Piece]] | None,
                             emit: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Each choice's chunks as its deltas come, then the usage chunk; a router error as an error event
         (emit raises SlowReader for a client that does not take a chunk in time, error event included)."""
         chat, deltas, answers, head = hop.chat, hop.deltas, hop.answers, responses.StreamHead(hop.chat, hop.rid, model)
         try:
             while item is not None:
-                index, d = item
+                index, d, pieces = item
                 answer = answers[index]
-                if answer.cut:                  # ended by the content filter: what was in flight is dropped
-                    item = await anext(deltas, None)
-                    continue
-                pieces, logprobs = answer.add(d), answer.stream_logprobs(d)
+                logprobs = answer.stream_logprobs(d)
                 if not chat and answer.echo and not answer.started:
                     answer.started = True
                     await emit(responses.chunk_body(head, answer.echo, index=index,
@@ -257,10 +209,7 @@ class Completions:
                                                     logprobs=logprobs, index=index,
                                                     delta=answer.delta(pieces) if chat else None))
                     answer.started = True
-                if answer.blocked:
-                    answer.cut = True
-                    answer.stop_call()
-                if answer.final is not None:
+                if answer.final is not None:        # (a choice the rules blocked too: pipeline.guarded stopped it)
                     answer.cut = True
                     if hop.stored is not None:
                         await choices.store_turn(self.router, hop.stored, answer)
@@ -319,16 +268,10 @@ def _model(answers: list[Choice]) -> str:
     return final.served_by.model if final is not None and final.served_by else ""
 
 
-async def _collect(deltas: Deltas, answers: list[Choice], charge: Charge) -> bool:
-    """Every choice's whole answer."""
+async def _collect(deltas: Guarded, answers: list[Choice]) -> bool:
+    """Every choice's whole answer (its guards ran: pipeline.guarded)."""
     try:
-        async for index, d in deltas:
-            charge.started = True
-            answer = answers[index]
-            answer.add(d)
-            if answer.blocked and not answer.cut:
-                answer.cut = True
-                answer.stop_call()
+        await drain(deltas)
     except grpc.aio.AioRpcError as err:
         raise from_grpc(err) from None
     if any(a.final is None for a in answers):

@@ -24,12 +24,11 @@ import grpc
 from mesh.clients.router_client import Delta, GenerateSpec, Sampling
 from mesh.clients.router_pool import Routers
 from services.edge import responses
-from services.edge.admission import Admission
 from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, from_grpc
 from services.edge.fields import MAX_TOKEN_ID, integer, is_token_id, no_unknown, string
-from services.edge.metrics import TENANT_TOKENS
+from services.edge.pipeline import Pipeline
 
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 MAX_INPUTS = 2048             # OpenAI's limit on inputs per request
@@ -97,24 +96,21 @@ def encoded(vector: list[float], as_base64: bool) -> list[float] | str:
 class Embeddings:
     """The route's handler (app.py routes it; the caller is admitted by then)."""
 
-    def __init__(self, config: EdgeConfig, router: Routers, admission: Admission, read_json: Any):
-        self.config, self.router, self.admission, self.read_json = config, router, admission, read_json
+    def __init__(self, config: EdgeConfig, router: Routers, pipe: Pipeline):
+        self.config, self.router, self.pipe = config, router, pipe
 
     async def embeddings(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        request = parse_embeddings(await self.read_json(scope, receive, headers))
+        request = parse_embeddings(await self.pipe.screened_json(scope, receive, headers))
         caller = scope["infermesh.caller"]
         estimate = tuple(t if isinstance(t, str) else "    " * len(t) for t in request.inputs)   # ~4 bytes a token
-        charge = self.admission.enter(caller, GenerateSpec(request.model, Sampling(max_tokens=1), prompts=estimate),
-                                      places=min(len(estimate), PARALLEL))      # _run's calls open at once
         rid = responses.new_id(False)
-        pinned = headers.get("x-infermesh-model-version", "").strip()
-        base = GenerateSpec(request.model, Sampling(temperature=0.0, max_tokens=1, pooling="model"), request_id=rid,
-                            tenant=caller.tenant, priority=caller.tier.priority, cache_class=caller.tier.cache_class,
-                            weight=caller.tier.weight, model_version=pinned)
+        base = self.pipe.stamp(GenerateSpec(request.model, Sampling(temperature=0.0, max_tokens=1, pooling="model")),
+                               caller, headers, rid)
         specs = [dataclasses.replace(base, request_id=f"{rid}-{i}", prompt=t if isinstance(t, str) else None,
                                      prompt_ids=None if isinstance(t, str) else t)
                  for i, t in enumerate(request.inputs)]
-        try:
+        with self.pipe.admitted(caller, GenerateSpec(request.model, Sampling(max_tokens=1), prompts=estimate),
+                                places=min(len(estimate), PARALLEL)) as charge:     # _run's calls open at once
             finals = await unless_gone(self._run(specs), receive)
             if finals is None:
                 return 499
@@ -128,10 +124,6 @@ class Embeddings:
             await send_json(send, 200, {"object": "list", "data": data, "model": model,
                                         "usage": {"prompt_tokens": used, "total_tokens": used}})
             return 200
-        finally:
-            self.admission.leave(charge)
-            if charge.used:
-                TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
     async def _run(self, specs: list[GenerateSpec]) -> list[Delta]:
         """Every input's final delta, in order (at most PARALLEL in flight); the first failure fails them all."""

@@ -16,7 +16,6 @@ its sequence_number.  An error after the stream began is an `error` event.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import secrets
@@ -32,11 +31,10 @@ from mesh.clients.router_pool import Routers
 from mesh.tool_stream import CallFragment
 from services.edge import requests
 from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
-from services.edge.choices import Choice, fan_out, stop, store_turn
-from services.edge.completions import Completions
+from services.edge.choices import Choice, store_turn
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
-from services.edge.metrics import TENANT_TOKENS
+from services.edge.pipeline import Deltas, Pipeline, guarded
 from services.edge.responses_input import ResponsesRequest, parse_responses
 from services.edge.stored import StoredObjects
 
@@ -165,8 +163,8 @@ def _part(text: str) -> dict[str, Any]:
 class Responses:
     """The route's handler (app.py routes it; the caller is admitted by then)."""
 
-    def __init__(self, config: EdgeConfig, router: Routers, completions: Completions, stored: StoredObjects):
-        self.config, self.router, self.completions = config, router, completions
+    def __init__(self, config: EdgeConfig, router: Routers, pipe: Pipeline, stored: StoredObjects):
+        self.config, self.router, self.pipe = config, router, pipe
         self.stored = stored        # stored responses, for GET (services/edge/stored.py)
 
     async def stored_response(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
@@ -192,24 +190,19 @@ class Responses:
         return 200
 
     async def create(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        request = parse_responses(await self.completions.read_json(scope, receive, headers))
+        request = parse_responses(await self.pipe.read_json(scope, receive, headers))
         caller = scope["infermesh.caller"]
-        policy = self.completions.safety.current()
-        await self.completions.check_input(policy, request.chat, caller)
-        spec = requests.parse_chat(request.chat, max_messages=self.config.max_messages)
+        policy = await self.pipe.screen(request.chat, caller)
         rid = new_id("resp")
-        spec = dataclasses.replace(spec, request_id=rid, tenant=caller.tenant, priority=caller.tier.priority,
-                                   cache_class=caller.tier.cache_class, weight=caller.tier.weight,
-                                   session_id=rid if request.store else "", history_from=request.previous,
-                                   caller_stores_turn=request.store,
-                                   model_version=headers.get("x-infermesh-model-version", "").strip())
-        charge = self.completions.admission.enter(caller, spec)
-        try:
+        spec = self.pipe.stamp(requests.parse_chat(request.chat, max_messages=self.config.max_messages), caller,
+                               headers, rid, session_id=rid if request.store else "", history_from=request.previous,
+                               caller_stores_turn=request.store)
+        with self.pipe.admitted(caller, spec) as charge:
+            _, (choice,), deltas = self.pipe.answers(True, spec, policy)
             if request.stream:
-                return await self._stream(request, spec, Choice(0, True, spec, "", policy), charge, receive, send)
+                return await self._stream(request, spec, deltas, choice, charge, receive, send)
             output = Output(rid, spec.model, request, _silent)
-            choice = Choice(0, True, spec, "", policy)
-            done = await unless_gone(self._run(spec, choice, output, charge), receive)
+            done = await unless_gone(self._run(deltas, choice, output, charge), receive)
             if done is None:
                 return 499
             body = output.body(done, _reason(choice))
@@ -218,10 +211,6 @@ class Responses:
                 await self._keep(caller.tenant, rid, body)
             await send_json(send, 200, body)
             return 200
-        finally:
-            self.completions.admission.leave(charge)
-            if charge.used:
-                TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
     async def _keep(self, tenant: str, rid: str, body: dict[str, Any]) -> None:
         """Store the response for GET; a store that refuses (full, unreachable) costs the caller only that: the
@@ -231,17 +220,12 @@ class Responses:
         except ApiError as exc:
             log.warning("response %s not kept for GET /v1/responses/%s: %s", rid, rid, exc.message)
 
-    async def _run(self, spec: GenerateSpec, choice: Choice, output: Output, charge: Any) -> str:
-        """Relay the answer into `output`; its final status (completed, incomplete).  A choice the output rules
-        block is stopped there: its engine generates no more of it."""
-        running: dict[int, asyncio.Task[None]] = {}
+    async def _run(self, deltas: Deltas, choice: Choice, output: Output, charge: Any) -> str:
+        """Relay the answer into `output` through the choice's guards (a choice the output rules block is stopped
+        there: pipeline.guarded); its final status (completed, incomplete)."""
         try:
-            async for _, delta in fan_out(self.router, [spec], 1, self.config.request_timeout_s, running):
-                charge.started = True
+            async for _, delta, pieces in guarded(deltas, [choice], charge):
                 output.model = delta.served_by.model if delta.served_by else output.model
-                pieces = choice.add(delta)
-                if choice.blocked:
-                    stop(running, 0)
                 if choice.new_reasoning and not choice.blocked:
                     await output.thought(choice.new_reasoning)
                 for piece in pieces:
@@ -259,7 +243,7 @@ class Responses:
             charge.used = choice.final.prompt_tokens + choice.final.completion_tokens
         return "incomplete" if choice.finish_reason in ("length", "content_filter") else "completed"
 
-    async def _stream(self, request: ResponsesRequest, spec: GenerateSpec, choice: Choice, charge: Any,
+    async def _stream(self, request: ResponsesRequest, spec: GenerateSpec, deltas: Deltas, choice: Choice, charge: Any,
                       receive: Receive, send: Send) -> int:
         sequence = 0
 
@@ -275,7 +259,7 @@ class Responses:
         await emit("response.created", {"response": output.body("in_progress")})
         await emit("response.in_progress", {"response": output.body("in_progress")})
         try:
-            done = await unless_gone(self._run(spec, choice, output, charge), receive)
+            done = await unless_gone(self._run(deltas, choice, output, charge), receive)
             if done is None:
                 return 499
             body = output.body(done, _reason(choice))
