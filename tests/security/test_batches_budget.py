@@ -22,7 +22,7 @@ from mesh.ratelimit import Limiter
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from tests.fakes.edge_router import FakeRouter, asgi
-from tests.unit.test_batches import form
+from tests.unit.test_batches import submit
 
 KEY = {"authorization": "Bearer k-free"}
 SERVED = ServedBy("engine-0", "m", "1", "local", False, 1.0)
@@ -47,14 +47,8 @@ def _tokens(app: EdgeApp) -> Limiter:
 
 async def _batch(app: EdgeApp, bodies: list[dict[str, Any]]) -> str:
     text = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                               "body": b}) + "\n" for i, b in enumerate(bodies)).encode()
-    upload, headers = form(text)
-    status, _, raw = await asgi(app, "POST", "/v1/files", upload, {**headers, **KEY})
-    assert status == 200, raw
-    request = {"input_file_id": json.loads(raw)["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-    status, _, raw = await asgi(app, "POST", "/v1/batches", json.dumps(request).encode(), KEY)
-    assert status == 200, raw
-    return str(json.loads(raw)["id"])
+                               "body": b}) + "\n" for i, b in enumerate(bodies))
+    return await submit(app, text.encode(), KEY)
 
 
 async def _record(app: EdgeApp, bid: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.metrics import BATCH_LINES
 from tests.fakes.edge_router import CHAT_JSON, FakeRouter, asgi
-from tests.unit.test_batches import form, lines
+from tests.unit.test_batches import lines, submit
 
 A = {"authorization": "Bearer k-a"}
 B = {"authorization": "Bearer k-b"}
@@ -34,13 +34,7 @@ def _app(router: FakeRouter, **config: Any) -> EdgeApp:
 
 
 async def _batch(app: EdgeApp, who: dict[str, str], n: int) -> str:
-    body, headers = form(lines(n))
-    status, _, raw = await asgi(app, "POST", "/v1/files", body, {**headers, **who})
-    assert status == 200, raw
-    request = {"input_file_id": json.loads(raw)["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-    status, _, raw = await asgi(app, "POST", "/v1/batches", json.dumps(request).encode(), who)
-    assert status == 200, raw
-    return str(json.loads(raw)["id"])
+    return await submit(app, lines(n), who)
 
 
 async def _steady(router: FakeRouter, seconds: float = 0.3) -> int:

@@ -45,17 +45,23 @@ def lines(n: int, url: str = "/v1/chat/completions", **extra: Any) -> bytes:
                                         "max_tokens": 4}}) + "\n" for i in range(n)).encode()
 
 
-async def upload(app: Any, content: bytes) -> str:
-    status, _, body = await asgi(app, "POST", "/v1/files", *form(content))
-    assert status == 200, body
-    return json.loads(body)["id"]
+async def upload(app: Any, content: bytes, who: dict[str, str] | None = None) -> str:
+    body, headers = form(content)
+    status, _, raw = await asgi(app, "POST", "/v1/files", body, {**headers, **(who or {})})
+    assert status == 200, raw
+    return json.loads(raw)["id"]
 
 
-async def create(app: Any, fid: str, **extra: Any) -> dict[str, Any]:
+async def create(app: Any, fid: str, who: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     body = {"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h", **extra}
-    status, _, raw = await asgi(app, "POST", "/v1/batches", json.dumps(body).encode())
+    status, _, raw = await asgi(app, "POST", "/v1/batches", json.dumps(body).encode(), who)
     assert status == 200, raw
     return json.loads(raw)
+
+
+async def submit(app: Any, content: bytes, who: dict[str, str] | None = None) -> str:
+    """A batch of `content`'s lines, uploaded and created as `who`: its id."""
+    return str((await create(app, await upload(app, content, who), who))["id"])
 
 
 async def settled(app: Any, bid: str, seconds: float = 10) -> dict[str, Any]:
