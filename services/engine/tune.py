@@ -30,6 +30,9 @@ import torch
 from mesh.files import exclusive_lock, write_atomic
 from mesh.models import home
 from meshkernels import cpu_ops
+from services.engine.models.config import load_weights
+from services.engine.models.gguf_weights import FILE, has_gguf
+from services.engine.models.linear import LINEARS, Concat, GgufLinear, native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +58,12 @@ def candidates(folder: Path | None = None) -> list[str]:
     kinds = []
     if cpu_ops.load():
         kinds.append("q4")
-        from services.engine.models.gguf_weights import has_gguf  # not at the top: models imports plan
-
         if folder is not None and has_gguf(folder):
             kinds.append("gguf")
     if "fbgemm" in torch.backends.quantized.supported_engines:
         kinds.append("fp16w")
     if torch.backends.mkldnn.is_available():
         kinds.append("packed")
-        from services.engine.models.linear import native_bf16
-
         if native_bf16():             # bf16 only where the CPU multiplies it natively (the quality bar)
             kinds.append("bf16w")
     return kinds
@@ -125,8 +124,6 @@ def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: i
 def _multiply(kind: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x W^T by `kind`.  q4 times its kernel on the blocks even where packing is lossy (random
     weights are), which the model's Q4Linear would not use."""
-    from services.engine.models.linear import LINEARS
-
     if kind != "q4":
         return LINEARS[kind](weight, None)
     from meshkernels import quant
@@ -141,9 +138,6 @@ GGUF_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("s
 
 def _gguf_calls(folder: Path, count: int) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
     """The `gguf` kind's products over the first `count` layers of the folder's GGUF, as the model groups them."""
-    from services.engine.models.config import load_weights
-    from services.engine.models.linear import Concat, GgufLinear
-
     weights = load_weights(folder)
     calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
     for i in range(count):
@@ -156,8 +150,6 @@ def _gguf_calls(folder: Path, count: int) -> list[tuple[Callable[[torch.Tensor],
 def _file_key(folder: Path) -> str:
     """The GGUF file's size and modification time: part of tuning's cache key (another file, another answer)
     without parsing the file (its header's tokenizer arrays take seconds to read)."""
-    from services.engine.models.gguf_weights import FILE
-
     stat = (folder / FILE).stat()
     return f"{stat.st_size}-{stat.st_mtime_ns}"
 

@@ -2,7 +2,8 @@
 through the layers, no oversized module, no two modules one letter apart, no class name twice.
 
 Imports are read from the source (ast), wherever they sit in a file: an import tucked inside a
-function to dodge a cycle (or a layer) is still a cycle (or crosses the layer).
+function to dodge a cycle (or a layer) is still a cycle (or crosses the layer); and an import of a package's
+module goes through the package's __init__ (Python runs it first), so a cycle through an __init__ shows too.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                     out.add(target)
                 elif base in known:
                     out.add(base)
+    # Importing a.b.c runs the __init__ of a.b first (and of a): an edge to each such package outside the
+    # importer's own packages (whose __init__ runs before the importer anyway), so a cycle through a package's
+    # __init__ (models/__init__ -> llama -> plan -> tune -> models) shows.
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    for target in list(out):
+        parts = target.split(".")
+        out.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in known and p not in own)
     out.discard(name)
     return out
 

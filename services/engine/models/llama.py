@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from services.engine.execution_plan import ExecutionPlan
 from services.engine.lora import LoraRows
 from services.engine.lora import apply as lora_apply
 from services.engine.models import interrupt, rope
@@ -38,7 +39,6 @@ from services.engine.models.linear import (
     linear_kind,
     takes_blocks,
 )
-from services.engine.plan import ExecutionPlan
 
 
 @dataclass
