@@ -9,12 +9,14 @@ module goes through the package's __init__ (Python runs it first), so a cycle th
 from __future__ import annotations
 
 import ast
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("infermesh", "mesh", "services", "meshkernels")
-MAX_LINES = 350
+MAX_LINES = 600          # a module over this fails; one over WARN_LINES is named in a warning (time to split it)
+WARN_LINES = 300
 EXEMPT = {"meshkernels/cpu_ops.cpp"}          # the C++ ops file; generated stubs live outside these folders
 # Each package imports only from its own layer and the ones below: the operator's tools (infermesh/) over
 # the services, the services over the shared library (mesh/), and the kernels (meshkernels/) under all.
@@ -105,16 +107,24 @@ def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_module_over_the_size_limit():
-    too_long = {}
+def sizes() -> dict[str, int]:
+    """Lines of every .py and .cpp module of the packages (the C++ ops file aside)."""
+    out = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*"):
             rel = path.relative_to(ROOT).as_posix()
             if path.suffix in (".py", ".cpp") and rel not in EXEMPT:
-                lines = len(path.read_text().splitlines())
-                if lines > MAX_LINES:
-                    too_long[rel] = lines
-    assert too_long == {}
+                out[rel] = len(path.read_text().splitlines())
+    return out
+
+
+def test_no_module_over_the_size_limit():
+    long = {rel: n for rel, n in sizes().items() if n > WARN_LINES}
+    if long:
+        warnings.warn(f"{len(long)} modules over {WARN_LINES} lines (split where a noun wants its own room): "
+                      + ", ".join(f"{rel} {n}" for rel, n in sorted(long.items(), key=lambda kv: -kv[1])),
+                      stacklevel=1)
+    assert {rel: n for rel, n in long.items() if n > MAX_LINES} == {}
 
 
 def test_the_router_servicer_stays_thin():
