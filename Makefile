@@ -55,7 +55,7 @@ test: setup compose-tool lint
 test-fast: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" tests/unit tests/service
 
-# Debian's docker-compose (1.29) lets tests/deploy/test_deploy_files.py parse deploy/docker-compose.yml.
+# Debian's docker-compose (1.29) lets tests/compose/test_deploy_files.py parse compose/docker-compose.yml.
 # Installed only when missing and only as root with apt-get; otherwise that one check is skipped.
 compose-tool:
 	@command -v docker-compose >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \

@@ -1,4 +1,4 @@
-"""The observability files in deploy/ against the metrics the code exports (mesh/metric_names.py)."""
+"""The observability files in compose/ against the metrics the code exports (mesh/metric_names.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from infermesh import launcher
 from mesh import metric_names
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "compose"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "infermesh.json"
 METRIC = re.compile(r"\binfermesh_[a-z0-9_]+\b")
 

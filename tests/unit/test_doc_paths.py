@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("infermesh", "mesh", "services", "meshkernels", "bench", "tests", "docs", "deploy", "proto", ".ci")
+TOP = ("infermesh", "mesh", "services", "meshkernels", "bench", "tests", "docs", "compose", "proto", ".ci")
 FOLDERS = "|".join(re.escape(t) for t in TOP)
 PATH = re.compile(rf"(?<![\w./~-])((?:{FOLDERS})/[\w./-]*[\w/])")
 # Paths the docs tell a person to create (not in the repository until then).
-CREATED = {"deploy/mesh-ca"}
+CREATED = {"compose/mesh-ca"}
 
 
 def docstrings(file: Path) -> Iterator[str]:
@@ -39,7 +39,7 @@ def test_paths_named_in_docstrings_exist() -> None:
 
 
 def test_paths_named_in_the_docs_exist() -> None:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md",
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "compose" / "README.md",
              ROOT / "bench" / "README.md"]
     missing = sorted(f"{page.relative_to(ROOT)}: {path}" for page in pages for path in named(page.read_text())
                      if not (ROOT / path).exists())

@@ -1,4 +1,4 @@
-"""deploy/: the Dockerfile, docker-compose.yml and the Kubernetes manifests, checked offline.
+"""compose/: the Dockerfile, docker-compose.yml and the Kubernetes manifests, checked offline.
 
 - `docker-compose config` parses the compose file as Compose 1.29 does (skipped without the binary).
 - Every infermesh container's command and INFERMESH_* variables are checked against the argparse parser
@@ -35,7 +35,7 @@ from mesh.envargs import apply_env, env_name
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY_DIR = ROOT / "deploy"
+DEPLOY_DIR = ROOT / "compose"
 COMPOSE_FILE = DEPLOY_DIR / "docker-compose.yml"
 K8S_DIR = DEPLOY_DIR / "k8s"
 KUBERNETES_VERSION = "1.31.0"        # the oldest we promise; mixed-protocol LoadBalancers need 1.26+
@@ -321,7 +321,7 @@ def test_compose_services_talk_mutual_tls_and_only_the_edge_is_public(compose: d
         if module != "services.edge":
             assert all(str(p).startswith("127.0.0.1:") for p in services[name].get("ports", [])), name
     for source in secrets.values():
-        assert source["file"].startswith("./mesh-ca/"), "python -m mesh.pki deploy/mesh-ca makes them"
+        assert source["file"].startswith("./mesh-ca/"), "python -m mesh.pki compose/mesh-ca makes them"
     consul = services["consul"]
     assert {s["target"] for s in consul["secrets"]} == {"ca.crt", "tls.crt", "tls.key"}
     assert "cert_file" in " ".join(consul["command"]), "Consul's gRPC checks present a mesh certificate"
@@ -354,11 +354,11 @@ def test_compose_runs_two_routers_and_two_tokenizers(compose: dict[str, Any]) ->
     named = [v.split(":")[1] for v in services["cache"]["volumes"] if not v.startswith((".", "/"))]
     assert cache.sessions_dir and _under(cache.sessions_dir, named), "--sessions-dir on a named volume"
     assert cache.cold_dir and _under(cache.cold_dir, named), "--cold-dir on a named volume"
-    # The mesh CA's --host list (the file's header and deploy/README.md): every name the mesh dials.
+    # The mesh CA's --host list (the file's header and compose/README.md): every name the mesh dials.
     dialed = sorted(n for n, (module, _) in config.items() if module != "services.edge")
     header = "\n".join(line for line in COMPOSE_FILE.read_text().splitlines() if line.startswith("#"))
     readme = (DEPLOY_DIR / "README.md").read_text()
-    for where, text in (("docker-compose.yml", header), ("deploy/README.md", readme)):
+    for where, text in (("docker-compose.yml", header), ("compose/README.md", readme)):
         assert sorted(re.findall(r"--host (\S+)", text)) == dialed, f"{where}: mesh.pki --host for {dialed}"
 
 
@@ -375,7 +375,7 @@ def test_compose_observability_files_exist_and_are_scraped(compose: dict[str, An
     for name, module, argv, env in compose_infermesh(compose):
         a = effective(module, argv, env, name)
         port = a.http_port if module == "services.edge" else a.metrics_port
-        assert f"127.0.0.1:{port}" in targets, f"deploy/prometheus.yml does not scrape {name} (127.0.0.1:{port})"
+        assert f"127.0.0.1:{port}" in targets, f"compose/prometheus.yml does not scrape {name} (127.0.0.1:{port})"
     collector = " ".join(services["otel-collector"]["command"])
     assert "0.0.0.0:4317" in collector and "jaeger:4317" in collector
 
