@@ -66,6 +66,8 @@ class Dispatcher:
         named, lora = self.lora.resolve(request.model)      # a LoRA adapter's name: its base model, with it
         model, pinned_version = resolve_model(named, request.model_version, self.config.default_model,
                                               self.table.models())
+        if lora is not None:     # a resumed stream pins the version its answer named: the adapter's
+            pinned_version = self.lora.base_version(lora, pinned_version)
         # Everything kept per conversation is the caller's own: keyed by tenant and session id.
         key = session_key(request.tenant, request.session_id)
         chat = request.WhichOneof("input") == "chat"
@@ -316,6 +318,9 @@ class Dispatcher:
             raise
         except Exception as exc:                        # a request error relayed from the engine
             span.set_status(Status(StatusCode.ERROR, str(exc)))
+            if hop.lora is not None and self.lora.dropped(hop.lora, replica, exc):   # it restarted: load it again
+                ok = False
+                raise EngineFailed(replica.replica_id, f"no longer holds LoRA adapter {hop.lora.name!r}") from None
             raise
         finally:
             span.end()

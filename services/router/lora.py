@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import grpc
 
-from mesh.adapters import NAME, NAME_RULE
-from mesh.errors import InvalidArgument, NotFound
+from mesh.adapters import NAME, NAME_RULE, served_version
+from mesh.errors import InvalidArgument, MeshError, NotFound
 from meshpb.v1 import engine_pb2
 from services.router.engines import Engines
 from services.router.events import RECENT
@@ -62,6 +62,17 @@ class LoraAdapters:
         lora = self.find(name) if name not in self.table.models() else None
         return (lora.model + model[len(name):], lora) if lora is not None else (model, None)
 
+    @staticmethod
+    def base_version(lora: Lora, pinned: str) -> str:
+        """The base model's version a request for `lora` pins, given as the adapter's answers name their version
+        (served_version: a stream the edge resumes on another router pins what its first part carried), or as the
+        base's; NotFound when it names the adapter read from another folder (other weights)."""
+        base, suffix, _ = pinned.partition("+lora.")
+        if suffix and served_version(base, lora.path) != pinned:
+            raise NotFound(f"version {pinned!r} of {lora.name!r} is not served: the adapter is now read from "
+                           f"{lora.path}")
+        return base
+
     def known(self) -> list[tuple[Lora, list[str]]]:
         """Every adapter known here, by name, with the replicas holding it."""
         names = set(self.registered) | {n for r in self.table.all() for n in r.adapters}
@@ -92,6 +103,15 @@ class LoraAdapters:
                     finished.exception()            # retrieved: its waiters may all have timed out
             task.add_done_callback(done)
         await asyncio.wait_for(asyncio.shield(task), timeout)
+
+    @staticmethod
+    def dropped(lora: Lora, replica: Replica, exc: BaseException) -> bool:
+        """Whether `exc` is the engine saying it does not hold the adapter the router took it to hold (it restarted,
+        and its first load report has not come yet): then it is forgotten there, so the next attempt loads it."""
+        if not (isinstance(exc, MeshError) and exc.code == grpc.StatusCode.NOT_FOUND and
+                "is not loaded on this engine" in str(exc)):
+            return False
+        return replica.adapters.pop(lora.name, None) is not None
 
     async def _load(self, lora: Lora, replica: Replica) -> None:
         try:

@@ -73,3 +73,22 @@ def test_bad_loads_are_refused_by_name() -> None:
 def test_an_answer_names_the_adapter_and_folds_its_folder_into_the_version() -> None:
     assert served_version("2", "/lora/a") == served_version("2", "/lora/a") != served_version("2", "/lora/b")
     assert served_version("2", "/lora/a").startswith("2+lora.")
+
+
+def test_a_version_pinned_as_an_adapters_answer_names_it_pins_the_base_version() -> None:
+    # The edge resumes a stream whose router died on another router, pinning the version its first part carried.
+    alpha = Lora("alpha", "base", "/lora/alpha")
+    assert LoraAdapters.base_version(alpha, served_version("2", "/lora/alpha")) == "2"
+    assert LoraAdapters.base_version(alpha, "2") == "2" and LoraAdapters.base_version(alpha, "") == ""
+    with pytest.raises(NotFound, match="now read from /lora/alpha"):          # other weights under that name
+        LoraAdapters.base_version(alpha, served_version("2", "/lora/old"))
+
+
+def test_an_engine_that_lost_an_adapter_it_was_taken_to_hold_is_a_failed_attempt() -> None:
+    # A restarted engine holds nothing until the router loads it again; its load report may come after a request.
+    alpha, holder = Lora("alpha", "base", "/lora/alpha"), replica("e0", adapters={"alpha": "/lora/alpha"})
+    lost = NotFound("engine e0: the adapter 'alpha' is not loaded on this engine")
+    assert not LoraAdapters.dropped(alpha, holder, NotFound("model 'x' is not served"))
+    assert not LoraAdapters.dropped(alpha, holder, InvalidArgument("the adapter 'alpha' is not loaded on this engine"))
+    assert LoraAdapters.dropped(alpha, holder, lost) and holder.adapters == {}      # the next attempt loads it
+    assert not LoraAdapters.dropped(alpha, holder, lost)                            # not taken to hold it: as it is
