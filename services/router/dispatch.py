@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
 
@@ -303,11 +304,14 @@ class Dispatcher:
         def admitted() -> bool:
             return replica.healthy and self.failover.isolation(replica.replica_id) is None
 
+        # A batch-class row waits behind interactive ones by design (the engine's scheduler, its give-way): its
+        # silence is not a stall, so no token timeout moves it; a dead or hung engine still fails its health checks.
+        batch = hop.request.priority == common_pb2.PRIORITY_BATCH
         engine_call = EngineCall(self.engines.stub(replica.address), replica.replica_id, engine_request,
                                  served_by(replica, plan, hop.adapter(plan.model)),
-                                 outgoing_metadata(context=span_context(span)),
-                                 hop.context.time_remaining(), self.config.first_token_timeout_s,
-                                 self.config.stall_timeout_s, relay_error, admitted)
+                                 outgoing_metadata(context=span_context(span)), hop.context.time_remaining(),
+                                 math.inf if batch else self.config.first_token_timeout_s,
+                                 math.inf if batch else self.config.stall_timeout_s, relay_error, admitted)
         try:
             async for reply in attempt(engine_call, stream):
                 yield reply

@@ -53,6 +53,7 @@ class Behaviour:
     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     final: bool = True                        # False: the last token comes without finish_reason
     stall_after: int | None = None            # tokens sent before the call goes silent (a hung process)
+    pause_s: float = 3600.0                   # how long it stays silent (the default: for good)
 
 
 @dataclass
@@ -78,8 +79,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         for sent, position in enumerate(range(len(request.resume_ids), limit)):
             if behaviour.fail_after is not None and sent >= behaviour.fail_after:
                 await context.abort(behaviour.code, f"{self.replica_id} fails on purpose")
-            if behaviour.stall_after is not None and sent >= behaviour.stall_after:
-                await asyncio.sleep(3600)
+            if behaviour.stall_after is not None and sent == behaviour.stall_after:
+                await asyncio.sleep(behaviour.pause_s)
             final = position == limit - 1 and behaviour.final
             yield engine_pb2.GenerateResponse(
                 ids=[FIRST + position], finish_reason=LENGTH if final else common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -186,8 +187,8 @@ async def running(engines: int = 2, waiting: int = 0, script: Script | None = No
                                   weight=weights[i] if i < len(weights) else 1.0))
     config = RouterConfig(tokenizer=f"127.0.0.1:{services[0].port}", engines=tuple(endpoints),
                           cache=f"127.0.0.1:{services[1].port}" if cache else "", default_model=MODEL,
-                          probe_interval_s=0.1, load_interval_ms=50, first_token_timeout_s=5.0, stall_timeout_s=5.0,
-                          **config_fields)
+                          **{"probe_interval_s": 0.1, "load_interval_ms": 50, "first_token_timeout_s": 5.0,
+                             "stall_timeout_s": 5.0, **config_fields})
     router = Service("meshpb.v1.Router", "127.0.0.1", 0)
     servicer = RouterServicer(config)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, router.server)
