@@ -37,8 +37,12 @@ async def _batch(app: EdgeApp, who: dict[str, str], n: int) -> str:
     return await submit(app, lines(n), who)
 
 
-async def _steady(router: FakeRouter, seconds: float = 0.3) -> int:
-    """The calls that reached the router once no more arrive for `seconds` (every one of them is held)."""
+async def _steady(router: FakeRouter, seconds: float = 0.3, at_least: int = 0) -> int:
+    """The calls that reached the router once no more arrive for `seconds` (every one of them is held), after at
+    least `at_least` have (a busy machine may pause the loop longer than `seconds` before they all come)."""
+    deadline = time.monotonic() + 30
+    while len(router.calls) < at_least and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     seen, since = -1, time.monotonic()
     while True:
         await asyncio.sleep(0.02)
@@ -71,8 +75,9 @@ def test_one_tenants_many_batches_leave_other_tenants_served() -> None:
         a_batches = [await _batch(app, A, 12) for _ in range(40)]
         b_batch = await _batch(app, B, 12)
         await _steady(router)
+        before = len(router.calls)
         chats = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, B)) for _ in range(8)]
-        await _steady(router)
+        await _steady(router, at_least=before + 8)
         refused = [t.result()[0] for t in chats if t.done()]
         assert refused == [], f"B's interactive requests answered at once (refused): {refused}"
         interactive = [c for c in router.calls if c.priority == "interactive"]
@@ -104,11 +109,11 @@ def test_interactive_requests_are_admitted_beyond_what_batches_leave() -> None:
         router.release = asyncio.Event()
         app = _app(router, max_concurrent=8, batch_tenant_share=1.0)
         first = await _batch(app, A, 4)
-        assert await _steady(router) == 2
+        assert await _steady(router, at_least=2) == 2
         # (one tenant holds at most 6 of the 8 while the edge is nearly full: its fair share leaves others room)
         chats = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, who))
                  for who in [B] * 6 + [A] * 2]
-        assert await _steady(router) == 10 and app.admission.in_flight.count == 8
+        assert await _steady(router, at_least=10) == 10 and app.admission.in_flight.count == 8
         status, _, _ = await asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, B)    # the 9th: the limit's 503
         assert status == 503
         router.release.set()
@@ -117,7 +122,7 @@ def test_interactive_requests_are_admitted_beyond_what_batches_leave() -> None:
         router.release = asyncio.Event()                    # the engine holds everything again
         held = [asyncio.create_task(asgi(app, "POST", "/v1/chat/completions", CHAT_JSON, who))
                 for who in [A] * 6 + [B] * 2]
-        await _steady(router)
+        await _steady(router, at_least=len(router.calls) + 8)
         second = await _batch(app, B, 2)
         await _steady(router)
         assert app.admission.in_flight.count == 8 and app.admission.batch_places.total == 0   # no room: lines wait

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from mesh.apikeys import digest
@@ -29,6 +30,14 @@ def _app(router: FakeRouter, **config: Any) -> EdgeApp:
                    router)  # type: ignore[arg-type]
 
 
+async def _until(done: Callable[[], bool], seconds: float = 20.0) -> None:
+    """Until `done()` holds (the requests in flight settled), polling; a bound for a stuck test, not a target."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "the requests did not settle"
+        await asyncio.sleep(0.01)
+
+
 def _completion(prompts: int, n: int) -> bytes:
     return json.dumps({"model": "m", "prompt": ["p"] * prompts, "n": n, "max_tokens": 4}).encode()
 
@@ -41,7 +50,7 @@ def test_fan_out_takes_a_place_per_call_and_another_tenant_is_still_served() -> 
         status, _, raw = await asgi(edge, "POST", "/v1/completions", _completion(32, 16), A)      # 512 calls
         assert status == 429 and json.loads(raw)["error"]["code"] == "request_too_large"
         flood = [asyncio.create_task(asgi(edge, "POST", "/v1/completions", _completion(4, 4), A)) for _ in range(8)]
-        await asyncio.sleep(0.2)
+        await _until(lambda: sum(t.done() for t in flood) == 5 and edge.admission.in_flight.count == 48)
         # 16 calls a request: A fills 48 of the 64 places (three quarters), its next 5 requests are refused
         (tenant, held), = edge.admission.in_flight.held.items()
         assert held == 48 and edge.admission.in_flight.count == 48
@@ -49,7 +58,7 @@ def test_fan_out_takes_a_place_per_call_and_another_tenant_is_still_served() -> 
         assert len(done) == 5 and all(t.result()[0] == 429 for t in done)
         assert "its share" in json.loads(done[0].result()[2])["error"]["message"]
         others = [asyncio.create_task(asgi(edge, "POST", "/v1/completions", _completion(1, 1), B)) for _ in range(12)]
-        await asyncio.sleep(0.2)
+        await _until(lambda: edge.admission.in_flight.count == 60 or any(t.done() for t in others))
         assert not any(t.done() for t in others) and edge.admission.in_flight.count == 60    # all 12 admitted
         router.release.set()
         assert [status for status, _, _ in await asyncio.gather(*others)] == [200] * 12
