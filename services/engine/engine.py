@@ -28,11 +28,11 @@ import torch
 from mesh.errors import ResourceExhausted
 from services.engine import grammar, kv_transfer, sampler
 from services.engine.adapters import AdapterPool, factor_dtype, shape_of
+from services.engine.admission import build_request
 from services.engine.block_manager import BlockManager
 from services.engine.fairness import waiting_refusal
 from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
-from services.engine.limits import build_request
 from services.engine.model_runner import ModelRunner
 from services.engine.models.interrupt import StepInterrupted, interruptible
 from services.engine.request import COMMON, EngineTokenLogprob, FinishReason, Owner, Request, SamplingParams, StepOutput

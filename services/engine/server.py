@@ -37,7 +37,7 @@ from services.engine.config import EngineConfig
 from services.engine.convert import output_to_pb, sampling_from_pb
 from services.engine.engine import Engine, Timing
 from services.engine.grammar_limits import CompileRefused, ConstraintRefused
-from services.engine.lifecycle import Lifecycle
+from services.engine.lifecycle_rpcs import Lifecycle
 from services.engine.remote_cache import RemoteCache
 from services.engine.request import FinishReason, Owner, Request, StepOutput
 

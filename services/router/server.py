@@ -7,7 +7,7 @@ The parts it is built from do the work:
     upstream.py  the tokenizer and session-store clients, behind their breakers
     engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf)
     admin.py     Admin: models, version routing and replicas, as plain values
-    tokens.py    TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
+    tokenize_rpcs.py  TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
     conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted), StoreTurn
     lora_rpcs.py LoraRPCs: LoRA adapters loaded, unloaded, listed (the work: lora.py)
 
@@ -42,7 +42,7 @@ from services.router.lora_rpcs import LoraRPCs
 from services.router.policies import PolicyConfig, make_policy
 from services.router.replicas import ReplicaTable
 from services.router.swap import add, drain, load_everywhere
-from services.router.tokens import TokenRPCs
+from services.router.tokenize_rpcs import TokenRPCs
 from services.router.upstream import Sessions, Tokenizer
 from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch

@@ -216,7 +216,7 @@ def test_a_hot_swap_to_a_bad_file_is_refused_before_the_running_weights_go(tmp_p
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from meshpb.v1 import engine_pb2
-    from services.engine import lifecycle
+    from services.engine import lifecycle_rpcs as lifecycle
     from tests.service.test_engine_server import request, serving
     from tests.service.test_hot_swap import tiny
 

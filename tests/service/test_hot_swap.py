@@ -154,7 +154,7 @@ def test_load_version_over_grpc_beside_or_drained_when_memory_is_short(folders: 
     import grpc
 
     from meshpb.v1 import engine_pb2
-    from services.engine import lifecycle
+    from services.engine import lifecycle_rpcs as lifecycle
     from tests.service.test_engine_server import request, serving
 
     v1, v2 = folders
