@@ -13,7 +13,7 @@ keys per client address (429), API key (401), request rate per caller (429), bod
 read time (408), the signature of a key that must sign, every method (401: EdgeApp._signed), parsing
 (400), requests in flight across all callers (503), token rate per caller (429); only then the router
 (services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1 request heads are cut off by the
-protocol (services/edge/http11.py, services/edge/heads.py).
+protocol (services/edge/http11.py, services/edge/request_heads.py).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from services.edge.files_api import PREFIX as FILES_PREFIX
 from services.edge.lora_api import PATHS as LORA_PATHS
 from services.edge.lora_api import LoraApi
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
+from services.edge.object_store import StoredObjects
 from services.edge.pipeline import Pipeline
 from services.edge.responses_api import PREFIX as RESPONSES_PREFIX
 from services.edge.responses_api import Responses
-from services.edge.stored import StoredObjects
 from services.edge.tokenizing import Tokenizing
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class EdgeApp:
         self.completions = Completions(config, router, self.pipeline)
         self.tokenizing = Tokenizing(config, router, self.pipeline.read_json, self.pipeline.screened_json)
         self.embeddings = Embeddings(config, router, self.pipeline)
-        self.stored = StoredObjects(config.cache_service)     # responses, files, batches (services/edge/stored.py)
+        self.stored = StoredObjects(config.cache_service)     # responses, files, batches (object_store.py)
         self.responses = Responses(config, router, self.pipeline, self.stored)
         files = FileStore(self.stored)
         self.files = Files(files, self.admission, config.body_timeout_s)

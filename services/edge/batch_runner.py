@@ -1,7 +1,7 @@
 """Running batches (services/edge/batches_api.py takes them in): each line through the edge's own route for
 the batch's endpoint, as its tenant, in the engines' batch scheduling class, `concurrency` lines at a time.
 
-State lives in the cache service's object store (services/edge/stored.py), so a batch outlives a restart
+State lives in the cache service's object store (services/edge/object_store.py), so a batch outlives a restart
 of any service: its record (kind "batch", id `batch_...`), and its results so far in parts of PART_LINES
 lines (ids `batch_....r0`, `.r1`, ...), written at most every PERSIST_S while it runs.  The edge running a
 batch holds a lease on it (renewed with each write); every SCAN_S each edge looks for batches in progress
@@ -33,7 +33,7 @@ from services.edge.batch_jsonl import nonblank
 from services.edge.errors import ApiError
 from services.edge.files_api import FileStore
 from services.edge.metrics import BATCH_LINES
-from services.edge.stored import StoredObjects
+from services.edge.object_store import StoredObjects
 from services.edge.tenants import AuthenticatedCaller
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The Files API (OpenAI's /v1/files), for batches: POST /v1/files (multipart: `file` and `purpose`
 "batch"), GET /v1/files (the tenant's), GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}.
 
-A file lives in the cache service's object store under the caller's tenant (services/edge/stored.py: on its
+A file lives in the cache service's object store under the caller's tenant (services/edge/object_store.py: on its
 disk, so it outlives a restart of any service), as its metadata (kind "file", id `file-...`) and its bytes in
 parts of at most PART_BYTES (ids `file-....0`, `.1`, ...; the store keeps values up to 4 MiB), the metadata
 written last: a file is listed only once whole.  An upload is at most MAX_UPLOAD_BYTES; a batch input's lines
@@ -21,7 +21,7 @@ from typing import Any
 from services.edge.asgi import Receive, Scope, Send, read_body, send_json
 from services.edge.batch_jsonl import MAX_LINES, LineProblem, load_line, nonblank, parse_form
 from services.edge.errors import ApiError, shown
-from services.edge.stored import StoredObjects
+from services.edge.object_store import StoredObjects
 
 PREFIX = "/v1/files"
 KIND = "file"

@@ -21,7 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from services.edge.asgi import ASGIApp
 from services.edge.config import EdgeConfig
 from services.edge.errors import error_body
-from services.edge.heads import http1_head
+from services.edge.request_heads import http1_head
 
 
 def _raw_response(status: str, obj: dict[str, Any]) -> bytes:
@@ -37,7 +37,7 @@ class GuardedH11(H11Protocol):
     the request's first byte, else 408 and close (an idle connection is closed without a word).
     After an early response (413 on Content-Length, 408), the unread rest of the body is drained,
     discarded, under the same deadline.  Each head is checked whole before h11 parses it
-    (services/edge/heads.py: 431 over 16 KiB or 128 fields, 400 for CL+TE, obs-fold, bare LF, other
+    (services/edge/request_heads.py: 431 over 16 KiB or 128 fields, 400 for CL+TE, obs-fold, bare LF, other
     versions), then the connection is closed; other malformed requests get uvicorn's 400, here in
     OpenAI's error shape."""
 

@@ -39,7 +39,7 @@ from aioquic.quic.events import (
 )
 
 from services.edge.asgi import ASGIApp, Message, Scope
-from services.edge.heads import h3_headers, h3_scope
+from services.edge.request_heads import h3_headers, h3_scope
 from services.edge.zero_rtt import EarlyDataPolicy, SessionTicketStore, replay_tolerable
 
 log = logging.getLogger(__name__)

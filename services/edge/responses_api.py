@@ -34,9 +34,9 @@ from services.edge.asgi import Receive, Scope, Send, send_json, unless_gone
 from services.edge.choices import Choice, store_turn
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, error_body, from_grpc
+from services.edge.object_store import StoredObjects
 from services.edge.pipeline import Deltas, Pipeline, guarded
 from services.edge.responses_input import ResponsesRequest, parse_responses
-from services.edge.stored import StoredObjects
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Responses:
 
     def __init__(self, config: EdgeConfig, router: Routers, pipe: Pipeline, stored: StoredObjects):
         self.config, self.router, self.pipe = config, router, pipe
-        self.stored = stored        # stored responses, for GET (services/edge/stored.py)
+        self.stored = stored        # stored responses, for GET (services/edge/object_store.py)
 
     async def stored_response(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
         """GET /v1/responses/{id}: a stored response as it was answered; DELETE: it and its conversation (a

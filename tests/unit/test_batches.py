@@ -18,7 +18,7 @@ from services.edge import batch_runner
 from services.edge.batch_runner import BatchRunner
 from services.edge.errors import ApiError
 from services.edge.files_api import FileStore
-from services.edge.stored import StoredObjects
+from services.edge.object_store import StoredObjects
 from services.edge.tenants import STANDARD, AuthenticatedCaller, TenantTier
 from tests.fakes.edge_router import FakeRouter, asgi, edge_app
 
