@@ -49,7 +49,8 @@ def parse(argv: list[str] | None = None) -> EdgeConfig:
     p.add_argument("--auth-failure-limit", default="10/m",
                    help="failed API or admin keys per client address before 429 (any key): 10/m; '' or 0: off")
     p.add_argument("--max-concurrent", type=int, default=256,
-                   help="completions in flight across all callers; the excess gets 503 + Retry-After")
+                   help="router calls in flight across all callers (a request takes one a call: prompts x n); "
+                        "the excess gets 503 + Retry-After")
     p.add_argument("--max-connections", type=int, default=4096, help="HTTP/1.1 connections; past it uvicorn's 503")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds for a request head to arrive (slow clients get 408)")

@@ -38,7 +38,7 @@ class EdgeConfig:
     rate_limit: Rate | None = None         # requests per API key (per client address without keys)
     token_limit: Rate | None = None        # prompt + completion tokens, same callers
     auth_failure_limit: Rate | None = Rate(10, 60)  # failed API/admin keys per client address, then 429
-    max_concurrent: int = 256              # completions in flight across all callers; the excess gets 503
+    max_concurrent: int = 256              # router calls in flight across all callers (prompts x n a request); 503
     max_connections: int = 4_096           # HTTP/1.1 connections; past this uvicorn answers 503
     header_timeout_s: float = 10.0         # a request head must arrive within this (slow loris)
     body_timeout_s: float = 30.0           # a request body must arrive within this, else 408
