@@ -165,18 +165,18 @@ class InFlight:
         self.count = 0
         self.held: Counter[str] = Counter()
 
-    def refusal(self, tenant: str = "", places: int = 1, fair: bool = False) -> str | None:
-        """Why `places` more for `tenant` are refused ("full"; with `fair`, "share": over_fair_share), or None."""
+    def take(self, tenant: str = "", places: int = 1, fair: bool = False) -> str | None:
+        """Take `places` for `tenant`, or say why not: "full", or with `fair` "share" (over_fair_share)."""
         if self.count + places > self.limit:
             return "full"
-        return "share" if fair and over_fair_share(self.held, tenant, self.limit, places) else None
-
-    def enter(self, tenant: str = "", places: int = 1, fair: bool = False) -> bool:
-        if self.refusal(tenant, places, fair) is not None:
-            return False
+        if fair and over_fair_share(self.held, tenant, self.limit, places):
+            return "share"
         self.count += places
         self.held[tenant] += places
-        return True
+        return None
+
+    def enter(self, tenant: str = "", places: int = 1, fair: bool = False) -> bool:
+        return self.take(tenant, places, fair) is None
 
     def leave(self, tenant: str = "", places: int = 1) -> None:
         self.count = max(0, self.count - places)

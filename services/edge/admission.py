@@ -184,7 +184,7 @@ class Admission:
         try:
             charge = self._reserve_tokens(caller, spec)
         except ApiError:
-            self.in_flight.leave(caller.tenant if self.enabled else "", places)
+            self.in_flight.leave(self._place_holder(caller), places)
             raise
         charge.places = places
         return charge
@@ -198,9 +198,7 @@ class Admission:
             raise ApiError(429, f"this request makes {places} router calls (prompts x n); this edge runs at most "
                            f"{max(1, gate.limit // 2)} of one request at once: lower n or the number of prompts",
                            kind="in_flight", code="request_too_large", retry_after_s=DO_NOT_RETRY)
-        # Tenants share fairly where callers are told apart by keys or tokens (unauthenticated loopback callers are
-        # one tenant: they take the whole edge).
-        refused = gate.refusal(caller.tenant if self.enabled else "", places, fair=self.enabled)
+        refused = gate.take(self._place_holder(caller), places, fair=self.enabled)
         if refused == "share":
             REFUSED.labels("in_flight").inc()
             raise ApiError(429, f"this caller has {gate.held[caller.tenant]} router calls in flight, its share of "
@@ -210,11 +208,16 @@ class Admission:
             REFUSED.labels("in_flight").inc()
             raise ApiError(503, f"the edge is at its limit of {gate.limit} requests in flight; "
                            "retry shortly", kind="service_unavailable", code="overloaded", retry_after_s=1)
-        gate.enter(caller.tenant if self.enabled else "", places, fair=self.enabled)
+
+    def _place_holder(self, caller: AuthenticatedCaller) -> str:
+        """Whose in-flight places a caller's are: its tenant where callers are told apart by keys or tokens (the
+        places are shared fairly between them); else "" (unauthenticated loopback callers are one tenant: they
+        take the whole edge)."""
+        return caller.tenant if self.enabled else ""
 
     def leave(self, charge: Charge) -> None:
         if not isinstance(charge.caller, BatchLineCaller):
-            self.in_flight.leave(charge.caller.tenant if self.enabled else "", charge.places)
+            self.in_flight.leave(self._place_holder(charge.caller), charge.places)
         self._settle_tokens(charge)
 
     def enter_batch_line(self, caller: BatchLineCaller, spec: GenerateSpec) -> Charge:

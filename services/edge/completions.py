@@ -98,7 +98,7 @@ class Completions:
         spec = self.pipe.stamp(spec, caller, headers, rid,
                                caller_stores_turn=bool(chat and spec.session_id and policy.output))
         with self.pipe.admitted(caller, spec) as charge:
-            _, answers, deltas = self.pipe.answers(chat, spec, policy)
+            answers, deltas = self.pipe.answers(chat, spec, policy)
             with tracer().start_as_current_span("edge.request", context=headers_context(headers),
                                                 kind=trace.SpanKind.SERVER, attributes={
                                                     "request_id": rid, "stream": stream, "choices": len(answers)}):

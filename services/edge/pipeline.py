@@ -101,16 +101,15 @@ class Pipeline:
             if charge.used:
                 TENANT_TOKENS.labels(caller.label, caller.tier.name).inc(charge.used)
 
-    def answers(self, chat: bool, spec: GenerateSpec, policy: ContentPolicy
-                ) -> tuple[list[GenerateSpec], list[Choice], Deltas]:
-        """The router calls of `spec` (a choice each), each choice's answer under `policy`'s output rules (its
-        `stop_call` ends its call alone), and their deltas as they come."""
+    def answers(self, chat: bool, spec: GenerateSpec, policy: ContentPolicy) -> tuple[list[Choice], Deltas]:
+        """Each choice's answer under `policy`'s output rules (a router call each: its `stop_call` ends that call
+        alone), and their deltas as they come."""
         calls = choices.specs(spec)
         running: dict[int, asyncio.Task[None]] = {}
         answers = [Choice(i, chat, spec, call.prompt or "", policy) for i, call in enumerate(calls)]
         for i, answer in enumerate(answers):
             answer.stop_call = functools.partial(choices.stop, running, i)
-        return calls, answers, fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
+        return answers, fan_out(self.router, calls, spec.n, self.config.request_timeout_s, running)
 
 
 async def guarded(deltas: Deltas, answers: Sequence[Choice], charge: Charge) -> Guarded:

@@ -63,14 +63,16 @@ class Output:
         self.thoughts: list[str] = []                      # its text so far
         self.final: Delta | None = None
 
-    def body(self, status: str, reason: str = "max_output_tokens") -> dict[str, Any]:
+    def body(self, status: str) -> dict[str, Any]:
         final = self.final
         usage = None if final is None else {
             "input_tokens": final.prompt_tokens, "output_tokens": final.completion_tokens,
             "total_tokens": final.prompt_tokens + final.completion_tokens,
             "input_tokens_details": {"cached_tokens": final.cached_tokens},
             "output_tokens_details": {"reasoning_tokens": 0}}
-        incomplete = {"reason": reason} if status == "incomplete" else None
+        # Incomplete: cut by the output rules (the choice's final says so), or at max_output_tokens.
+        cut = final is not None and final.finish_reason == "content_filter"
+        incomplete = {"reason": "content_filter" if cut else "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": list(self.items), "usage": usage, "error": None,
                 "incomplete_details": incomplete, **self.request.echo}
@@ -198,19 +200,24 @@ class Responses:
                                headers, rid, session_id=rid if request.store else "", history_from=request.previous,
                                caller_stores_turn=request.store)
         with self.pipe.admitted(caller, spec) as charge:
-            _, (choice,), deltas = self.pipe.answers(True, spec, policy)
+            (choice,), deltas = self.pipe.answers(True, spec, policy)
             if request.stream:
                 return await self._stream(request, spec, deltas, choice, charge, receive, send)
             output = Output(rid, spec.model, request, _silent)
             done = await unless_gone(self._run(deltas, choice, output, charge), receive)
             if done is None:
                 return 499
-            body = output.body(done, _reason(choice))
-            if request.store:
-                await store_turn(self.router, spec, choice)
-                await self._keep(caller.tenant, rid, body)
-            await send_json(send, 200, body)
+            await send_json(send, 200, await self._ended(request, spec, choice, output, done))
             return 200
+
+    async def _ended(self, request: ResponsesRequest, spec: GenerateSpec, choice: Choice, output: Output,
+                     status: str) -> dict[str, Any]:
+        """The response as it ended; with `store`, its turn stored as it went out and the response kept for GET."""
+        body = output.body(status)
+        if request.store:
+            await store_turn(self.router, spec, choice)
+            await self._keep(spec.tenant, spec.request_id, body)
+        return body
 
     async def _keep(self, tenant: str, rid: str, body: dict[str, Any]) -> None:
         """Store the response for GET; a store that refuses (full, unreachable) costs the caller only that: the
@@ -262,11 +269,7 @@ class Responses:
             done = await unless_gone(self._run(deltas, choice, output, charge), receive)
             if done is None:
                 return 499
-            body = output.body(done, _reason(choice))
-            if request.store:
-                await store_turn(self.router, spec, choice)
-                await self._keep(spec.tenant, spec.request_id, body)
-            await emit(f"response.{done}", {"response": body})
+            await emit(f"response.{done}", {"response": await self._ended(request, spec, choice, output, done)})
         except ApiError as exc:
             await emit("error", {"code": exc.code, "message": exc.message, "param": exc.param})
         except asyncio.CancelledError:
@@ -275,11 +278,6 @@ class Responses:
             await emit("error", error_body("internal error", "server_error", None)["error"])
         await send({"type": "http.response.body", "body": b""})
         return 200
-
-
-def _reason(choice: Choice) -> str:
-    """An incomplete response's reason: the output rules', or the token limit's."""
-    return "content_filter" if choice.finish_reason == "content_filter" else "max_output_tokens"
 
 
 async def _silent(kind: str, fields: dict[str, Any]) -> None:
