@@ -52,5 +52,5 @@ class ConversationRPCs:
         session = session_key(caller.tenant, request.session_id)
         history, branched = await self.sessions.continued(caller.tenant, request.history_from, session, True)
         _, new = merge(history, [from_pb(m) for m in request.messages])
-        await self.sessions.remember(session, [*(history if branched else ()), *new, from_pb(request.answer)])
+        await self.sessions.remember_turn(session, history, branched, new, from_pb(request.answer))
         return router_pb2.StoreTurnResponse()

@@ -89,8 +89,8 @@ class Dispatcher:
                 answer.append(reply.text)
                 if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     if not request.caller_stores_turn:      # else the caller stores what it gave out (StoreTurn)
-                        await self.sessions.remember(session, [*(history if branched else ()), *new,
-                                                               Message("assistant", "".join(answer))])
+                        await self.sessions.remember_turn(session, history, branched, new,
+                                                          Message("assistant", "".join(answer)))
                     # Before the last message (the caller may close us after it).  A degraded answer is
                     # a fallback's, not the primary's: no mirror compares with it.
                     served = None if reply.served_by.degraded else ("".join(answer), time.monotonic() - started)

@@ -227,6 +227,12 @@ class Sessions:
                                  "the conversation was not deleted; send it again")
         return bool(reply.found)
 
+    async def remember_turn(self, session_id: str, history: list[Message], branched: bool, new: Sequence[Message],
+                            answer: Message) -> None:
+        """Append a turn: a branched conversation's history first (history_from's, stored again under this
+        session: `continued`), then the request's new messages and the answer."""
+        await self.remember(session_id, [*(history if branched else ()), *new, answer])
+
     async def remember(self, session_id: str, messages: list[Message]) -> None:
         """Append the turn (before the answer's last message goes out)."""
         if self.stub is None or not session_id or not messages:
