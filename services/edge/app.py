@@ -40,8 +40,8 @@ from services.edge.console import FILES, Page
 from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
 from services.edge.fields import parse_json
-from services.edge.files_api import FORM_SLACK_BYTES, MAX_UPLOAD_BYTES, Files, FileStore
 from services.edge.files_api import PREFIX as FILES_PREFIX
+from services.edge.files_api import UPLOAD_BODY_BYTES, Files, FileStore
 from services.edge.lora_api import PATHS as LORA_PATHS
 from services.edge.lora_api import LoraApi
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
@@ -183,7 +183,7 @@ class EdgeApp:
         if scope["method"] in BODILESS:
             self.admission.check_signature(caller, scope, headers, b"")
             return receive
-        limit = MAX_UPLOAD_BYTES + FORM_SLACK_BYTES if scope["path"] == FILES_PREFIX else self.config.max_body_bytes
+        limit = UPLOAD_BODY_BYTES if scope["path"] == FILES_PREFIX else self.config.max_body_bytes
         body = await read_body(receive, headers, limit, self.config.body_timeout_s)
         self.admission.check_signature(caller, scope, headers, body)
         given = False

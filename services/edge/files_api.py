@@ -28,6 +28,7 @@ KIND = "file"
 PART_BYTES = 3 << 20
 MAX_UPLOAD_BYTES = 32 << 20
 FORM_SLACK_BYTES = 64 << 10        # the multipart envelope around the file
+UPLOAD_BODY_BYTES = MAX_UPLOAD_BYTES + FORM_SLACK_BYTES    # an upload's whole body (app.py reads it so to sign it)
 PURPOSES = ("batch",)              # what a client uploads; the edge writes "batch_output" files itself
 TTL_S = 30 * 86400.0
 
@@ -140,7 +141,7 @@ class Files:
                        f"{PREFIX}/ID or GET {PREFIX}/ID/content", kind="invalid_request_error", code=None)
 
     async def upload(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        raw = await read_body(receive, headers, MAX_UPLOAD_BYTES + FORM_SLACK_BYTES, self.body_timeout_s)
+        raw = await read_body(receive, headers, UPLOAD_BODY_BYTES, self.body_timeout_s)
         # (its signature, for a key that must sign, was checked by the app over this body: EdgeApp._signed)
         # Seconds of CPU for a large file: in a thread, so that the edge's other requests go on meanwhile.
         purpose, filename, content = await asyncio.to_thread(read_upload, headers.get("content-type", ""), raw)
