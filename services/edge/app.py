@@ -74,7 +74,7 @@ class EdgeApp:
         self.admission = Admission(config)
         self.pipeline = Pipeline(config, router, self.admission)     # every surface's policies (pipeline.py)
         self.completions = Completions(config, router, self.pipeline)
-        self.tokenizing = Tokenizing(config, router, self.pipeline.read_json, self.pipeline.screened_json)
+        self.tokenizing = Tokenizing(config, router, self.pipeline)
         self.embeddings = Embeddings(config, router, self.pipeline)
         self.stored = StoredObjects(config.cache_service)     # responses, files, batches (object_store.py)
         self.responses = Responses(config, router, self.pipeline, self.stored)

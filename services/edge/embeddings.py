@@ -100,8 +100,10 @@ class Embeddings:
         self.config, self.router, self.pipe = config, router, pipe
 
     async def embeddings(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        request = parse_embeddings(await self.pipe.screened_json(scope, receive, headers))
+        body = await self.pipe.read_json(scope, receive, headers)
+        request = parse_embeddings(body)
         caller = scope["infermesh.caller"]
+        await self.pipe.screen(body, caller)        # once parsed: the rules read checked fields
         estimate = tuple(t if isinstance(t, str) else "    " * len(t) for t in request.inputs)   # ~4 bytes a token
         rid = responses.new_id(False)
         base = self.pipe.stamp(GenerateSpec(request.model, Sampling(temperature=0.0, max_tokens=1, pooling="model")),

@@ -62,7 +62,8 @@ class Pipeline:
 
     async def screen(self, body: dict[str, Any], caller: AuthenticatedCaller) -> ContentPolicy:
         """The policy in force, once its input rules and the classifier pass every text of `body` that reaches
-        the model (400 `content_filter` naming the category and the field)."""
+        the model (400 `content_filter` naming the category and the field).  `body` is one the surface parsed
+        already (model_inputs reads its fields as the parser checked them)."""
         policy = self.safety.current()
         texts = model_inputs.texts(body)
         found = policy.blocked_input(texts)
@@ -73,12 +74,6 @@ class Pipeline:
             raise ApiError(400, f"the request was refused by the content policy (category: {found[0]})",
                            found[1], code="content_filter")
         return policy
-
-    async def screened_json(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
-        """read_json, then screen: the routes whose body reaches the model as it is (/tokenize, /v1/embeddings)."""
-        body = await self.read_json(scope, receive, headers)
-        await self.screen(body, scope["infermesh.caller"])
-        return body
 
     @staticmethod
     def stamp(spec: GenerateSpec, caller: AuthenticatedCaller, headers: dict[str, str], request_id: str,

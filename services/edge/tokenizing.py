@@ -20,6 +20,7 @@ from services.edge.asgi import Receive, Scope, Send, send_json
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError, from_grpc
 from services.edge.fields import MAX_NAME_CHARS, MAX_TOKEN_ID, boolean, is_token_id, no_unknown, string
+from services.edge.pipeline import Pipeline
 from services.edge.requests import MAX_MESSAGES, parse_messages
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
@@ -75,11 +76,13 @@ def parse_detokenize(body: dict[str, Any]) -> tuple[str, list[int]]:
 class Tokenizing:
     """The two routes' handlers (app.py routes them; the caller is admitted by then)."""
 
-    def __init__(self, config: EdgeConfig, router: Routers, read_json: Any, screened_json: Any):
-        self.config, self.router, self.read_json, self.screened_json = config, router, read_json, screened_json
+    def __init__(self, config: EdgeConfig, router: Routers, pipe: Pipeline):
+        self.config, self.router, self.pipe = config, router, pipe
 
     async def tokenize(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        spec = parse_tokenize(await self.screened_json(scope, receive, headers), self.config.max_messages)
+        body = await self.pipe.read_json(scope, receive, headers)
+        spec = parse_tokenize(body, self.config.max_messages)
+        await self.pipe.screen(body, scope["infermesh.caller"])     # once parsed: the rules read checked fields
         try:
             tokens = await self.router.tokenize(spec)
         except grpc.aio.AioRpcError as err:
@@ -90,7 +93,7 @@ class Tokenizing:
         return 200
 
     async def detokenize(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> int:
-        model, ids = parse_detokenize(await self.read_json(scope, receive, headers))
+        model, ids = parse_detokenize(await self.pipe.read_json(scope, receive, headers))
         try:
             text = await self.router.detokenize(model, ids)
         except grpc.aio.AioRpcError as err:

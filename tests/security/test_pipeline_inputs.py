@@ -21,8 +21,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/tokenize", {"model": "m", "messages": [{"role": "user", "content": "a bo"}, {"role": "user", "content": "mb"}]}),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                               "chat_template_kwargs": {"persona": "bomb"}}),
-    ("/tokenize", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                   "chat_template_kwargs": {"bomb": True}}),
+    ("/tokenize", {"model": "m", "messages": [{"role": "user", "content": "hi"}],     # (it takes no template
+                   "tools": [{"type": "function", "function": {"name": "bomb_maker"}}]}),   # kwargs: its tools)
 ]
 
 
@@ -64,4 +64,21 @@ def test_a_clean_embedding_and_tokenize_still_reach_the_router(policy: str) -> N
         assert status == 500 and len(router.tokenized) == 1          # the double raises once reached
         status, _, _ = await request(edge, "POST", "/v1/embeddings", {"model": "m", "input": "the tomb"})
         assert len(router.calls) == 1
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/tokenize", {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": 4.4e16}]}),
+    ("/tokenize", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+                                                                                      "function": 7}]}),
+    ("/v1/embeddings", {"model": "m", "input": [{"nested": ["x"]}]}),
+])
+def test_a_malformed_body_is_a_400_not_a_crash_of_the_input_rules(policy: str, path: str, body: dict[str, Any]) -> None:
+    """Found by the OpenAPI fuzz: the rules read a body before its surface had parsed it, and a tool_calls that
+    was a number raised inside them (500).  Each surface parses first, then the rules read the checked fields."""
+    async def main() -> None:
+        router = Counting()
+        status, _, raw = await request(app(router, content_policy=policy), "POST", path, body)
+        assert status == 400, raw
+        assert router.calls == [] and router.tokenized == []
     asyncio.run(main())
