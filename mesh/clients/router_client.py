@@ -28,6 +28,7 @@ from mesh.clients.values import (
     VersionLoaded,
 )
 from mesh.grpcutil import channel, check_health
+from mesh.sampling_pb import to_pb as sampling_to_pb
 from mesh.telemetry import outgoing_metadata
 from meshpb.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -40,23 +41,7 @@ FINISH_NAMES = {
 
 
 def _to_pb(spec: GenerateSpec, resume_ids: Sequence[int] = ()) -> router_pb2.RouterGenerateRequest:
-    s = spec.sampling
-    sampling = common_pb2.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-        ignore_eos=s.ignore_eos, stop=list(s.stop), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-        model_defaults=list(s.model_defaults), presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty, min_p=s.min_p,
-        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-        prompt_logprobs=s.prompt_logprobs, pooling=s.pooling)
-    if s.seed is not None:
-        sampling.seed = s.seed
-    if s.constraint is not None:
-        c = s.constraint
-        sampling.constraint.prefix, sampling.constraint.suffix = c.prefix, c.suffix
-        if c.kind == "json_object":
-            sampling.constraint.json_object = True
-        else:
-            setattr(sampling.constraint, c.kind, c.text)
+    sampling = sampling_to_pb(spec.sampling)
     req = router_pb2.RouterGenerateRequest(
         request_id=spec.request_id, model=spec.model, sampling=sampling, session_id=spec.session_id,
         history_from=spec.history_from, caller_stores_turn=spec.caller_stores_turn,

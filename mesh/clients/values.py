@@ -7,31 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.chat import Message
-from mesh.constraints import Constraint
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 0
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    model_defaults: tuple[str, ...] = ()   # fields the client left unset: the model's generation_config decides
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    constraint: Constraint | None = None   # structured output (mesh/constraints.py)
-    prompt_logprobs: bool = False          # also the prompt tokens' logprobs (completions' echo)
-    pooling: str = ""                      # an embedding: "mean", "cls" or "last" pooling of the prompt's hidden states
+from mesh.sampling import Sampling
 
 
 @dataclass(frozen=True)

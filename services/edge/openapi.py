@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mesh import sampling
 from mesh.chat import ROLES
 from mesh.constraints import MAX_CONSTRAINT_CHARS
 from mesh.tools import MAX_TOOLS
@@ -29,8 +30,6 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def _common_fields() -> dict[str, Any]:
-    stop_string = {"type": "string", "maxLength": requests.MAX_STOP_CHARS}
-    lo, hi = requests.SEED_RANGE
     return {
         "model": {"type": "string", "maxLength": MAX_NAME_CHARS,
                   "description": "a served model (GET /v1/models), `NAME@VERSION` to pin a version; '' is the default"},
@@ -38,30 +37,10 @@ def _common_fields() -> dict[str, Any]:
         "stream_options": {"type": ["object", "null"], "additionalProperties": False,
                            "properties": {"include_usage": _nullable("boolean")},
                            "description": "only with stream: true"},
-        "temperature": _nullable("number", minimum=0, maximum=2),
-        "top_p": _nullable("number", minimum=0, maximum=1),
-        "top_k": _nullable("integer", minimum=0, maximum=requests.MAX_TOKENS, description="0: off (extension)"),
-        "seed": _nullable("integer", minimum=lo, maximum=hi),
-        "max_tokens": _nullable("integer", minimum=1, maximum=requests.MAX_TOKENS),
-        "stop": {"anyOf": [{"type": "null"}, stop_string,
-                           {"type": "array", "maxItems": requests.MAX_STOP, "items": stop_string}]},
+        **sampling.schemas(),           # temperature, top_p, max_tokens, stop, the penalties, ... (mesh/sampling.py)
         "n": _nullable("integer", minimum=1, maximum=requests.MAX_N,
                        description="choices per prompt; the prompt is prefilled once (not with a session)"),
         "user": _nullable("string", maxLength=MAX_NAME_CHARS, description="names a session"),
-        "ignore_eos": _nullable("boolean", description="generate to max_tokens (extension)"),
-        "frequency_penalty": _nullable("number", minimum=-2, maximum=2),
-        "presence_penalty": _nullable("number", minimum=-2, maximum=2),
-        "repetition_penalty": _nullable("number", exclusiveMinimum=0, maximum=10, description="1: off (extension)"),
-        "min_p": _nullable("number", minimum=0, maximum=1, description="0: off (extension)"),
-        "min_tokens": _nullable("integer", minimum=0, maximum=requests.MAX_TOKENS,
-                                description="no end of sequence before this many tokens (extension)"),
-        "stop_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": requests.MAX_STOP_TOKEN_IDS,
-                                                        "items": {"type": "integer", "minimum": 0}}],
-                           "description": "token ids that end the answer (extension)"},
-        "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 1024,
-                                                    "additionalProperties": {"type": "number", "minimum": -100,
-                                                                             "maximum": 100}}],
-                       "description": "token id -> bias added to its logit; -100 bans it"},
         **{name: {"description": "accepted and ignored"} for name in requests.IGNORED_FIELDS},
         **_constraint_fields(),
     }
@@ -136,8 +115,7 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
             "messages": {"type": "array", "minItems": 1, "maxItems": config.max_messages, "items": message},
             "max_completion_tokens": common["max_tokens"],
             "logprobs": _nullable("boolean"),
-            "top_logprobs": _nullable("integer", minimum=0, maximum=requests.MAX_TOP_LOGPROBS,
-                                      description="needs logprobs: true"),
+            "top_logprobs": sampling.json_schema(sampling.SPECS["top_logprobs"], "needs logprobs: true"),
             "chat_template_kwargs": {"type": ["object", "null"], "maxProperties": 16, "additionalProperties": {
                 "type": ["boolean", "number", "string"], "maxLength": 64, "pattern": "^[A-Za-z0-9_.-]*$"},
                 "description": "variables for the chat template (enable_thinking, ...): booleans, numbers, words"},
@@ -156,15 +134,14 @@ def _request_schemas(config: EdgeConfig) -> dict[str, Any]:
                                   description="top-N alternatives per token"),
             "echo": _nullable("boolean", description="the prompt (with logprobs: and its tokens' logprobs) "
                                                      "before the text"),
-            "max_tokens": _nullable("integer", minimum=0, maximum=requests.MAX_TOKENS,
-                                    description="0 only with echo: the prompt alone"),
+            "max_tokens": {**common["max_tokens"], "minimum": 0, "description": "0 only with echo: the prompt alone"},
             "suffix": {"enum": ["", None]},
             "best_of": _nullable("integer", minimum=1, maximum=1),
         },
     }
     return {"ChatMessage": message, "ChatCompletionRequest": chat, "CompletionRequest": completion,
             **tokenizing.schemas(config.max_messages, _tool_fields()["tools"]), **embeddings.schemas(),
-            **responses_input.schemas(requests.MAX_TOKENS)}
+            **responses_input.schemas(common)}
 
 
 def _response_schemas() -> dict[str, Any]:

@@ -10,38 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from mesh.chat import ROLES, Message
 from mesh.clients.router_client import GenerateSpec, Sampling
-from mesh.request_limits import (
-    BIAS,
-    MAX_LOGIT_BIAS,
-    MAX_STOP,
-    MAX_STOP_CHARS,
-    MAX_TOKENS,
-    MAX_TOP_LOGPROBS,
-    PENALTY,
-    REPETITION_PENALTY,
-    TEMPERATURE,
-    TOP_P,
-)
+from mesh.sampling import JSON_FIELDS, MAX_TOP_LOGPROBS, SPECS, Spec, problem, value_problem
 from services.edge import fields, structured
 from services.edge.errors import ApiError, shown
 from services.edge.fields import MAX_NAME_CHARS, boolean, integer, no_unknown, number, string, template_kwargs
 
+T = TypeVar("T", bound=tuple[Any, ...])
 MAX_MESSAGES = 1_000            # default; the edge's --max-messages
 MAX_COMPLETION_LOGPROBS = 5     # completions `logprobs`, as in OpenAI
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)    # int64 as OpenAI documents it, and the engine's uint64
 
 # Accepted and ignored: they change nothing about the answer (bookkeeping for OpenAI's own platform).
 IGNORED_FIELDS = ("store", "metadata", "service_tier")
-# Logits processing: OpenAI's penalties and logit_bias, and vLLM's extensions.
-PROCESSING_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_p",
-                     "min_tokens", "stop_token_ids")
-MAX_STOP_TOKEN_IDS = 64
-_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens",
-           "stop", "n", "user", "ignore_eos", *PROCESSING_FIELDS, *IGNORED_FIELDS}
+# The sampling fields (mesh/sampling.py: JSON_FIELDS) and the request's own.
+_COMMON = {"model", "stream", "stream_options", "n", "user", *(name for name, _, _ in JSON_FIELDS), *IGNORED_FIELDS}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs",
                          "reasoning_effort", *structured.CONSTRAINT_FIELDS, *structured.TOOL_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of", "logprobs", *structured.CONSTRAINT_FIELDS}
@@ -86,89 +71,95 @@ def _check_fields(body: dict[str, Any], allowed: set[str], session_id: str) -> i
     return n
 
 
-def _stops(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
+def _read(body: dict[str, Any], name: str, spec: Spec, default: Any) -> Any:
+    """One sampling field (mesh/sampling.py) from the JSON body, by its spec's kind; `default` when left out."""
+    if spec.kind == "number":
+        assert spec.lo is not None and spec.hi is not None
+        value = number(body, name, default, spec.lo, spec.hi)
+        if spec.above and value <= spec.lo:
+            raise ApiError(400, f"'{name}' must be above {spec.lo:g}", name)
+        return value
+    if spec.kind == "integer":
+        assert spec.lo is not None and spec.hi is not None
+        whole = integer(body, name, int(spec.lo), int(spec.hi))
+        return default if whole is None else whole
+    if spec.kind == "boolean":
+        return boolean(body, name, default)
+    return _LISTS[spec.kind](body, name, spec)
+
+
+def _strings(body: dict[str, Any], name: str, spec: Spec) -> tuple[str, ...]:
+    """A string or a list of strings (stop, bad_words)."""
+    raw = body.get(name)
+    if raw is None:
+        values: tuple[str, ...] = ()
+    elif isinstance(raw, str):
+        values = (raw,)
+    elif isinstance(raw, list) and all(isinstance(v, str) for v in raw):
+        values = tuple(raw)
     else:
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop", code="invalid_type")
-    if len(stops) > MAX_STOP:
-        raise ApiError(400, f"'stop' holds at most {MAX_STOP} sequences", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(400, f"each 'stop' sequence is at most {MAX_STOP_CHARS} characters", "stop")
-    return stops
+        raise ApiError(400, f"'{name}' must be a string or a list of strings", name, code="invalid_type")
+    return _within(name, values)
 
 
-def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logprobs: bool = False,
-              top_logprobs: int = 0) -> Sampling:
-    # chat: max_completion_tokens, or the older max_tokens; both are checked whichever is used
-    max_tokens = integer(body, max_tokens_field, 1, MAX_TOKENS)
-    legacy = integer(body, "max_tokens", 1, MAX_TOKENS)
-    max_tokens = legacy if max_tokens is None else max_tokens
-    seed = integer(body, "seed", *SEED_RANGE)
-    repetition = number(body, "repetition_penalty", 1.0, 0.0, REPETITION_PENALTY[1])
-    if repetition <= 0:
-        raise ApiError(400, "'repetition_penalty' must be above 0 (1: off)", "repetition_penalty")
-    min_tokens = integer(body, "min_tokens", 0, MAX_TOKENS) or 0
-    if max_tokens and min_tokens > max_tokens:
-        raise ApiError(400, "'min_tokens' must be at most max_tokens", "min_tokens")
-    return Sampling(
-        temperature=number(body, "temperature", 1.0, *TEMPERATURE),
-        top_p=number(body, "top_p", 1.0, *TOP_P),
-        top_k=integer(body, "top_k", 0, MAX_TOKENS) or 0,
-        seed=None if seed is None else seed % (1 << 64),    # the engine's seed is uint64; same seed, same map
-        max_tokens=max_tokens or 0,
-        ignore_eos=boolean(body, "ignore_eos"),
-        stop=_stops(body),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        # Left out (or null): the model's generation_config.json value where it has one, else the above.
-        model_defaults=tuple(name for name in ("temperature", "top_p", "top_k") if body.get(name) is None),
-        presence_penalty=number(body, "presence_penalty", 0.0, *PENALTY),
-        frequency_penalty=number(body, "frequency_penalty", 0.0, *PENALTY),
-        repetition_penalty=repetition,
-        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
-        logit_bias=_logit_bias(body),
-        min_tokens=min_tokens,
-        stop_token_ids=_stop_token_ids(body),
-    )
-
-
-def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
-    """vLLM's extension: token ids that end the answer (finish_reason "stop"), besides the model's own."""
-    ids = body.get("stop_token_ids")
+def _token_ids(body: dict[str, Any], name: str, spec: Spec) -> tuple[int, ...]:
+    """A list of token ids (vLLM's stop_token_ids)."""
+    ids = body.get(name)
     if ids is None:
         return ()
     if not isinstance(ids, list) or not all(fields.is_token_id(i) for i in ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of token ids", "stop_token_ids", code="invalid_type")
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ApiError(400, f"'stop_token_ids' holds at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
-    return tuple(ids)
+        raise ApiError(400, f"'{name}' must be a list of token ids", name, code="invalid_type")
+    return _within(name, tuple(ids))
 
 
-def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias}: ids as decimal strings (or ints), biases -100..100."""
-    bias = body.get("logit_bias")
+def _bias(body: dict[str, Any], name: str, spec: Spec) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias {"token id": bias}: ids as decimal strings (or ints)."""
+    bias = body.get(name)
     if bias is None:
         return ()
     if not isinstance(bias, dict):
-        raise ApiError(400, "'logit_bias' must be an object of token id -> bias", "logit_bias", code="invalid_type")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ApiError(400, f"'logit_bias' holds at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+        raise ApiError(400, f"'{name}' must be an object of token id -> bias", name, code="invalid_type")
+    _within(name, tuple(bias.items()))
+    assert spec.lo is not None and spec.hi is not None
     out = []
     for key, value in bias.items():
         token = key if isinstance(key, int) else int(key) if isinstance(key, str) and key.isdigit() else None
         if token is None or token >= 1 << 32:
-            raise ApiError(400, f"'logit_bias' key {key!r} is not a token id", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not BIAS[0] <= value <= BIAS[1]:
-            raise ApiError(400, f"'logit_bias' value for {key} must be a number within {BIAS[0]:g}-{BIAS[1]:g}",
-                           "logit_bias")
+            raise ApiError(400, f"'{name}' key {shown(repr(key))} is not a token id", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not spec.lo <= value <= spec.hi:
+            raise ApiError(400, f"'{name}' value for {shown(str(key))} must be a number within "
+                           f"{spec.lo:g}-{spec.hi:g}", name)
         out.append((token, float(value)))
     return tuple(sorted(out))
+
+
+def _within(name: str, values: T) -> T:
+    why = value_problem(name, values)
+    if why:
+        raise ApiError(400, why, name)
+    return values
+
+
+_LISTS = {"strings": _strings, "token_ids": _token_ids, "bias": _bias}
+
+
+def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens", logprobs: bool = False,
+              top_logprobs: int = 0) -> Sampling:
+    """Every JSON sampling field of mesh/sampling.py, read by its spec; the field named in each 400."""
+    values = {name: _read(body, name, spec, default) for name, spec, default in JSON_FIELDS}
+    if max_tokens_field != "max_tokens":     # chat: max_completion_tokens, or the older max_tokens (both checked)
+        newer = _read(body, max_tokens_field, SPECS["max_tokens"], None)
+        values["max_tokens"] = values["max_tokens"] if newer is None else newer
+    seed = values["seed"]
+    sampling = Sampling(**{
+        **values, "logprobs": logprobs, "top_logprobs": top_logprobs,
+        "seed": None if seed is None else seed % (1 << 64),    # the engine's seed is uint64; same seed, same map
+        # Left out (or null): the model's generation_config.json value where it has one, else the above.
+        "model_defaults": tuple(name for name in ("temperature", "top_p", "top_k") if body.get(name) is None)})
+    broken = problem(sampling)
+    if broken:
+        raise ApiError(400, broken[1], broken[0])
+    return sampling
 
 
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -172,9 +172,10 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     return ResponsesRequest(chat, boolean(body, "stream"), store, previous, echo)
 
 
-def schemas(max_tokens: int) -> dict[str, Any]:
-    """The OpenAPI schemas of POST /v1/responses' body and answer (services/edge/openapi.py): the types the
-    parser enforces; items, tools and text are checked further by it (a 400 naming the field)."""
+def schemas(common: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI schemas of POST /v1/responses' body and answer (services/edge/openapi.py; `common`: the
+    chat fields' schemas, whose sampling fields the body shares): the types the parser enforces; items, tools and
+    text are checked further by it (a 400 naming the field)."""
     def nullable(kind: str, **rules: Any) -> dict[str, Any]:
         return {"type": [kind, "null"], **rules}
 
@@ -186,8 +187,7 @@ def schemas(max_tokens: int) -> dict[str, Any]:
         "instructions": nullable("string"), "tools": nullable("array", items={"type": "object"}),
         "tool_choice": {"description": "none, auto, required or {\"type\": \"function\", \"name\": ...}"},
         "parallel_tool_calls": nullable("boolean"), "text": nullable("object"),
-        "max_output_tokens": nullable("integer", minimum=1, maximum=max_tokens),
-        "temperature": nullable("number", minimum=0, maximum=2), "top_p": nullable("number", minimum=0, maximum=1),
+        "max_output_tokens": common["max_tokens"], "temperature": common["temperature"], "top_p": common["top_p"],
         "stream": nullable("boolean"), "store": nullable("boolean"),
         "previous_response_id": nullable("string", maxLength=MAX_NAME_CHARS),
         "metadata": nullable("object", maxProperties=MAX_METADATA,

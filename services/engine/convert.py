@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from mesh.errors import InvalidArgument
 from mesh.models.folder import SAMPLING_DEFAULTS
+from mesh.sampling_pb import from_pb
 from meshpb.v1 import common_pb2, engine_pb2
-from services.engine.grammar import constraint_from_pb
 from services.engine.request import EngineTokenLogprob, FinishReason, SamplingParams, StepOutput
 
 FINISH = {
@@ -18,37 +19,20 @@ FINISH = {
 
 
 def sampling_from_pb(s: common_pb2.SamplingParams, defaults: Mapping[str, float] | None = None) -> SamplingParams:
-    """The engine's SamplingParams; the fields named in s.model_defaults take the model's generation_config
-    value (`defaults`) where it has one."""
+    """The engine's SamplingParams (mesh/sampling_pb.py); the fields named in s.model_defaults take the model's
+    generation_config value (`defaults`) where it has one."""
     unknown = sorted(set(s.model_defaults) - set(SAMPLING_DEFAULTS))
     if unknown:
         raise InvalidArgument(f"model_defaults names {', '.join(unknown)}; only {', '.join(SAMPLING_DEFAULTS)} "
                               "may take the model's defaults")
-    given = {"temperature": s.temperature, "top_p": s.top_p, "top_k": float(s.top_k)}
-    for name in s.model_defaults:
-        if defaults and name in defaults:
-            given[name] = defaults[name]
-    top_p = given["top_p"]
-    return SamplingParams(
-        temperature=given["temperature"],
-        top_p=top_p if top_p > 0 else 1.0,
-        top_k=int(given["top_k"]),
-        seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens,
-        ignore_eos=s.ignore_eos,
-        stop_token_ids=tuple(s.stop_token_ids),
-        logprobs=s.logprobs or s.top_logprobs > 0,
-        top_logprobs=s.top_logprobs,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty or 1.0,
-        min_p=s.min_p,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
-        min_tokens=s.min_tokens,
-        constraint=constraint_from_pb(s.constraint) if s.HasField("constraint") else None,
-        prompt_logprobs=s.prompt_logprobs,
-        pooling=s.pooling,
-    )
+    params = from_pb(s, SamplingParams)
+    given = {name: type(getattr(params, name))(defaults[name]) for name in s.model_defaults
+             if defaults and name in defaults}
+    if given.get("top_p") == 0:
+        given["top_p"] = 1.0                  # 0 is off, as in the message
+    if s.top_logprobs and not s.logprobs:
+        given["logprobs"] = True
+    return dataclasses.replace(params, **given) if given else params
 
 
 def output_to_pb(out: StepOutput) -> engine_pb2.GenerateResponse:

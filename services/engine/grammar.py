@@ -33,7 +33,6 @@ import torch
 
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
-from meshpb.v1 import common_pb2
 from services.engine.grammar_limits import CompileGate, ConstraintRefused, GrammarCache, GrammarLimits
 from services.engine.grammar_worker import CompileTimeout, CompileWorker, WorkerDied
 
@@ -250,14 +249,6 @@ class Grammars:
                 raise InvalidArgument(f"resumed token {i} (id {token}) does not follow the request's "
                                       f"{c.kind} constraint")
         return m
-
-
-def constraint_from_pb(c: common_pb2.Constraint) -> Constraint:
-    """The native request's Constraint message (meshpb.v1 SamplingParams.constraint)."""
-    kind = c.WhichOneof("kind")
-    if kind is None:
-        raise InvalidArgument("constraint names no kind: set json_schema, json_object, regex, grammar or tool_calls")
-    return Constraint(kind, "" if kind == "json_object" else getattr(c, kind), c.prefix, c.suffix)
 
 
 def describe(c: Constraint) -> str:

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
+from mesh.sampling import Sampling, field_spec, problem
 from services.engine.block_manager import BlockTable
 from services.engine.grammar import Matcher
 from services.engine.speculate import Lookup
@@ -32,73 +32,22 @@ class RequestStatus(enum.Enum):
 
 
 POOLINGS = ("", "model", "mean", "cls", "last")     # "model": the model's own (mesh/models/folder.py: pooling_mode)
-GREEDY_BELOW = 1e-5     # temperatures below this sample greedily (SamplingParams.greedy)
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 0            # 0: up to the context limit
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    # Logits processing before temperature / top-k / top-p (services/engine/sampler.py: process):
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    constraint: Constraint | None = None     # structured output (services/engine/grammar.py)
-    prompt_logprobs: bool = False            # also each prompt token's logprob (completions' echo)
-    pooling: str = ""                        # an embedding: "mean", "cls" or "last" of the prompt's hidden states
+class SamplingParams(Sampling):
+    """The mesh's sampling fields (mesh/sampling.py, with their limits) as the engine runs them: greedy unless
+    told otherwise.  The engine trusts the doors (the edge, the router) for the fields' ranges and checks only
+    what a kernel relies on (`Spec.guard`) and the pooling's name."""
+    temperature: float = field(default=0.0, metadata=field_spec("temperature").metadata)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidArgument(f"temperature {self.temperature} must be between 0 and 100")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p {self.top_p} must be between 0 and 1")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k {self.top_k} must be >= 0")
-        if self.max_tokens < 0:
-            raise InvalidArgument(f"max_tokens {self.max_tokens} must be >= 0")
-        if not 0 <= self.top_logprobs <= 20:
-            raise InvalidArgument(f"top_logprobs {self.top_logprobs} must be between 0 and 20")
-        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
-            raise InvalidArgument("presence_penalty and frequency_penalty must be between -2 and 2")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidArgument(f"repetition_penalty {self.repetition_penalty} must be above 0 and at most 10")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidArgument(f"min_p {self.min_p} must be between 0 and 1")
-        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
-            raise InvalidArgument("logit_bias values must be between -100 and 100")
-        if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
-            raise InvalidArgument(f"min_tokens {self.min_tokens} must be between 0 and max_tokens")
+        broken = problem(self, guards_only=True)
+        if broken:
+            raise InvalidArgument(broken[1])
         if self.pooling not in POOLINGS:
             raise InvalidArgument(f"pooling {self.pooling!r} is not one of {', '.join(p for p in POOLINGS if p)} "
                                   "(or empty: none)")
-
-    @property
-    def greedy(self) -> bool:
-        """Temperature 0, or one so small (below GREEDY_BELOW) that dividing float32 logits by it overflows:
-        its limit, the most likely token (as vLLM treats temperatures under 1e-5)."""
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def processed(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, bias, min_tokens, a grammar): such a
-        row needs its full logits and its own history, so it takes neither the greedy shortcut nor drafts."""
-        return self.penalized or self.constraint is not None
-
-    @property
-    def penalized(self) -> bool:
-        """Whether services/engine/sampler.py: process changes the logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ from mesh import peers
 from mesh.apikeys import ApiKeys, tenant_of
 from mesh.errors import ResourceExhausted, Unauthenticated
 from mesh.ratelimit import DEFAULT_COMPLETION_TOKENS, Limiter, Rate, reservation, retry_after_s, settlement
-from mesh.request_limits import MAX_WEIGHT, SamplingSettings, name_problem, sampling_problem
+from mesh.request_limits import MAX_WEIGHT, name_problem
+from mesh.sampling import problem
+from mesh.sampling_pb import from_pb
 from meshpb.v1 import common_pb2, router_pb2
 
 if TYPE_CHECKING:      # only named: protobuf is the servicer's (server.py) to convert
@@ -186,11 +188,10 @@ class Callers:
 
 
 def refusal(request: RouterGenerateRequest) -> str | None:
-    """Why a native Generate request breaks the limits the edge enforces (mesh/request_limits.py), or None."""
-    s = request.sampling
-    return (sampling_problem(SamplingSettings(s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.top_logprobs,
-                                              s.presence_penalty, s.frequency_penalty, s.repetition_penalty or 1.0,
-                                              s.min_p, dict(s.logit_bias), s.min_tokens))
+    """Why a native Generate request breaks the limits the edge enforces (mesh/sampling.py, mesh/request_limits.py),
+    or None."""
+    broken = problem(from_pb(request.sampling))
+    return ((broken[1] if broken else None)
             or name_problem("session_id", request.session_id) or name_problem("model", request.model)
             or name_problem("history_from", request.history_from)
             or name_problem("pinned_replica", request.pinned_replica)

@@ -22,9 +22,11 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from mesh import sampling_pb
 from mesh.chat import Message
 from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.prefix import block_hashes, tenant_salt
+from mesh.sampling import at_tokenizer
 from mesh.telemetry import outgoing_metadata, span_context, tracer
 from meshpb.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
@@ -170,6 +172,9 @@ class Dispatcher:
         request = hop.request
         prompt_ids, reasoning = await self.tokenizer.tokenize(request, model, hop.conversation,
                                                              hop.context.time_remaining())
+        sampling, prompt_ids = await at_tokenizer(
+            sampling_pb.from_pb(request.sampling), prompt_ids,
+            lambda text: self.tokenizer.encode_text(model, text, hop.context.time_remaining()))
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
                         request.include_token_ids, reasoning)
         if request.resume_ids:
@@ -179,7 +184,7 @@ class Dispatcher:
         salt = self.cache_salt(request) + (b"|lora:" + hop.lora.name.encode() if hop.lora else b"")
         route = RouteRequest(model, session_key=hop.key, region=request.region, tenant=request.tenant,
                              prefix_hashes=tuple(block_hashes(prompt_ids, self.table.block_size, salt=salt)))
-        return Prompt(prompt_ids, stream, route)
+        return Prompt(prompt_ids, stream, route, sampling)
 
     async def _attempts(self, hop: Hop) -> AsyncIterator[Reply]:
         """Attempts until the stream finishes, within the call's attempts and the retry budget
@@ -288,7 +293,8 @@ class Dispatcher:
         span = tracer().start_span("router.attempt", kind=trace.SpanKind.CLIENT, attributes={
             **decision_attributes(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
         engine_request = engine_pb2.GenerateRequest(
-            request_id=hop.request_id, model=plan.model, prompt_ids=prompt.ids, sampling=request.sampling,
+            request_id=hop.request_id, model=plan.model, prompt_ids=prompt.ids,
+            sampling=sampling_pb.to_pb(prompt.sampling),
             priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request),
             cache_class=request.cache_class, tenant=request.tenant, weight=request.weight)
         if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message

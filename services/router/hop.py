@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from mesh.chat import Message
+from mesh.sampling import Sampling
 from meshpb.v1 import router_pb2
 from services.router.lora import Lora
 from services.router.policies import RouteRequest
@@ -43,10 +44,12 @@ class Hop:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's prompt for one model: its token ids, the client stream and the routing request."""
+    """A request's prompt for one model: its token ids, the client stream, the routing request and the sampling
+    as the engine runs it (what needs the tokenizer settled: mesh/sampling.py at_tokenizer)."""
     ids: list[int]
     stream: Stream
     route: RouteRequest
+    sampling: Sampling
 
 
 def mirror_hop(hop: Hop, request_id: str, model: str, version: str) -> Hop:

@@ -123,6 +123,10 @@ class Tokenizer:
                                  request.add_special_tokens, timeout)
         return list(enc.ids)
 
+    async def encode_text(self, model: str, text: str, deadline_s: float | None = None) -> list[int]:
+        """A text's ids without special tokens (a sampling field's words: mesh/sampling.py at_tokenizer)."""
+        return list((await self._encode(model, None, (), text, False, False, within(deadline_s, 30.0))).ids)
+
     async def _encode(self, model: str, chat: router_pb2.ChatInput | None,
                       messages: Sequence[tokenizer_pb2.ChatMessage], prompt: str, add_generation_prompt: bool,
                       add_special_tokens: bool, timeout: float) -> tokenizer_pb2.EncodeResponse:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from mesh.request_limits import MAX_NAME_CHARS, MAX_STOP, SamplingSettings, sampling_problem
+from mesh.request_limits import MAX_NAME_CHARS
+from mesh.sampling import SPECS, Sampling, problem
 from tests.fakes.router_mesh import chat, collect, ids_of, run, running
 
 
 @pytest.mark.parametrize("change, says", [
     (lambda r: setattr(r.sampling, "temperature", 50.0), "temperature"),
-    (lambda r: r.sampling.stop.extend(["x"] * 1000), f"at most {MAX_STOP} sequences"),
+    (lambda r: r.sampling.stop.extend(["x"] * 1000), f"at most {SPECS['stop'].items} sequences"),
     (lambda r: r.sampling.stop.append("s" * 10_000), "each stop sequence"),
     (lambda r: setattr(r.sampling, "top_p", 3.0), "top_p"),
     (lambda r: setattr(r.sampling, "top_logprobs", 500), "top_logprobs"),
@@ -38,7 +39,7 @@ def test_the_router_refuses_what_the_edge_would(change, says) -> None:  # type: 
 
 
 def test_the_limits_themselves() -> None:
-    assert sampling_problem(SamplingSettings(2.0, 1.0, 0, 0, ["a"] * MAX_STOP, 20)) is None
-    assert sampling_problem(SamplingSettings(2.01, 1.0, 0, 0, [], 0)) is not None
-    assert sampling_problem(SamplingSettings(0.0, 0.0, 0, 0, [], 21)) is not None
+    assert problem(Sampling(2.0, 1.0, 0, stop=("a",) * SPECS["stop"].items, top_logprobs=20)) is None
+    assert problem(Sampling(2.01, 1.0, 0)) is not None
+    assert problem(Sampling(0.0, 0.0, 0, top_logprobs=21)) is not None
     assert MAX_NAME_CHARS == 256
