@@ -80,6 +80,8 @@ class Sampling:
         "integer", 0, MAX_TOKENS, logits=True, doc="no end of sequence before this many tokens (extension)"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(
         "token_ids", items=64, unit="ids", doc="token ids that end the answer (extension)"))
+    truncate_prompt_tokens: int = field(default=0, metadata=_spec(
+        "integer", 1, MAX_TOKENS, unset_zero=True, doc="keep only the prompt's last this many tokens (extension)"))
     constraint: Constraint | None = field(default=None, metadata=_spec("other", json=False, logits=True))
     prompt_logprobs: bool = False          # also the prompt tokens' logprobs (completions' echo)
     pooling: str = ""                      # an embedding: "mean", "cls" or "last" pooling of the prompt's hidden states
@@ -190,4 +192,6 @@ Encode = Callable[[str], Awaitable[Sequence[int]]]
 async def at_tokenizer(s: Sampling, prompt_ids: list[int], encode: Encode) -> tuple[Sampling, list[int]]:
     """What a field settles where the prompt is tokenized (the router): the prompt ids as the request wants
     them, and the sampling with what the engine needs in token ids.  `encode`: a text's ids, no special tokens."""
+    if s.truncate_prompt_tokens and len(prompt_ids) > s.truncate_prompt_tokens:
+        prompt_ids = prompt_ids[-s.truncate_prompt_tokens:]           # vLLM's: the last k tokens (left truncation)
     return s, prompt_ids

@@ -276,3 +276,36 @@ def test_embeddings_are_normalized_pooled_states_where_a_paraphrase_is_nearest( 
     assert status == 404, answer
     status, answer = post(mesh, "/v1/embeddings", {"model": MODEL, "input": [[1, 2], [3, 10**9]]})
     assert status == 400 and "outside the vocabulary" in answer["error"]["message"], answer
+
+
+# The request vocabulary (issue 50): vLLM's truncate_prompt_tokens and bad_words, added to mesh/sampling.py and
+# the message only, reach the router (truncation, the words' token ids) and the engine (the ban) through the
+# conversions derived from it.
+LONG_PROMPT = ("The history of the lighthouse keeper begins on a small rocky island, far from the mainland, where "
+               "the winter storms arrive without warning and the nights are long. Every evening he climbs the stairs")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=LONG_PROMPT, temperature=0, max_tokens=4)
+    assert whole.usage is not None and whole.usage.prompt_tokens > 20
+    cut = client.completions.create(model=MODEL, prompt=LONG_PROMPT, temperature=0, max_tokens=4,
+                                    extra_body={"truncate_prompt_tokens": 12})
+    assert cut.usage is not None and cut.usage.prompt_tokens == 12
+    chunks = list(client.completions.create(model=MODEL, prompt=LONG_PROMPT, temperature=0, max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"truncate_prompt_tokens": 12}))
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].prompt_tokens == 12
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}],
+                                          temperature=0, max_tokens=4, extra_body={"truncate_prompt_tokens": 9})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 9
+    # Shorter than the limit: unchanged.
+    short = client.completions.create(model=MODEL, prompt=LONG_PROMPT, temperature=0, max_tokens=4,
+                                      extra_body={"truncate_prompt_tokens": 100_000})
+    assert short.usage is not None and short.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert short.choices[0].text == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="'truncate_prompt_tokens' must be between 1 and"):
+        client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4,
+                                  extra_body={"truncate_prompt_tokens": 0})
+
