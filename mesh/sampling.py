@@ -80,6 +80,10 @@ class Sampling:
         "integer", 0, MAX_TOKENS, logits=True, doc="no end of sequence before this many tokens (extension)"))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(
         "token_ids", items=64, unit="ids", doc="token ids that end the answer (extension)"))
+    bad_words: tuple[str, ...] = field(default=(), metadata=_spec(
+        "strings", items=64, chars=256, unit="words", doc="words never generated (extension)"))
+    bad_words_ids: tuple[tuple[int, ...], ...] = field(default=(), metadata=_spec(
+        "id_lists", items=256, json=False, logits=True, unit="sequences"))    # bad_words' tokens: at_tokenizer
     truncate_prompt_tokens: int = field(default=0, metadata=_spec(
         "integer", 1, MAX_TOKENS, unset_zero=True, doc="keep only the prompt's last this many tokens (extension)"))
     constraint: Constraint | None = field(default=None, metadata=_spec("other", json=False, logits=True))
@@ -194,4 +198,8 @@ async def at_tokenizer(s: Sampling, prompt_ids: list[int], encode: Encode) -> tu
     them, and the sampling with what the engine needs in token ids.  `encode`: a text's ids, no special tokens."""
     if s.truncate_prompt_tokens and len(prompt_ids) > s.truncate_prompt_tokens:
         prompt_ids = prompt_ids[-s.truncate_prompt_tokens:]           # vLLM's: the last k tokens (left truncation)
+    if s.bad_words:
+        # Each word as a text starts with it and as one word among others (after a space): its token sequences.
+        ids = {tuple(await encode(text)) for word in s.bad_words for text in (word, " " + word.lstrip())}
+        s = dataclasses.replace(s, bad_words_ids=tuple(sorted(seq for seq in ids if seq)))
     return s, prompt_ids

@@ -41,7 +41,8 @@ def process(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[i
     logprobs): min_tokens bans `ended_by` (end-of-sequence and stop ids) until that many are out;
     logit_bias adds; repetition_penalty divides positive logits (multiplies negative ones) of tokens in
     the prompt or output; frequency and presence penalties subtract count x frequency + presence for
-    each token generated so far (OpenAI's definition).  logits: (V,) float32."""
+    each token generated so far (OpenAI's definition); bad_words_ids end where they would be completed.
+    logits: (V,) float32."""
     out = logits.clone()
     vocab = out.shape[0]
     if params.logit_bias:
@@ -57,6 +58,9 @@ def process(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[i
         out -= counts * params.frequency_penalty + (counts > 0).to(out.dtype) * params.presence_penalty
     if params.min_tokens and len(output_ids) < params.min_tokens and ended_by:
         out[torch.tensor(sorted(ended_by), dtype=torch.int64)] = float("-inf")
+    for *before, last in params.bad_words_ids:       # a bad word's last token, where the rest was just generated
+        if last < vocab and (not before or list(output_ids[-len(before):]) == before):
+            out[last] = float("-inf")
     return out
 
 

@@ -309,3 +309,30 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> 
         client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4,
                                   extra_body={"truncate_prompt_tokens": 0})
 
+
+def test_bad_words_are_never_generated(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    free = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
+    words = free.choices[0].text.split()
+    assert words, free.choices[0].text
+    word = words[0].strip(".,")
+    banned = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                       extra_body={"bad_words": [word]})
+    assert word not in banned.choices[0].text.split()[:1], (word, banned.choices[0].text)
+    assert banned.choices[0].text != free.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True, extra_body={"bad_words": [word]})
+        if c.choices)
+    assert streamed == banned.choices[0].text
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    chat_free = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    first = (chat_free.choices[0].message.content or "").split()[0].strip(".,")
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                          extra_body={"bad_words": [first]})
+    assert first not in (chat.choices[0].message.content or "").split()[:1]
+    chat_streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, stream=True, extra_body={"bad_words": [first]})
+        if c.choices)
+    assert chat_streamed == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="'bad_words' must be a string or a list of strings"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"bad_words": [3]})

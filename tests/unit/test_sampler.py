@@ -168,3 +168,18 @@ def test_a_temperature_too_small_to_scale_by_samples_greedily(extra: dict[str, f
     params = SamplingParams(max_tokens=4, temperature=1e-40, **extra)  # type: ignore[arg-type]
     assert params.greedy
     assert list(sampler.sample_batch(logits, [params] * 3, [0, 1, 2])) == logits.argmax(-1).tolist()
+
+
+def test_bad_words_ban_the_token_that_would_complete_one() -> None:
+    """vLLM's bad_words, as token sequences (the router tokenized them): a one-token word is never chosen; a
+    longer one's last token only where the tokens before it were just generated."""
+    from services.engine.sampler import process
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    params = SamplingParams(bad_words_ids=((3,), (1, 2, 4)))
+    assert process(logits, params, [9], [], set()).tolist() == [2.0, -1.0, 0.5, float("-inf"), 1.0]
+    assert process(logits, params, [], [0, 1, 2], set())[4] == float("-inf")      # 1, 2 just generated
+    assert process(logits, params, [], [1, 0, 2], set())[4] == 1.0                # not in a row
+    assert process(logits, params, [1, 2], [], set())[4] == 1.0                   # the prompt's do not count
+    assert process(logits, SamplingParams(bad_words_ids=((7,),)), [], [], set()).tolist() == logits.tolist()
+    assert params.penalized and params.processed                   # full logits, its own history, no drafts
