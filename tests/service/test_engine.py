@@ -58,6 +58,7 @@ def test_greedy_equals_transformers_generate(runner: ModelRunner, hf, prompt: st
     assert last.prompt_tokens == len(ids) and last.completion_tokens == len(ref)
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_concurrent_mixed_lengths_equal_each_alone(runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
     """Continuous batching: requests of different lengths, joining at different steps, each
     produce exactly what transformers produces for that request alone."""
@@ -140,6 +141,7 @@ def test_admission_names_the_limit(runner: ModelRunner) -> None:
         engine.add(engine.make_request("b", [1, 2], SamplingParams(max_tokens=1)))
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 @pytest.mark.parametrize("matmul", ["packed", "fp16w", "q4", "q4+fp16w"])
 def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) -> None:  # type: ignore[no-untyped-def]
     """The fast paths (auto on CPU) differ from transformers only slightly: greedy tokens
@@ -161,6 +163,7 @@ def test_fast_matmuls_agree_with_transformers(model_dir: Path, hf, matmul: str) 
         assert abs(outs[0].logprobs[0].logprob - ref_lp) < (1e-3 if matmul in ("packed", "q4") else 1e-2)
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_float16_kv_cache_stays_close_to_float32(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     """The float16 KV cache auto runs with the fused CPU ops: the same greedy text as a float32 cache
     for the first tokens of each prompt (bench/quality.py: 16 of 16 essays identical over 128 tokens),
@@ -205,6 +208,7 @@ def test_request_beyond_the_kv_budget_is_refused(model_dir: Path) -> None:
     engine.make_request("b", [1] * 10, SamplingParams(max_tokens=22))   # exactly fits
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_preemption_under_kv_pressure_loses_nothing(model_dir: Path, runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
     """With too few KV blocks for everyone, requests are preempted and recomputed; every one
     still finishes with exactly the tokens it produces when memory is plentiful."""
@@ -222,6 +226,7 @@ def test_preemption_under_kv_pressure_loses_nothing(model_dir: Path, runner: Mod
     assert scarce.blocks.num_free_blocks == scarce.blocks.num_blocks
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     """Fast modes pick greedy tokens from an int8 ranking rescored in fp32: the same tokens as
     the full fp32 vocabulary argmax, on real hidden states and on transformers' output."""
@@ -238,6 +243,7 @@ def test_greedy_shortcut_equals_full_argmax(model_dir: Path, hf) -> None:  # typ
         assert tokens(outs) == greedy(model, ids, 24)[0]
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_q4_plans_rank_greedy_rows_only_above_their_split(model_dir: Path) -> None:
     """With the head in the model's own 8-bit blocks, small batches take its full product; above the
     plan's split the int8 ranking (rescored in fp32) picks the same tokens as the full argmax."""
@@ -252,6 +258,7 @@ def test_q4_plans_rank_greedy_rows_only_above_their_split(model_dir: Path) -> No
     assert alone.model.greedy(hidden) is None                  # one kind at every size: the blocks always
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_fused_cpu_ops_agree_with_the_torch_ops(model_dir: Path, runner: ModelRunner, hf) -> None:  # type: ignore[no-untyped-def]
     """The fast modes' fused CPU ops (meshkernels/cpu_ops.cpp) give the tokens the same mode gives with
     the torch ops, and logprobs equal to rounding, across decode rows batched with prefill chunks

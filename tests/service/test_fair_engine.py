@@ -22,6 +22,7 @@ BATCH = Owner(priority=1, tenant="jobs")
 CHAT = Owner(priority=0, tenant="people")
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_a_paused_and_preempted_batch_request_gives_the_greedy_text_it_gives_alone(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     _, tokenizer = hf
     job = chat_ids(tokenizer, "Describe a sunrise over the mountains.")
@@ -49,6 +50,7 @@ def test_a_paused_and_preempted_batch_request_gives_the_greedy_text_it_gives_alo
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_two_tenants_share_the_model_steps_by_weight(model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     _, tokenizer = hf
     runner = ModelRunner(model_dir, EXACT, kv_cache_bytes=64 << 20)

@@ -47,6 +47,7 @@ def greedy(model: Any, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@pytest.mark.slow                    # over 5 s of model runs on 2 cores: make test runs it, make test-fast not
 def test_an_adapter_answers_as_transformers_and_peft_and_mixes_with_others_in_a_step(  # type: ignore[no-untyped-def]
         runner: ModelRunner, hf, adapters) -> None:
     base, tokenizer = hf
