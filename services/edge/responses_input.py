@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mesh.sampling import Sampling
 from services.edge.errors import ApiError
 from services.edge.fields import MAX_NAME_CHARS, boolean, no_unknown, string
 
@@ -21,6 +22,7 @@ FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_to
           "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "user", "reasoning"}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
+DEFAULT = Sampling()
 MAX_METADATA = 16             # key-value pairs, as OpenAI allows
 
 
@@ -166,7 +168,7 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     echo = {"instructions": instructions or None, "metadata": metadata or {}, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls")
             is not False, "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "temperature": body.get("temperature", DEFAULT.temperature), "top_p": body.get("top_p", DEFAULT.top_p),
             "text": body.get("text") or {"format": {"type": "text"}}, "previous_response_id": previous or None,
             "store": store, "user": body.get("user"), "reasoning": reasoning or {}}
     return ResponsesRequest(chat, boolean(body, "stream"), store, previous, echo)
