@@ -1,13 +1,14 @@
 """Dispatcher: one Generate request's way through the router, failover included.
 
     session history merged  ->  version chosen  ->  tokenized  ->  admitted (a native key's tokens)  ->  attempts:
-        plan (failover) -> pick (policy) -> relay one engine call (relay.py) -> outcome
+        next try (failover/attempts.py: plan, pick) -> relay one engine call (relay.py) -> its outcome, back
     ->  the turn stored in the session
 
-Where and whether to try again is failover's decision (services/router/failover), which replica
-the policy's; this module carries the decisions out.  A replica that fails is left behind;
-mid-stream, another replica of the same model continues from the tokens already sent
-(`resume_ids`); before the first token, a fallback model may take over.
+Where and whether to try again is failover's decision (services/router/failover, whose Attempts
+answers each try's outcome with the next step), which replica the policy's; this module carries the
+decisions out.  A replica that fails is left behind; mid-stream, another replica of the same model
+continues from the tokens already sent (`resume_ids`); before the first token, a fallback model may
+take over.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ from services.router.decisions import count_degraded, decision_attributes, recor
 from services.router.engines import Engines
 from services.router.events import RECENT
 from services.router.failover import Call, Failover, Plan
+from services.router.failover.attempts import (
+    Attempts,
+    Busy,
+    Event,
+    Failure,
+    FinishAtLength,
+    Finished,
+    Isolated,
+    Prepare,
+    Try,
+)
 from services.router.hop import Hop, Prompt, mirror_hop
 from services.router.lora import LoraAdapters
 from services.router.policies import AffinityRouter, RouteRequest
@@ -202,58 +214,42 @@ class Dispatcher:
         call = Call(self.failover, model, now(), hop.interactive)
         for event in self.failover.latency.take_events():
             log.warning("%s", event)
-        streamed = model                               # the model whose tokens `prompt.stream` holds
+        attempts = Attempts(call, lambda streamed, failed: self._pool(hop, streamed, failed), self.policy.pick,
+                            prompt.route, len(prompt.stream.ids), hop.request.sampling.max_tokens)
         try:
-            for _ in range(4 * self.failover.config.max_attempts):
-                plan = call.plan(self._pool(hop, streamed if prompt.stream.ids else None, call.failed_on), now(),
-                                 hop.context.time_remaining())
-                if plan.model != streamed:             # nothing sent yet: the fallback model's own prompt
-                    record_fallback(model, plan)
-                    prompt = await self._prepare(hop, plan.model)
-                    streamed = plan.model
-                decision = self.policy.pick(plan.candidates, prompt.route, now())
-                started_attempt = call.start(decision.replica, now())
-                if started_attempt is None:            # its last probe slot went meanwhile: plan again
-                    continue
-                reason = "fallback" if plan.degraded else "failover" if call.attempts > 1 else decision.reason
-                root.set_attributes(decision_attributes(decision.replica, plan, reason, call.attempts - 1))
-                started, first_token_s = now(), None
-                stream = prompt.stream
-                try:
-                    async for reply in self._attempt(hop, prompt, decision.replica, plan, reason):
-                        first_token_s = now() - started if first_token_s is None else first_token_s
-                        yield reply
-                except EngineFailed as exc:
-                    self._isolate(model, exc)
-                    limit = hop.request.sampling.max_tokens
-                    if limit and len(stream.ids) >= limit:     # died after the last token, before its final message
-                        call.succeeded(started_attempt, now(), first_token_s)
-                        count_degraded(model, plan)
-                        yield stream.finish_at_length(served_by(decision.replica, plan, hop.adapter(plan.model)))
-                        return
-                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and first_token_s is None:
-                        if not call.refused(started_attempt, now()):       # busy, not failing: no breaker
-                            raise Unavailable(f"{exc}; every replica tried is busy") from None
-                        log.info("request %s: %s; trying another replica", hop.request_id, exc)
-                        continue
-                    if not call.failed(started_attempt, now(), first_token_s):
-                        raise Unavailable(f"{exc}; no attempt or retry budget left for this request") from None
-                    metrics.FAILOVER.labels("2").inc()
-                    RECENT.record("failover", model, decision.replica.replica_id,
-                                  f"{exc} after {len(stream.ids)} token(s)")
-                    log.warning("request %s: %s after %d token(s); trying another replica",
-                                hop.request_id, exc, len(stream.ids))
-                    continue
-                except BaseException:                   # the client left, or a request error: no replica's fault
-                    call.cancelled(started_attempt, now())
-                    raise
-                call.succeeded(started_attempt, now(), first_token_s)
-                RECENT.first_token(first_token_s)
-                count_degraded(model, plan)
-                return
-            raise Unavailable(f"no replica could be started for {model!r}; retry shortly")
+            while True:
+                step = attempts.next(now(), hop.context.time_remaining())
+                if isinstance(step, Prepare):          # nothing sent yet: the fallback model's own prompt
+                    record_fallback(model, step.plan)
+                    prompt = await self._prepare(hop, step.plan.model)
+                    attempts.prepared(prompt.route, len(prompt.stream.ids))
+                elif isinstance(step, Try):
+                    root.set_attributes(decision_attributes(step.replica, step.plan, step.reason,
+                                                            step.failover_attempts))
+                    try:
+                        async for reply in self._attempt(hop, prompt, step.replica, step.plan, step.reason):
+                            attempts.replied(now())
+                            yield reply
+                    except EngineFailed as exc:
+                        self._record(hop, attempts.failed(_failure(exc), len(prompt.stream.ids), now()))
+                    except BaseException:               # the client left, or a request error: no replica's fault
+                        attempts.cancelled(now())
+                        raise
+                    else:
+                        attempts.succeeded(now())
+                elif isinstance(step, Finished):
+                    RECENT.first_token(step.first_token_s)
+                    count_degraded(model, step.plan)
+                    return
+                elif isinstance(step, FinishAtLength):
+                    count_degraded(model, step.plan)
+                    yield prompt.stream.finish_at_length(served_by(step.replica, step.plan,
+                                                                   hop.adapter(step.plan.model)))
+                    return
+                else:
+                    raise Unavailable(step.message)
         finally:
-            call.close(now())
+            attempts.close(now())
 
     def _pool(self, hop: Hop, streamed: str | None, failed: Collection[str] = ()) -> list[Replica]:
         """The replicas the next attempt may go to: not draining, of the hop's version (for its own
@@ -266,11 +262,20 @@ class Dispatcher:
                                     lambda r: not self.failover.refusal(r, time.monotonic(), failed))
         return pool if streamed is None else [r for r in pool if r.model == streamed]
 
-    def _isolate(self, model: str, exc: EngineFailed) -> None:
-        if exc.isolate:
-            self.failover.isolate(exc.replica_id, time.monotonic(), exc.reason)
-            metrics.FAILOVER.labels("1").inc()
-            RECENT.record("isolated", model, exc.replica_id, exc.reason)
+    @staticmethod
+    def _record(hop: Hop, events: list[Event]) -> None:
+        """A failed try's failover events, in the metrics, the console's recent events and the log."""
+        for event in events:
+            if isinstance(event, Isolated):
+                metrics.FAILOVER.labels("1").inc()
+                RECENT.record("isolated", hop.model, event.replica_id, event.reason)
+            elif isinstance(event, Busy):
+                log.info("request %s: %s; trying another replica", hop.request_id, event.error)
+            else:
+                metrics.FAILOVER.labels("2").inc()
+                RECENT.record("failover", hop.model, event.replica_id, f"{event.error} after {event.streamed} token(s)")
+                log.warning("request %s: %s after %d token(s); trying another replica",
+                            hop.request_id, event.error, event.streamed)
 
     async def _pinned_attempt(self, hop: Hop, prompt: Prompt, root: trace.Span) -> AsyncIterator[Reply]:
         """The one attempt of a request pinned to a replica: exactly there, or an error."""
@@ -357,3 +362,8 @@ class Dispatcher:
             raise EngineFailed(replica.replica_id, f"took too long loading LoRA adapter {hop.lora.name!r}",
                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
         engine_request.adapter = hop.lora.name
+
+
+def _failure(exc: EngineFailed) -> Failure:
+    """The engine's failure as the attempts' state machine reads it."""
+    return Failure(exc.replica_id, exc.reason, str(exc), exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.isolate)

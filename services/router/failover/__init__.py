@@ -8,12 +8,14 @@ that takes `now`, does no I/O and is tested with a fake clock.
     agreement.py Agreement: a degraded answer's confidence from measured fallback/primary agreement
     latency.py  LatencyGuard: L3 by latency, a share of interactive requests to the fallback while P95 TTFT is high
     levels.py   Failover: L1 isolation, L2 admission, L3 plan over the chain; Saturated
-    call.py     Call: one request's attempts, retries and model outcome: what dispatch.py uses
+    call.py     Call: one request's attempts, retries and model outcome
+    attempts.py Attempts: a request's tries, a state machine (an outcome in, the next try out): dispatch.py's
     probes.py   ProbeVerdicts: a replica's health from its probes (isolated after misses in a row)
     config.py   BreakerConfig, LatencyConfig, FailoverConfig
 """
 
 from services.router.failover.agreement import Agreement, Estimate, Evaluation, load_evaluations, posterior
+from services.router.failover.attempts import Attempts
 from services.router.failover.breaker import CAUSES, Breaker, BreakerState, Pass
 from services.router.failover.budget import RetryBudget
 from services.router.failover.call import Call
@@ -38,8 +40,8 @@ from services.router.failover.window import OutcomeWindow, p99
 
 __all__ = [
     "CAUSES", "EXCLUDED", "ISOLATED", "LATE", "OPEN", "PROBING", "SATURATED", "UNHEALTHY",
-    "Agreement", "Attempt", "Breaker", "BreakerConfig", "BreakerState", "Call", "Estimate", "Evaluation", "Failover",
-    "FailoverConfig", "FallbackChain", "LatencyConfig", "LatencyGuard", "LatencyState", "OutcomeWindow", "Pass",
-    "Plan", "ProbeVerdicts", "RetryBudget", "Saturated", "Step", "TtftWindow", "load_evaluations", "p99",
+    "Agreement", "Attempt", "Attempts", "Breaker", "BreakerConfig", "BreakerState", "Call", "Estimate", "Evaluation",
+    "Failover", "FailoverConfig", "FallbackChain", "LatencyConfig", "LatencyGuard", "LatencyState", "OutcomeWindow",
+    "Pass", "Plan", "ProbeVerdicts", "RetryBudget", "Saturated", "Step", "TtftWindow", "load_evaluations", "p99",
     "posterior",
 ]

@@ -1,6 +1,6 @@
 """Call: one client request's way through failover: its attempts, retries and model outcomes.
 
-The router, for each request:
+For each request (attempts.py's Attempts does this, and dispatch.py drives it):
 
     call = Call(failover, model, now, interactive)     # counts the request for the retry budget
     while True:
