@@ -12,7 +12,6 @@ from mesh.envargs import apply_env
 from mesh.grpcutil import Service
 from mesh.ratelimit import Rate, parse_rate
 from mesh.service import Advertised, add_service_flags, run_service, serve_grpc
-from meshpb.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.failover import Evaluation, load_evaluations
 from services.router.policies import POLICIES
@@ -153,7 +152,7 @@ def _config(a: argparse.Namespace, engines: tuple[Endpoint, ...], fallbacks: tup
 async def serve(config: RouterConfig) -> None:
     service = Service("meshpb.v1.Router", config.host, config.port)
     servicer = RouterServicer(config)
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
+    servicer.add_to(service.server)
     # The router sets its own readiness: SERVING only while the tokenizer and an engine are healthy.
     await servicer.start(report_ready=service.ready)
     log.info("router %s on %s, %d engine(s), policy %s", config.replica_id, service.address,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mesh.adapters import served_version
-from meshpb.v1 import common_pb2
+from mesh.clients.values import ServedBy
 from services.router import metrics
 from services.router.events import RECENT
 from services.router.failover import Plan
@@ -14,15 +14,14 @@ from services.router.lora import Lora
 from services.router.replicas import Replica
 
 
-def served_by(replica: Replica, plan: Plan, lora: Lora | None = None) -> common_pb2.ServedBy:
-    """Who answers; with a LoRA adapter (run on `plan.model`, its base), the adapter's name and version."""
+def served_by(replica: Replica, plan: Plan, lora: Lora | None = None) -> ServedBy:
+    """Who answers (the value a router client reads too; wire.py converts); with a LoRA adapter (run on
+    `plan.model`, its base), the adapter's name and version."""
     model, version = plan.model, replica.model_version
     if lora is not None:
         model, version = lora.name, served_version(version, lora.path)
-    return common_pb2.ServedBy(replica=replica.replica_id, model=model, model_version=version,
-                               region=replica.region, degraded=plan.degraded, confidence=plan.confidence,
-                               confidence_source=plan.confidence_source if plan.degraded else "",
-                               degraded_by=plan.degraded_by)
+    return ServedBy(replica.replica_id, model, version, replica.region, plan.degraded, plan.confidence,
+                    plan.confidence_source if plan.degraded else "", plan.degraded_by)
 
 
 def decision_attributes(replica: Replica, plan: Plan, reason: str, failover_attempts: int | None) -> dict[str, Any]:

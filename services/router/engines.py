@@ -1,8 +1,10 @@
-"""The router's client of the engines: one channel per address, their info and load reports.
+"""The router's client of the engines: one channel per address, their info and load reports, and
+the lifecycle calls (a version loaded, a drain, a LoRA adapter loaded or unloaded).
 
 Protobuf stops here for what the router keeps: GetInfo becomes EngineInfo, each load report
-the plain LoadReport of replicas.py, and `load_to_pb` is the way back (ListReplicas).  The
-Generate stream itself is relayed by relay.py on `stub()`.
+the plain LoadReport of replicas.py, and `load_to_pb` is the way back (ListReplicas); LoadVersion
+answers a VersionLoad.  The Generate stream itself is relayed by relay.py on `stub()`.  Each call
+raises grpc.aio.AioRpcError when the engine fails it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ def load_to_pb(replica_id: str, load: LoadReport) -> common_pb2.LoadReport:
                                  tenants=[common_pb2.TenantLoad(**t._asdict()) for t in load.tenants])
 
 
+class VersionLoad(NamedTuple):
+    """An engine's answer to LoadVersion."""
+
+    active_version: str
+    loaded_versions: tuple[str, ...]
+    load_seconds: float
+
+
 class Engines:
     def __init__(self) -> None:
         self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
@@ -71,3 +81,23 @@ class Engines:
                 yield load_from_pb(report)
         finally:
             call.cancel()
+
+    async def load_version(self, address: str, version: str, folder: str, activate: bool,
+                           timeout: float) -> VersionLoad:
+        reply = await self.stub(address).LoadVersion(
+            engine_pb2.LoadVersionRequest(version=version, folder=folder, activate=activate), timeout=timeout)
+        return VersionLoad(reply.active_version, tuple(reply.loaded_versions), reply.load_seconds)
+
+    async def drain(self, address: str, timeout: float) -> int:
+        """The engine takes no new request and finishes its calls; returns how many there were."""
+        reply = await self.stub(address).Drain(engine_pb2.DrainRequest(), timeout=timeout)
+        return int(reply.finished)
+
+    async def load_adapter(self, address: str, name: str, path: str, timeout: float) -> float:
+        """Returns the seconds the load took."""
+        reply = await self.stub(address).LoadAdapter(engine_pb2.LoadAdapterRequest(name=name, path=path),
+                                                     timeout=timeout)
+        return float(reply.load_seconds)
+
+    async def unload_adapter(self, address: str, name: str, timeout: float) -> None:
+        await self.stub(address).UnloadAdapter(engine_pb2.UnloadAdapterRequest(name=name), timeout=timeout)

@@ -9,8 +9,6 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-from meshpb.v1 import router_pb2
-
 KEEP_EVENTS = 100
 TTFT_WINDOW_S = 60.0
 
@@ -46,10 +44,6 @@ class RecentEvents:
             return 0.0, 0.0
         return statistics.median(values) * 1000, values[min(len(values) - 1, int(0.95 * len(values)))] * 1000
 
-    def fill(self, reply: router_pb2.ListReplicasResponse) -> None:
-        reply.ttft_p50_ms, reply.ttft_p95_ms = self.ttft_ms()
-        for e in self.events:
-            reply.events.add(unix_ms=e.unix_ms, kind=e.kind, model=e.model, replica=e.replica, detail=e.detail)
 
 
 RECENT = RecentEvents()

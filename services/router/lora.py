@@ -22,7 +22,6 @@ import grpc
 
 from mesh.adapters import NAME, NAME_RULE, served_version
 from mesh.errors import InvalidArgument, MeshError, NotFound
-from meshpb.v1 import engine_pb2
 from services.router.engines import Engines
 from services.router.events import RECENT
 from services.router.replicas import Replica, ReplicaTable
@@ -115,13 +114,12 @@ class LoraAdapters:
 
     async def _load(self, lora: Lora, replica: Replica) -> None:
         try:
-            reply = await self.engines.stub(replica.address).LoadAdapter(
-                engine_pb2.LoadAdapterRequest(name=lora.name, path=lora.path), timeout=LOAD_TIMEOUT_S)
+            load_seconds = await self.engines.load_adapter(replica.address, lora.name, lora.path, LOAD_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             raise relay_error(f"loading LoRA adapter {lora.name!r} on {replica.replica_id}", err) from None
         replica.adapters[lora.name] = lora.path          # its load reports say so within an interval
-        RECENT.record("lora_loaded", lora.model, replica.replica_id, f"{lora.name} in {reply.load_seconds:.2f} s")
-        log.info("LoRA adapter %s loaded on %s in %.2f s", lora.name, replica.replica_id, reply.load_seconds)
+        RECENT.record("lora_loaded", lora.model, replica.replica_id, f"{lora.name} in {load_seconds:.2f} s")
+        log.info("LoRA adapter %s loaded on %s in %.2f s", lora.name, replica.replica_id, load_seconds)
 
     async def load(self, name: str, path: str, model: str, replica_id: str) -> Lora:
         """The admin load: on `replica_id`, or the healthy replica of `model` holding fewest adapters."""
@@ -158,8 +156,7 @@ class LoraAdapters:
         self.registered.pop(name, None)
         for replica in [r for r in self.table.all() if name in r.adapters]:
             try:
-                await self.engines.stub(replica.address).UnloadAdapter(
-                    engine_pb2.UnloadAdapterRequest(name=name), timeout=LOAD_TIMEOUT_S)
+                await self.engines.unload_adapter(replica.address, name, LOAD_TIMEOUT_S)
             except grpc.aio.AioRpcError as err:        # gone: it holds nothing when it comes back
                 log.warning("unloading LoRA adapter %s on %s: %s", name, replica.replica_id, err.details())
             replica.adapters.pop(name, None)

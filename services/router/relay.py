@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from mesh.clients.values import ServedBy
 from mesh.detokenize import IncrementalDecoder
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import caller_limit
 from mesh.reasoning import ThinkSplitter
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from services.router.stops import StopMatcher
+from services.router.wire import served_by_pb
 
 # Codes an engine answers when it, not the request, is the problem.  DEADLINE_EXCEEDED is not
 # here: the engine call carries the client's own deadline, so when it expires nothing is left to retry.
@@ -109,7 +111,7 @@ class Stream:
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.decoder.ids))
 
-    def finish_at_length(self, served_by: common_pb2.ServedBy) -> router_pb2.RouterGenerateResponse:
+    def finish_at_length(self, served_by: ServedBy) -> router_pb2.RouterGenerateResponse:
         """The engine died after the last token but before its final message: end the stream here."""
         emit = self.decoder.push([], True)
         text, _ = self.stops.push(emit)
@@ -117,7 +119,7 @@ class Stream:
         self.finished = True
         return router_pb2.RouterGenerateResponse(text=text, reasoning=thought,
                                                  finish_reason=common_pb2.FINISH_REASON_LENGTH,
-                                                 usage=self.usage(), served_by=served_by)
+                                                 usage=self.usage(), served_by=served_by_pb(served_by))
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class EngineCall:
     stub: engine_pb2_grpc.EngineStub
     replica_id: str
     request: engine_pb2.GenerateRequest
-    served_by: common_pb2.ServedBy
+    served_by: ServedBy
     metadata: Sequence[tuple[str, str]]
     deadline_s: float | None
     first_token_timeout_s: float
@@ -143,6 +145,7 @@ async def attempt(engine: EngineCall, stream: Stream) -> AsyncIterator[router_pb
     an error it answers, silence past the timeout, or its health check failing while we wait
     (a hung process is caught by the prober within seconds, well before a stall timeout)."""
     replica_id, relay_error = engine.replica_id, engine.relay_error
+    served_by = served_by_pb(engine.served_by)
     call = engine.stub.Generate(engine.request, metadata=tuple(engine.metadata), timeout=engine.deadline_s)
     messages = call.__aiter__()
     waited_for_first = True
@@ -165,7 +168,7 @@ async def attempt(engine: EngineCall, stream: Stream) -> AsyncIterator[router_pb
                                        isolate=err.code() == grpc.StatusCode.UNAVAILABLE) from None
                 raise relay_error(f"engine {replica_id}", err) from None
             waited_for_first = False
-            yield stream.push(chunk, engine.served_by)
+            yield stream.push(chunk, served_by)
     finally:
         call.cancel()
 

@@ -5,8 +5,9 @@ The parts it is built from do the work:
     watch.py     ReplicaWatch: discovery, health/info probes and load reports -> the replica table
     dispatch.py  Dispatcher: one request's way (session, tokenize, pick, attempts, failover)
     upstream.py  the tokenizer and session-store clients, behind their breakers
-    engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf)
+    engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf, lifecycle calls)
     admin.py     Admin: models, version routing and replicas, as plain values
+    wire.py      the Router messages built from those plain values (ServedBy, ModelRouting, recent events)
     tokenize_rpcs.py  TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
     conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted), StoreTurn
     lora_rpcs.py LoraRPCs: LoRA adapters loaded, unloaded, listed (the work: lora.py)
@@ -30,7 +31,7 @@ from mesh.request_limits import name_problem
 from mesh.telemetry import server_span
 from meshpb.v1 import router_pb2, router_pb2_grpc
 from services.router import metrics
-from services.router.admin import Admin, Routing
+from services.router.admin import Admin
 from services.router.callers import Callers, refusal, tokens_used
 from services.router.config import RouterConfig
 from services.router.conversations import ConversationRPCs
@@ -46,6 +47,7 @@ from services.router.tokenize_rpcs import TokenRPCs
 from services.router.upstream import Sessions, Tokenizer
 from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch
+from services.router.wire import fill_recent, routing_pb
 
 
 class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.RouterServicer):
@@ -80,6 +82,9 @@ class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.Rout
     def ready(self) -> bool:
         """SERVING only while the tokenizer and at least one engine are healthy."""
         return self.watch.ready()
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        router_pb2_grpc.add_RouterServicer_to_server(self, server)
 
     @rpc_errors
     async def Generate(self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
@@ -123,7 +128,7 @@ class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.Rout
     async def GetModelRouting(self, request: router_pb2.ModelRoutingRequest, context: grpc.aio.ServicerContext
                               ) -> router_pb2.ModelRouting:
         self.callers.check_user(context, "GetModelRouting")
-        return _routing_pb(self.admin.routing(self.admin.resolve(request.model)))
+        return routing_pb(self.admin.routing(self.admin.resolve(request.model)))
 
     @rpc_errors
     async def SetModelRouting(self, request: router_pb2.SetModelRoutingRequest, context: grpc.aio.ServicerContext
@@ -133,7 +138,7 @@ class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.Rout
         model = self.admin.resolve(request.model)
         canary = dict(request.canary) if request.replace_canary else None
         shadow = (request.shadow_version, request.shadow_share) if request.replace_shadow else None
-        return _routing_pb(self.admin.set_routing(model, request.default_version, canary, shadow))
+        return routing_pb(self.admin.set_routing(model, request.default_version, canary, shadow))
 
     @rpc_errors
     async def LoadModelVersion(self, request: router_pb2.LoadModelVersionRequest,
@@ -148,7 +153,7 @@ class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.Rout
                                        request.activate)
         routing = self.admin.set_routing(model, request.version, None) if request.activate else \
             self.admin.routing(model)
-        reply = router_pb2.LoadModelVersionResponse(routing=_routing_pb(routing))
+        reply = router_pb2.LoadModelVersionResponse(routing=routing_pb(routing))
         for r in loaded:
             reply.replicas.add(replica_id=r.replica_id, active_version=r.active_version,
                                loaded_versions=r.loaded_versions, load_seconds=r.load_seconds)
@@ -182,14 +187,5 @@ class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.Rout
                                model_version=r.model_version, region=r.region, healthy=r.healthy,
                                load=load_to_pb(r.replica_id, r.load), breaker=state.breaker, in_flight=r.in_flight,
                                weight=r.weight, isolation=state.isolation)
-        RECENT.fill(reply)
+        fill_recent(reply, RECENT)
         return reply
-
-
-def _routing_pb(routing: Routing) -> router_pb2.ModelRouting:
-    reply = router_pb2.ModelRouting(model=routing.model, default_version=routing.default_version,
-                                    canary=routing.canary, versions=routing.versions,
-                                    shadow_version=routing.shadow[0], shadow_share=routing.shadow[1])
-    if routing.shadow_stats is not None:
-        reply.shadow.CopyFrom(router_pb2.ShadowStats(**routing.shadow_stats))   # type: ignore[arg-type]
-    return reply

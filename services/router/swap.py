@@ -17,7 +17,6 @@ import grpc
 
 from mesh.discovery import Discovery, Endpoint, StaticDiscovery
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound
-from meshpb.v1 import engine_pb2
 from services.router.engines import Engines
 from services.router.replicas import ReplicaTable
 from services.router.upstream import relay_error
@@ -42,15 +41,12 @@ async def load_everywhere(table: ReplicaTable, engines: Engines, model: str, ver
     done: list[Loaded] = []
     for replica in sorted(replicas, key=lambda r: r.replica_id):
         try:
-            reply = await engines.stub(replica.address).LoadVersion(
-                engine_pb2.LoadVersionRequest(version=version, folder=source, activate=activate),
-                timeout=LOAD_TIMEOUT_S)
+            reply = await engines.load_version(replica.address, version, source, activate, LOAD_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             raise relay_error(f"engine {replica.replica_id} (after {len(done)} of {len(replicas)} replicas "
                               f"took version {version})", err) from None
         replica.model_version = reply.active_version
-        done.append(Loaded(replica.replica_id, reply.active_version, tuple(reply.loaded_versions),
-                           reply.load_seconds))
+        done.append(Loaded(replica.replica_id, reply.active_version, reply.loaded_versions, reply.load_seconds))
         log.info("replica %s: version %s loaded in %.1f s (active %s)", replica.replica_id, version,
                  reply.load_seconds, reply.active_version)
     return done
@@ -64,14 +60,14 @@ async def drain(table: ReplicaTable, engines: Engines, discovery: Discovery, rep
         raise NotFound(f"replica {replica_id!r} does not exist; known: {', '.join(r.replica_id for r in table.all())}")
     replica.draining = True
     try:
-        reply = await engines.stub(replica.address).Drain(engine_pb2.DrainRequest(), timeout=LOAD_TIMEOUT_S)
+        finished = await engines.drain(replica.address, LOAD_TIMEOUT_S)
     except grpc.aio.AioRpcError as err:
         replica.draining = False
         raise relay_error(f"engine {replica_id}", err) from None
     if isinstance(discovery, StaticDiscovery):
         await discovery.remove("engine", replica_id)
-    log.info("replica %s drained (%d call(s) finished) and left", replica_id, reply.finished)
-    return int(reply.finished)
+    log.info("replica %s drained (%d call(s) finished) and left", replica_id, finished)
+    return finished
 
 
 async def add(discovery: Discovery, replica_id: str, address: str, region: str) -> None:

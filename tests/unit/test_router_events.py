@@ -2,6 +2,7 @@
 
 from meshpb.v1 import router_pb2
 from services.router.events import RecentEvents
+from services.router.wire import fill_recent
 
 
 def test_events_are_bounded_and_ttft_covers_the_last_window() -> None:
@@ -15,6 +16,6 @@ def test_events_are_bounded_and_ttft_covers_the_last_window() -> None:
     assert (p50, p95) == (200.0, 300.0)               # the sample at t=0 left the window
     assert recent.ttft_ms(now=1000.0) == (0.0, 0.0)
     reply = router_pb2.ListReplicasResponse()
-    recent.fill(reply)
+    fill_recent(reply, recent)
     assert [e.replica for e in reply.events] == ["engine-3", "engine-4", ""]
     assert reply.events[-1].kind == "shed" and len(reply.events[-1].detail) == 300
