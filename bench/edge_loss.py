@@ -5,7 +5,7 @@
 The client and the edge sit in two network namespaces joined by /work/shared/tools/wanem.py,
 which delays and randomly drops every IP packet in user space (no netem here), TCP and UDP
 alike, handshakes included. The edge is our real front door: uvicorn (h11) for HTTP/1.1 and
-services/edge/http3.py for HTTP/3, serving a fake model that streams tokens at once (`--llm`
+services/edge/transports/http3.py for HTTP/3, serving a fake model that streams tokens at once (`--llm`
 serves the real mesh instead), so the numbers are the network's. Every request is a new
 client: a new TCP connection for HTTP/1.1 (cleartext, as the edge serves it; add `h1-tls`
 to --modes for HTTPS/1.1), a new QUIC connection for HTTP/3, either a full handshake (`h3`)
@@ -75,8 +75,8 @@ class FakeModel:
 async def serve(a: argparse.Namespace) -> None:
     import uvicorn
 
-    from services.edge.http3 import serve_http3
-    from services.edge.tls import ensure_self_signed_cert
+    from services.edge.transports.http3 import serve_http3
+    from services.edge.transports.tls import ensure_self_signed_cert
 
     cert, key = ensure_self_signed_cert(a.cert_dir)
     app = FakeModel(a.tokens, a.token_gap_ms / 1000)

@@ -146,7 +146,7 @@ def rate(answers: list[Answer]) -> float:
 
 
 def per_tenant(metrics_url: str, metric: str) -> dict[str, float]:
-    """An engine metric by tenant label (the edge names a keys-file tenant "t:NAME", services/edge/tenants.py)."""
+    """An engine metric by tenant label (the edge names a keys-file tenant "t:NAME": gateway/tenants.py)."""
     text = httpx.get(metrics_url, timeout=10).text
     return {m.group(1): float(m.group(2)) for m in
             re.finditer(rf'^{metric}\{{[^}}]*tenant="([^"]+)"[^}}]*\}} (\S+)$', text, re.M)}

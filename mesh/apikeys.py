@@ -18,7 +18,7 @@ def digest(key: str) -> bytes:
 def load_keys(env: dict[str, str] | None = None, variable: str = "INFERMESH_API_KEYS") -> tuple[bytes, ...]:
     """Digests of the keys in INFERMESH_API_KEYS (comma-separated) and INFERMESH_API_KEYS_FILE
     (one key per line, # comments; the edge's tenant, tier and signing fields after the key are not
-    read here: services/edge/tenants.py).  The plain keys are not kept.  variable="INFERMESH_ADMIN_KEYS"
+    read here: services/edge/gateway/tenants.py).  The plain keys are not kept.  variable="INFERMESH_ADMIN_KEYS"
     reads the admin API's keys the same way."""
     env = dict(os.environ) if env is None else env
     keys = [k.strip() for k in env.get(variable, "").split(",")]

@@ -2,7 +2,7 @@
 router's for native gRPC callers).
 
 Pure: every method that depends on time takes `now` (seconds on a monotonic clock) and does no
-I/O, so the tests drive a fake clock.  The glue that reads the clock is services/edge/admission.py
+I/O, so the tests drive a fake clock.  The glue that reads the clock is services/edge/gateway/admission.py
 (and services/router/callers.py).
 
 - Requests (`INFERMESH_RATE_LIMIT`, e.g. `5/s`): one token per request; the bucket holds one

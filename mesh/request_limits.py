@@ -1,7 +1,7 @@
 """The limits of a request's names and template variables, wherever it enters the mesh (the sampling
 fields' own are in mesh/sampling.py).
 
-The edge checks them on OpenAI JSON fields (services/edge/fields.py, with the field named in each error); the
+The edge checks them on OpenAI JSON fields (services/edge/surfaces/fields.py, with the field named in each error); the
 router checks the same limits on every native `Generate` (a gRPC caller skips the edge), so a request the edge
 would refuse is refused there too.  Pure code, no protobuf.
 """

@@ -1,8 +1,9 @@
 """A request's sampling fields, defined once: their types, defaults and limits.
 
-`Sampling` is the vocabulary every service speaks: the edge reads it from OpenAI JSON (services/edge/requests.py
-walks `FIELDS`), the OpenAPI document describes it (`json_schema`), the protobuf message carries it
-(mesh/sampling_pb.py converts field by field), the router checks a native caller's values at its door
+`Sampling` is the vocabulary every service speaks: the edge reads it from OpenAI JSON
+(services/edge/surfaces/requests.py walks `FIELDS`), the OpenAPI document describes it (`json_schema`), the
+protobuf message carries it (mesh/sampling_pb.py converts field by field), the router checks a native caller's
+values at its door
 (`problem`) and settles what needs the tokenizer (`at_tokenizer`), and the engine samples with it
 (services/engine/request.py: SamplingParams adds the engine's default and its derived flags).  A field's limits
 live in its `Spec`, beside its default: adding a field is a line here, one in proto/meshpb/v1/common.proto, and

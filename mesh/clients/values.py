@@ -34,7 +34,8 @@ class GenerateSpec:
     echo: bool = False                     # completions: the prompt before each choice's text
     prompt_only: bool = False              # completions: echo with max_tokens 0 (the generated token dropped)
     tool_calls: str = ""                   # read tool calls out of the answer: "", "single" or "parallel"
-    # The caller's tier (services/edge/tenants.py): scheduling class and share in the engine, KV-cache eviction class.
+    # The caller's tier (services/edge/gateway/tenants.py): scheduling class and share in the engine, KV-cache
+    # eviction class.
     priority: str = "interactive"          # interactive | batch
     cache_class: str = ""                  # premium | standard | batch; "": the engine's own
     weight: float = 0.0                    # the tier's weight in fair scheduling between tenants; 0: 1

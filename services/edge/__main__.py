@@ -22,10 +22,10 @@ from mesh.ratelimit import parse_rate
 from mesh.service import add_service_flags, announce_self, run_service, wait_for_signal
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from services.edge.http3 import serve_http3
-from services.edge.http11 import http_server
 from services.edge.metrics import ROUTER_FAILOVERS
-from services.edge.tls import ensure_self_signed_cert
+from services.edge.transports.http3 import serve_http3
+from services.edge.transports.http11 import http_server
+from services.edge.transports.tls import ensure_self_signed_cert
 
 log = logging.getLogger("edge")
 

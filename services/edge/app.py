@@ -1,9 +1,9 @@
 """The edge's ASGI application: one app behind both HTTP/1.1 and HTTP/3.
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
-(services/edge/responses_api.py), POST /v1/embeddings (services/edge/embeddings.py), POST /tokenize and
-POST /detokenize (services/edge/tokenizing.py), /v1/files (services/edge/files_api.py) and /v1/batches
-(services/edge/batches_api.py; the lines run in services/edge/batch_runner.py),
+(surfaces/responses_api.py), POST /v1/embeddings (surfaces/embeddings.py), POST /tokenize and POST /detokenize
+(surfaces/tokenizing.py), /v1/files (batch/files_api.py) and /v1/batches (batch/batches_api.py; the lines run in
+batch/runner.py),
 GET|PUT /admin/models/{model}/routing and GET /admin/console (admin keys only), GET /metrics,
 GET /openapi.json, and the web page (GET /, /static/app.js, /static/style.css: services/edge/console.py).
 Bad requests are answered here, in OpenAI's error shape, and never reach the router.
@@ -12,8 +12,8 @@ Admission, in order: one Authorization header and bounded session/replica header
 keys per client address (429), API key (401), request rate per caller (429), body size (413) and
 read time (408), the signature of a key that must sign, every method (401: EdgeApp._signed), parsing
 (400), requests in flight across all callers (503), token rate per caller (429); only then the router
-(services/edge/completions.py).  Slow, oversized or ambiguous HTTP/1.1 request heads are cut off by the
-protocol (services/edge/http11.py, services/edge/request_heads.py).
+(services/edge/surfaces/completions.py).  Slow, oversized or ambiguous HTTP/1.1 request heads are cut off by the
+protocol (services/edge/transports/http11.py, services/edge/transports/request_heads.py).
 """
 
 from __future__ import annotations
@@ -27,29 +27,29 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mesh.clients.router_pool import Routers
-from services.edge import openapi, requests
-from services.edge.admission import Admission
-from services.edge.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
-from services.edge.batch_lines import LineCaller, batch_caller
-from services.edge.batch_runner import BatchRunner
-from services.edge.batches_api import PREFIX as BATCHES_PREFIX
-from services.edge.batches_api import Batches
-from services.edge.completions import Completions
+from services.edge.batch.batches_api import PREFIX as BATCHES_PREFIX
+from services.edge.batch.batches_api import Batches
+from services.edge.batch.files_api import PREFIX as FILES_PREFIX
+from services.edge.batch.files_api import UPLOAD_BODY_BYTES, Files, FileStore
+from services.edge.batch.lines import LineCaller, batch_caller
+from services.edge.batch.runner import BatchRunner
 from services.edge.config import EdgeConfig
 from services.edge.console import FILES, Page
-from services.edge.embeddings import Embeddings
 from services.edge.errors import ApiError, error_body, from_grpc, shown
-from services.edge.fields import parse_json
-from services.edge.files_api import PREFIX as FILES_PREFIX
-from services.edge.files_api import UPLOAD_BODY_BYTES, Files, FileStore
-from services.edge.lora_api import PATHS as LORA_PATHS
-from services.edge.lora_api import LoraApi
+from services.edge.gateway.admission import Admission
+from services.edge.gateway.pipeline import Pipeline
 from services.edge.metrics import REQUESTS, TENANT_REQUESTS
 from services.edge.object_store import StoredObjects
-from services.edge.pipeline import Pipeline
-from services.edge.responses_api import PREFIX as RESPONSES_PREFIX
-from services.edge.responses_api import Responses
-from services.edge.tokenizing import Tokenizing
+from services.edge.surfaces import openapi, requests
+from services.edge.surfaces.completions import Completions
+from services.edge.surfaces.embeddings import Embeddings
+from services.edge.surfaces.fields import parse_json
+from services.edge.surfaces.lora_api import PATHS as LORA_PATHS
+from services.edge.surfaces.lora_api import LoraApi
+from services.edge.surfaces.responses_api import PREFIX as RESPONSES_PREFIX
+from services.edge.surfaces.responses_api import Responses
+from services.edge.surfaces.tokenizing import Tokenizing
+from services.edge.transports.asgi import JSON_HEADERS, Message, Receive, Scope, Send, read_body, send_json
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ class EdgeConfig:
     jwt_jwks_file: str = ""                # INFERMESH_JWT_JWKS_FILE: RS256 bearer tokens
     jwt_audience: str = ""
     jwt_issuer: str = ""
-    content_policy: str = ""               # INFERMESH_CONTENT_POLICY: input/output rules (services/edge/safety.py)
+    content_policy: str = ""               # INFERMESH_CONTENT_POLICY: input/output rules (gateway/safety.py)
     content_classifier: str = ""           # HOST:PORT of a ContentClassifier gRPC service; "": none
     cache_service: str = ""                # HOST:PORT of the cache service: the response cache's shared tier
     response_cache_ttl_s: float = 300.0    # 0: no response cache
@@ -45,8 +45,8 @@ class EdgeConfig:
     # A streaming client must take each chunk within this (its transport's buffer full: it reads more
     # slowly than tokens come); past it the stream ends with an error event and its generation is aborted.
     stream_send_timeout_s: float = 30.0
-    batch_concurrency: int = 8             # a batch's lines under way at once (services/edge/batch_runner.py)
-    # Batch lines' own places in flight (services/edge/batch_admission.py), apart from max_concurrent's: at most
+    batch_concurrency: int = 8             # a batch's lines under way at once (services/edge/batch/runner.py)
+    # Batch lines' own places in flight (services/edge/batch/admission.py), apart from max_concurrent's: at most
     # this share of max_concurrent for all batches together, and of those at most batch_tenant_share for one tenant's.
     batch_share: float = 0.25
     batch_tenant_share: float = 0.5

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 
 from mesh.clients.router_pool import Routers
-from services.edge.asgi import Receive, Scope, Send, send_json
 from services.edge.errors import from_grpc
+from services.edge.transports.asgi import Receive, Scope, Send, send_json
 
 STATIC = Path(__file__).resolve().parent / "static"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "

@@ -1,7 +1,7 @@
 """The edge's ASGI app driven in-process, with a router double that records what reaches it.
 
 The client side is scripted: the request body, then (when asked) an `http.disconnect`, the
-event uvicorn (HTTP/1.1) and services/edge/http3.py (a reset or closed stream) both deliver.
+event uvicorn (HTTP/1.1) and services/edge/transports/http3.py (a reset or closed stream) both deliver.
 """
 
 from __future__ import annotations

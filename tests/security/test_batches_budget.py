@@ -3,7 +3,7 @@ chat (429), then ran the same body as a batch line at once (1,866 tokens, twice)
 bucket of their own.
 
 Now a line reserves its tokens from the token bucket of the interactive caller that created the batch
-(services/edge/batch_admission.py, Admission.enter_batch_line): a line over the budget waits for it (the
+(services/edge/batch/admission.py, Admission.enter_batch_line): a line over the budget waits for it (the
 runner tries it again after its Retry-After; it is not failed), what a line uses is gone for that caller's
 interactive requests, and a line larger than the whole budget fails with interactive's `request_too_large`.
 """

@@ -3,7 +3,7 @@ then a batch on it: another tenant's GET /v1/models took 21-23 s, every line par
 multipart form by the email package, then each line at upload, at creation and when the batch ran).  A line
 nested 5,000 deep was a 500 (RecursionError).
 
-Now the form is split with byte searches and the lines are checked in a thread (services/edge/batch_jsonl.py),
+Now the form is split with byte searches and the lines are checked in a thread (services/edge/batch/jsonl.py),
 at most 50,000 requests a file (OpenAI's limit: checking stops at the first past it) and each line nested at
 most MAX_DEPTH deep (a 400 naming the line at upload; at creation the batch fails naming it).  What is checked
 is where the work runs: every split and parse of a file's lines (the form, each line) in a thread, never on the
@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 
 from mesh.apikeys import digest
-from services.edge import batch_runner, batches_api, files_api
 from services.edge.app import EdgeApp
-from services.edge.batch_jsonl import MAX_DEPTH
+from services.edge.batch import batches_api, files_api
+from services.edge.batch import runner as batch_runner
+from services.edge.batch.files_api import MAX_UPLOAD_BYTES
+from services.edge.batch.jsonl import MAX_DEPTH
 from services.edge.config import EdgeConfig
-from services.edge.files_api import MAX_UPLOAD_BYTES
 from tests.fakes.edge_router import FakeRouter, asgi
 from tests.unit.test_batches import form
 

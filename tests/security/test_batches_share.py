@@ -2,7 +2,7 @@
 of 12 lines; each ran 8 lines at once through the edge's one in-flight pool (--max-concurrent 256, no cap per
 tenant or per edge), so tenant B's next 8 interactive requests were all refused (503).
 
-Now batch lines are a class of their own at the edge (services/edge/batch_admission.py): they take batch
+Now batch lines are a class of their own at the edge (services/edge/batch/admission.py): they take batch
 places, never interactive ones; all tenants' lines together hold at most --batch-share of --max-concurrent
 (1/4: 64 of 256), one tenant's at most --batch-tenant-share of those (1/2: 32), and a line with no place waits
 for one instead of being refused.  Driven in-process over the router double, every request held in the

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from services.edge import response_cache
+from services.edge.gateway import response_cache
 from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}

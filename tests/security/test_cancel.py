@@ -13,8 +13,8 @@ import grpc
 from mesh.clients.http3 import H3Client
 from meshpb.v1 import engine_pb2
 from services.edge.config import EdgeConfig
-from services.edge.http11 import http_server
-from services.edge.tls import ensure_self_signed_cert
+from services.edge.transports.http11 import http_server
+from services.edge.transports.tls import ensure_self_signed_cert
 from tests.fakes.router_mesh import FakeEngine, chat, run, running, until
 from tests.security.edge_driver import Client, SlowRouter, edge
 from tests.service.test_http3_server import run_with_server
@@ -125,7 +125,7 @@ def test_cancelling_the_routers_generate_cancels_the_engines() -> None:
 
 
 def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
-    """The same through uvicorn (services/edge/http11.py): the socket's close is the disconnect."""
+    """The same through uvicorn (services/edge/transports/http11.py): the socket's close is the disconnect."""
     async def main() -> None:
         router = SlowRouter()
         app = edge(router, max_concurrent=4)
@@ -150,7 +150,7 @@ def test_over_http1_a_closed_socket_cancels_a_whole_answer() -> None:
 
 
 def test_over_http3_a_closed_connection_cancels_a_whole_answer(tmp_path: Path) -> None:
-    """The same through services/edge/http3.py: the QUIC connection's end is the disconnect."""
+    """The same through services/edge/transports/http3.py: the QUIC connection's end is the disconnect."""
     router = SlowRouter()
     app = edge(router, max_concurrent=4)
 

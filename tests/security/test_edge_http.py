@@ -20,9 +20,9 @@ from mesh.clients.router_client import Delta, RouterClient
 from meshpb.v1 import router_pb2_grpc
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from services.edge.http3 import serve_http3
-from services.edge.http11 import http_server
-from services.edge.tls import ensure_self_signed_cert
+from services.edge.transports.http3 import serve_http3
+from services.edge.transports.http11 import http_server
+from services.edge.transports.tls import ensure_self_signed_cert
 from tests.fakes.edge_router import CHAT_JSON, FakeRouter
 from tests.service.test_http3_server import _free_udp_port
 

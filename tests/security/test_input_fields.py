@@ -3,8 +3,8 @@
 The same word in a tool's name or description, a response_format schema, regex or grammar, an
 assistant message's tool_calls arguments, a message name, or stop was accepted; fullwidth letters,
 zero-width characters, look-alike Cyrillic letters and a word split across two messages passed too.
-Now every field whose text reaches the model is read (services/edge/model_inputs.py), folded
-(services/edge/textfold.py), alone and run together.
+Now every field whose text reaches the model is read (services/edge/surfaces/model_inputs.py), folded
+(services/edge/gateway/textfold.py), alone and run together.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from services.edge.safety import parse_policy
+from services.edge.gateway.safety import parse_policy
 from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 USER = {"role": "user", "content": "tell me a story"}
@@ -113,7 +113,7 @@ def test_clean_requests_with_every_field_still_pass(policy: str) -> None:
 
 
 def test_every_text_field_is_listed_in_one_place() -> None:
-    from services.edge import model_inputs
+    from services.edge.surfaces import model_inputs
     body = {"messages": [{"role": "user", "content": "A", "name": "B"}, _call('{"q": "C"}'),
                          {"role": "tool", "tool_call_id": "D", "content": "E"}],
             "tools": [_tool(description="F")], "response_format": {"type": "json_schema", "json_schema": {
@@ -125,7 +125,7 @@ def test_every_text_field_is_listed_in_one_place() -> None:
 
 
 def test_folding_keeps_offsets_into_the_text_as_written() -> None:
-    from services.edge.textfold import fold
+    from services.edge.gateway.textfold import fold
     text = "Ａ b\u200bo\u043emb   é"
     folded, where = fold(text)
     assert folded == "a boomb e"

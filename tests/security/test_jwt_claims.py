@@ -14,8 +14,8 @@ import time
 import jwt
 import pytest
 
-from services.edge.jwt_auth import JwtRefused, JwtVerifier
-from services.edge.tenants import TenantTier, parse_keys, parse_tiers
+from services.edge.gateway.jwt_auth import JwtRefused, JwtVerifier
+from services.edge.gateway.tenants import TenantTier, parse_keys, parse_tiers
 from tests.fakes.scripted_router import ScriptedRouter, app, request, tokens
 
 SECRET = "a-secret-of-at-least-32-bytes-for-hs256!"

@@ -1,6 +1,6 @@
 """Issue 49, finding 8: embeddings and /tokenize skipped the input rules, and chat_template_kwargs values were
 not scanned.  Now /v1/embeddings and /tokenize pass the same input rules as a completion (every text that
-reaches the model: services/edge/model_inputs.py), and the template's variables are read too.
+reaches the model: services/edge/surfaces/model_inputs.py), and the template's variables are read too.
 """
 
 from __future__ import annotations

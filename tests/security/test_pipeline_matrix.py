@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from services.edge.app import EdgeApp
-from services.edge.batch_admission import budget_name
-from services.edge.batch_lines import batch_caller
+from services.edge.batch.admission import budget_name
+from services.edge.batch.lines import batch_caller
 from tests.fakes.scripted_router import ScriptedRouter, app, events, request, tokens
 
 KEY = "k-acme"

@@ -3,7 +3,7 @@ with `tokens: 1000/m` accepted three concurrent completions with 32 prompts, `n:
 each: 6,786 tokens in 57 s; the 429 came only afterwards.
 
 Now a request reserves every prompt's estimate plus prompts x n x max_tokens before it reaches the
-router (services/edge/admission.py, mesh/ratelimit.py): one that can never fit the tier's budget is
+router (services/edge/gateway/admission.py, mesh/ratelimit.py): one that can never fit the tier's budget is
 refused at once (429 `request_too_large`, `x-should-retry: false`, no Retry-After), one that does not
 fit now gets 429 with Retry-After, concurrent requests see each other's reservations, and usage across
 all choices settles the reservation.  The router does the same for native gRPC callers, per API key,

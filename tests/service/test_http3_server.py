@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from mesh.clients.http3 import H3Client
-from services.edge.http3 import serve_http3
-from services.edge.tls import ensure_self_signed_cert
+from services.edge.transports.http3 import serve_http3
+from services.edge.transports.tls import ensure_self_signed_cert
 
 SSE_CHUNKS = 5
 SSE_GAP = 0.05

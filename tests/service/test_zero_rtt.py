@@ -21,8 +21,8 @@ from aioquic.tls import SessionTicket
 
 from mesh.clients.http3 import H3Client
 from mesh.clients.tickets import TicketStore
-from services.edge.tls import ensure_self_signed_cert
-from services.edge.zero_rtt import SessionTicketStore, replay_tolerable
+from services.edge.transports.tls import ensure_self_signed_cert
+from services.edge.transports.zero_rtt import SessionTicketStore, replay_tolerable
 from tests.service.test_http3_server import read_body, run_with_server
 
 CHAT = "/v1/chat/completions"

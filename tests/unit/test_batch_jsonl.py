@@ -1,4 +1,4 @@
-"""services/edge/batch_jsonl.py: lines cut as str.splitlines cuts them (in blocks), JSON nesting bounded without
+"""services/edge/batch/jsonl.py: lines cut as str.splitlines cuts them (in blocks), JSON nesting bounded without
 recursion, and the multipart form split with byte searches as the email package reads it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from email.parser import BytesParser
 import httpx
 import pytest
 
-from services.edge import batch_jsonl
-from services.edge.batch_jsonl import MAX_DEPTH, LineProblem, depth, load_line, nonblank, parse_form
+from services.edge.batch import jsonl as batch_jsonl
+from services.edge.batch.jsonl import MAX_DEPTH, LineProblem, depth, load_line, nonblank, parse_form
 from services.edge.errors import ApiError
 
 

@@ -1,4 +1,4 @@
-"""services/edge/batch_admission.py: the batch places (caps per edge and per tenant, room interactive requests
+"""services/edge/batch/admission.py: the batch places (caps per edge and per tenant, room interactive requests
 leave, turns between tenants, waiting lines cancelled) and the token budget's saved name."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 
 from mesh.apikeys import digest, tenant_of
 from mesh.ratelimit import InFlight
-from services.edge import batch_admission
-from services.edge.batch_admission import BatchPlaces, budget_bucket, budget_name
+from services.edge.batch import admission as batch_admission
+from services.edge.batch.admission import BatchPlaces, budget_bucket, budget_name
 from services.edge.config import EdgeConfig
-from services.edge.tenants import STANDARD, AuthenticatedCaller, TenantTier
+from services.edge.gateway.tenants import STANDARD, AuthenticatedCaller, TenantTier
 
 
 async def _settle() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.edge.batches_api import ENDPOINTS
+from services.edge.batch.batches_api import ENDPOINTS
 from tests.fakes.edge_router import FakeRouter, asgi, edge_app
 from tests.unit.test_batches import content, settled, upload
 

@@ -1,4 +1,4 @@
-"""Files and batches on the edge (services/edge/files_api.py, batches_api.py, batch_runner.py) over a router
+"""Files and batches on the edge (services/edge/batch/files_api.py, batches_api.py, batch_runner.py) over a router
 double, the objects in the edge's memory: upload, validation, a batch run in the batch class, its output and
 error files as OpenAI writes them, cancel, a line retried after a 503, and a batch taken over by another
 edge from the results its first edge wrote."""
@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from services.edge import batch_runner
-from services.edge.batch_runner import BatchRunner
+from services.edge.batch import runner as batch_runner
+from services.edge.batch.files_api import FileStore
+from services.edge.batch.runner import BatchRunner
 from services.edge.errors import ApiError
-from services.edge.files_api import FileStore
+from services.edge.gateway.tenants import STANDARD, AuthenticatedCaller, TenantTier
 from services.edge.object_store import StoredObjects
-from services.edge.tenants import STANDARD, AuthenticatedCaller, TenantTier
 from tests.fakes.edge_router import FakeRouter, asgi, edge_app
 
 BOUNDARY = "----infermeshtest"

@@ -1,4 +1,4 @@
-"""POST /v1/embeddings bodies (services/edge/embeddings.py) and the vectors' shaping; the model's pooling mode
+"""POST /v1/embeddings bodies (services/edge/surfaces/embeddings.py) and the vectors' shaping; the model's pooling mode
 (mesh/models/folder.py)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from mesh.models.folder import pooling_mode
-from services.edge.embeddings import MAX_INPUTS, encoded, parse_embeddings, shaped
 from services.edge.errors import ApiError
+from services.edge.surfaces.embeddings import MAX_INPUTS, encoded, parse_embeddings, shaped
 
 
 def test_every_input_shape_openai_takes() -> None:

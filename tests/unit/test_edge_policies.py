@@ -159,7 +159,7 @@ def test_deterministic_answers_come_from_the_cache_per_tenant(tmp_path: Path) ->
 def test_a_streamed_answer_cached_keeps_its_logprob_offsets() -> None:
     """body() after a stream (what the cache stores) counts offsets from the prompt again."""
     from mesh.clients.router_client import TokenLogprob
-    from services.edge import choices, requests
+    from services.edge.surfaces import choices, requests
     spec = requests.parse_completion({"model": "m", "prompt": "The sky is", "max_tokens": 2, "logprobs": 1,
                                     "temperature": 0})
     choice = choices.Choice(0, False, spec, "The sky is")

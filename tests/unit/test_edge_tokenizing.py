@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize bodies (services/edge/tokenizing.py): what each becomes, and the 400 that
+"""POST /tokenize and /detokenize bodies (services/edge/surfaces/tokenizing.py): what each becomes, and the 400 that
 names the field for what it refuses."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.edge.errors import ApiError
-from services.edge.tokenizing import MAX_IDS, parse_detokenize, parse_tokenize
+from services.edge.surfaces.tokenizing import MAX_IDS, parse_detokenize, parse_tokenize
 
 CHAT = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

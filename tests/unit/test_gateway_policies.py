@@ -14,11 +14,11 @@ from mesh.apikeys import digest, load_keys
 from mesh.clients.router_client import GenerateSpec
 from mesh.ratelimit import Rate
 from services.cache.responses import ResponseStore
-from services.edge import requests
-from services.edge.jwt_auth import JwtRefused, JwtVerifier
-from services.edge.response_cache import cache_key, storable
-from services.edge.safety import OutputGuard, PolicySource, parse_policy
-from services.edge.tenants import STANDARD, Directory, TenantTier, parse_keys, parse_tiers
+from services.edge.gateway.jwt_auth import JwtRefused, JwtVerifier
+from services.edge.gateway.response_cache import cache_key, storable
+from services.edge.gateway.safety import OutputGuard, PolicySource, parse_policy
+from services.edge.gateway.tenants import STANDARD, Directory, TenantTier, parse_keys, parse_tiers
+from services.edge.surfaces import requests
 
 HS = "topsecret-topsecret-topsecret-32b"
 TIERS = {"free": {"requests": "2/m", "tokens": "500/m", "priority": "batch", "cache_class": "batch"},

@@ -7,12 +7,12 @@ import pytest
 from mesh.apikeys import digest
 from mesh.clients.router_client import Delta, ServedBy, TokenLogprob, TopLogprob
 from mesh.ratelimit import Rate
-from services.edge import choices, requests, responses
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
 from services.edge.errors import ApiError
-from services.edge.fields import parse_json
-from services.edge.openapi import document
+from services.edge.surfaces import choices, requests, responses
+from services.edge.surfaces.fields import parse_json
+from services.edge.surfaces.openapi import document
 from tests.fakes.edge_router import CHAT, CHAT_JSON, FakeRouter, asgi, edge_app
 
 

@@ -1,4 +1,4 @@
-"""The Responses API's request as a chat completion (services/edge/responses_input.py)."""
+"""The Responses API's request as a chat completion (services/edge/surfaces/responses_input.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from services.edge.errors import ApiError
-from services.edge.requests import parse_chat
-from services.edge.responses_input import parse_responses
+from services.edge.surfaces.requests import parse_chat
+from services.edge.surfaces.responses_input import parse_responses
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 

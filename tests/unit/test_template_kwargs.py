@@ -1,5 +1,5 @@
 """A request's chat-template variables (chat_template_kwargs, reasoning_effort): what passes, what is refused
-(mesh/request_limits.py, services/edge/fields.py), and the template rendering them (services/tokenizer)."""
+(mesh/request_limits.py, services/edge/surfaces/fields.py), and the template rendering them (services/tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from mesh.errors import InvalidArgument
 from mesh.request_limits import template_kwargs_problem
 from services.edge.errors import ApiError
-from services.edge.fields import template_kwargs
+from services.edge.surfaces.fields import template_kwargs
 from services.tokenizer.server import template_variables
 from services.tokenizer.template import ChatTemplate
 

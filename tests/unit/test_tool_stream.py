@@ -1,5 +1,5 @@
 """A tool call's arguments streamed as the model writes them (mesh/tool_stream.py, mesh/tools.py's CallParser,
-services/edge/choices.py's deltas): OpenAI's `function.arguments` pieces, the call's id, type and name in its
+services/edge/surfaces/choices.py's deltas): OpenAI's `function.arguments` pieces, the call's id, type and name in its
 first piece only, and the whole call's arguments equal to the pieces joined; in the Responses API too, beside a
 reasoning model's thoughts as a reasoning item."""
 
@@ -12,7 +12,7 @@ from typing import Any
 from mesh import tools
 from mesh.clients.router_client import Delta, GenerateSpec, Sampling, ServedBy
 from mesh.tool_stream import CallFragment
-from services.edge.choices import Choice
+from services.edge.surfaces.choices import Choice
 from tests.fakes.edge_router import FakeRouter, asgi, edge_app
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
