@@ -24,7 +24,7 @@ import dataclasses
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Hashable
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -34,11 +34,7 @@ from mesh.errors import ResourceExhausted, Unauthenticated
 from mesh.ratelimit import DEFAULT_COMPLETION_TOKENS, Limiter, Rate, reservation, retry_after_s, settlement
 from mesh.request_limits import MAX_WEIGHT, name_problem
 from mesh.sampling import problem
-from mesh.sampling_pb import from_pb
-from meshpb.v1 import common_pb2, router_pb2
-
-if TYPE_CHECKING:      # only named: protobuf is the servicer's (server.py) to convert
-    from meshpb.v1.router_pb2 import RouterGenerateRequest
+from services.router.request import Reply, RouterRequest
 
 T = TypeVar("T")
 
@@ -187,10 +183,10 @@ class Callers:
                                     retry_after_s=retry_after_s(wait))
 
 
-def refusal(request: RouterGenerateRequest) -> str | None:
+def refusal(request: RouterRequest) -> str | None:
     """Why a native Generate request breaks the limits the edge enforces (mesh/sampling.py, mesh/request_limits.py),
     or None."""
-    broken = problem(from_pb(request.sampling))
+    broken = problem(request.sampling)
     return ((broken[1] if broken else None)
             or name_problem("session_id", request.session_id) or name_problem("model", request.model)
             or name_problem("history_from", request.history_from)
@@ -202,8 +198,8 @@ def refusal(request: RouterGenerateRequest) -> str | None:
                 if not 0.0 <= request.weight <= MAX_WEIGHT else None))
 
 
-def tokens_used(reply: router_pb2.RouterGenerateResponse) -> int | None:
+def tokens_used(reply: Reply) -> int | None:
     """The request's prompt + completion tokens, on its final reply."""
-    if reply.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+    if not reply.finish_reason:
         return None
-    return reply.usage.prompt_tokens + reply.usage.completion_tokens
+    return 0 if reply.usage is None else reply.usage.prompt_tokens + reply.usage.completion_tokens

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from mesh.chat import from_pb
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import rpc_errors
 from mesh.request_limits import name_problem
-from meshpb.v1 import router_pb2
+from services.router import wire
 from services.router.sessions import merge, session_key
 
 if TYPE_CHECKING:
@@ -26,31 +25,32 @@ class ConversationRPCs:
     sessions: Sessions
 
     @rpc_errors
-    async def ForgetConversation(self, request: router_pb2.ForgetConversationRequest,
-                                 context: grpc.aio.ServicerContext) -> router_pb2.ForgetConversationResponse:
+    async def ForgetConversation(self, request: wire.ForgetConversationRequest,
+                                 context: grpc.aio.ServicerContext) -> wire.ForgetConversationResponse:
         caller = self.callers.caller(context, request.tenant)
         refused = name_problem("session_id", request.session_id)
         if refused or not request.session_id:
             raise InvalidArgument(refused or "session_id is empty")
         found = await self.sessions.forget(session_key(caller.tenant, request.session_id))
-        return router_pb2.ForgetConversationResponse(found=found)
+        return wire.forgotten(found)
 
     @rpc_errors
-    async def StoreTurn(self, request: router_pb2.StoreTurnRequest,
-                        context: grpc.aio.ServicerContext) -> router_pb2.StoreTurnResponse:
+    async def StoreTurn(self, request: wire.StoreTurnRequest,
+                        context: grpc.aio.ServicerContext) -> wire.StoreTurnResponse:
         """The turn stored as Generate stores it: the conversation it continued (history_from's, stored again
         under session_id), the request's new messages, then the answer as the caller gave it out."""
-        caller = self.callers.caller(context, request.tenant)
-        for what, value in (("session_id", request.session_id), ("history_from", request.history_from)):
+        turn = wire.stored_turn(request)
+        caller = self.callers.caller(context, turn.tenant)
+        for what, value in (("session_id", turn.session_id), ("history_from", turn.history_from)):
             refused = name_problem(what, value)
             if refused:
                 raise InvalidArgument(refused)
-        if not request.session_id:
+        if not turn.session_id:
             raise InvalidArgument("session_id is empty")
-        if request.answer.role != "assistant":
+        if turn.answer.role != "assistant":
             raise InvalidArgument("answer.role must be 'assistant'")
-        session = session_key(caller.tenant, request.session_id)
-        history, branched = await self.sessions.continued(caller.tenant, request.history_from, session, True)
-        _, new = merge(history, [from_pb(m) for m in request.messages])
-        await self.sessions.remember_turn(session, history, branched, new, from_pb(request.answer))
-        return router_pb2.StoreTurnResponse()
+        session = session_key(caller.tenant, turn.session_id)
+        history, branched = await self.sessions.continued(caller.tenant, turn.history_from, session, True)
+        _, new = merge(history, turn.messages)
+        await self.sessions.remember_turn(session, history, branched, new, turn.answer)
+        return wire.turn_stored()

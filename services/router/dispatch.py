@@ -14,6 +14,7 @@ take over.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -23,17 +24,15 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from mesh import sampling_pb
 from mesh.chat import Message
 from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.prefix import block_hashes, tenant_salt
 from mesh.sampling import at_tokenizer
 from mesh.telemetry import outgoing_metadata, span_context, tracer
-from meshpb.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.decisions import count_degraded, decision_attributes, record_fallback, served_by
-from services.router.engines import Engines
+from services.router.engines import EngineRequest, Engines
 from services.router.events import RECENT
 from services.router.failover import Call, Failover, Plan
 from services.router.failover.attempts import (
@@ -52,16 +51,13 @@ from services.router.lora import LoraAdapters
 from services.router.policies import AffinityRouter, RouteRequest
 from services.router.relay import EngineCall, EngineFailed, Stream, attempt
 from services.router.replicas import Replica, ReplicaTable
+from services.router.request import BATCH, INTERACTIVE, Reply, RouterRequest
 from services.router.sessions import merge, session_key
 from services.router.shadow import FALLBACK, Shadows
 from services.router.upstream import Sessions, Tokenizer, relay_error
 from services.router.versions import ModelVersions, resolve_model, unit_interval
 
 log = logging.getLogger(__name__)
-
-Request = router_pb2.RouterGenerateRequest
-Reply = router_pb2.RouterGenerateResponse
-
 
 class Dispatcher:
     def __init__(self, config: RouterConfig, table: ReplicaTable, policy: AffinityRouter, failover: Failover,
@@ -72,10 +68,9 @@ class Dispatcher:
         self.shadows = Shadows()
         failover.agreement.live = self.shadows.agreement     # fallback mirrors: measured confidence
 
-    async def generate(self, request: Request, request_id: str, incoming: list[Message],
-                       context: grpc.aio.ServicerContext, admit: Callable[[int], None] | None = None
-                       ) -> AsyncGenerator[Reply, None]:
-        """The whole request; `incoming`: its chat messages; `admit`, when given, is handed the prompt's
+    async def generate(self, request: RouterRequest, request_id: str, context: grpc.aio.ServicerContext,
+                       admit: Callable[[int], None] | None = None) -> AsyncGenerator[Reply, None]:
+        """The whole request (`request_id`: its own or one made up); `admit`, when given, is handed the prompt's
         token count once it is tokenized, before any engine call, and may refuse (raise MeshError).
         Raises MeshError (Saturated when no replica of the model's chain can take it)."""
         named, lora = self.lora.resolve(request.model)      # a LoRA adapter's name: its base model, with it
@@ -85,29 +80,30 @@ class Dispatcher:
             pinned_version = self.lora.base_version(lora, pinned_version)
         # Everything kept per conversation is the caller's own: keyed by tenant and session id.
         key = session_key(request.tenant, request.session_id)
-        chat = request.WhichOneof("input") == "chat"
+        chat = request.input == "chat"
         session = key if chat else ""
         history, branched = await self.sessions.continued(request.tenant, request.history_from, session, chat)
-        conversation, new = merge(history, incoming)
+        conversation, new = merge(history, request.messages)
         version = self.choose_version(model, pinned_version, request, key)
         trace.get_current_span().set_attributes({"policy": self.config.policy,
                                                  "session_messages": len(conversation) - len(new)})
         answer: list[str] = []        # a resumed stream's text already sent comes first (_prepare)
         hop = Hop(request, request_id, model, version, conversation, key, context, answer,
-                  request.priority == common_pb2.PRIORITY_INTERACTIVE, admit, lora)
+                  request.priority == INTERACTIVE, admit, lora)
         mirrors = [m for m in (self._mirror(hop, pinned_version), self._mirror_fallback(hop, pinned_version))
                    if m is not None]
         started = time.monotonic()
         try:
             async for reply in self._attempts(hop):
                 answer.append(reply.text)
-                if reply.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                if reply.finish_reason:
                     if not request.caller_stores_turn:      # else the caller stores what it gave out (StoreTurn)
                         await self.sessions.remember_turn(session, history, branched, new,
                                                           Message("assistant", "".join(answer)))
                     # Before the last message (the caller may close us after it).  A degraded answer is
                     # a fallback's, not the primary's: no mirror compares with it.
-                    served = None if reply.served_by.degraded else ("".join(answer), time.monotonic() - started)
+                    degraded = reply.served_by is not None and reply.served_by.degraded
+                    served = None if degraded else ("".join(answer), time.monotonic() - started)
                     for mirror in mirrors:
                         mirror.set_result(served)
                 yield reply
@@ -142,13 +138,13 @@ class Dispatcher:
 
         async def run() -> AsyncIterator[Reply]:
             async for reply in self._attempts(mirror):
-                if reply.served_by.model and reply.served_by.model != fallback:
+                if reply.served_by is not None and reply.served_by.model and reply.served_by.model != fallback:
                     raise Unavailable(f"{fallback!r} had no replica for the mirror")   # its own fallback's: no evidence
                 yield reply
 
         return self.shadows.start(hop.model, FALLBACK + fallback, run)
 
-    def choose_version(self, model: str, pinned_version: str, request: Request, key: str) -> str:
+    def choose_version(self, model: str, pinned_version: str, request: RouterRequest, key: str) -> str:
         """The version this request runs on; "" when any will do (a pinned replica, or none serving:
         then failover decides, possibly for a fallback model).  `key`: its session's (sessions.session_key)."""
         if pinned_version:
@@ -160,7 +156,7 @@ class Dispatcher:
             return ""
         return self.versions.choose(model, served, "", key or request.request_id)
 
-    def cache_salt(self, request: Request) -> bytes:
+    def cache_salt(self, request: RouterRequest) -> bytes:
         """The prefix-cache namespace of `request` (engine and shared KV cache, and the router's prefix
         affinity): its tenant's, so no caller learns another's prompts from cache hits; empty (shared
         by everyone) with --prefix-sharing global."""
@@ -185,7 +181,7 @@ class Dispatcher:
         prompt_ids, reasoning = await self.tokenizer.tokenize(request, model, hop.conversation,
                                                              hop.context.time_remaining())
         sampling, prompt_ids = await at_tokenizer(
-            sampling_pb.from_pb(request.sampling), prompt_ids,
+            request.sampling, prompt_ids,
             lambda text: self.tokenizer.encode_text(model, text, hop.context.time_remaining()))
         stream = Stream(await self.tokenizer.decoder(model), request.sampling.stop, len(prompt_ids),
                         request.include_token_ids, reasoning)
@@ -297,15 +293,15 @@ class Dispatcher:
         # runs meanwhile; the engine learns its parent from the metadata instead.
         span = tracer().start_span("router.attempt", kind=trace.SpanKind.CLIENT, attributes={
             **decision_attributes(replica, plan, reason, None), "resumed_tokens": len(stream.ids)})
-        engine_request = engine_pb2.GenerateRequest(
-            request_id=hop.request_id, model=plan.model, prompt_ids=prompt.ids,
-            sampling=sampling_pb.to_pb(prompt.sampling),
-            priority=request.priority, resume_ids=stream.ids, cache_salt=self.cache_salt(request),
-            cache_class=request.cache_class, tenant=request.tenant, weight=request.weight)
+        sampling = prompt.sampling
         if stream.ids:      # resuming: the prompt's logprobs went out with the first attempt's first message
-            engine_request.sampling.prompt_logprobs = False
-        if hop.adapter(plan.model) is not None:            # a fallback model runs without the adapter
-            await self._with_adapter(hop, replica, engine_request)
+            sampling = dataclasses.replace(sampling, prompt_logprobs=False)
+        adapter = hop.adapter(plan.model)                  # a fallback model runs without the adapter
+        if adapter is not None:
+            await self._load_adapter(hop, replica)
+        engine_request = EngineRequest(hop.request_id, plan.model, prompt.ids, sampling, request.priority, stream.ids,
+                                       self.cache_salt(request), request.cache_class, request.tenant, request.weight,
+                                       adapter.name if adapter is not None else "")
         replica.in_flight += 1
         replica.tenant_in_flight[request.tenant] += 1
         metrics.IN_FLIGHT.labels(replica.replica_id).inc()
@@ -317,8 +313,8 @@ class Dispatcher:
 
         # A batch-class row waits behind interactive ones by design (the engine's scheduler, its give-way): its
         # silence is not a stall, so no token timeout moves it; a dead or hung engine still fails its health checks.
-        batch = hop.request.priority == common_pb2.PRIORITY_BATCH
-        engine_call = EngineCall(self.engines.stub(replica.address), replica.replica_id, engine_request,
+        batch = hop.request.priority == BATCH
+        engine_call = EngineCall(self.engines, replica.replica_id, replica.address, engine_request,
                                  served_by(replica, plan, hop.adapter(plan.model)),
                                  outgoing_metadata(context=span_context(span)), hop.context.time_remaining(),
                                  math.inf if batch else self.config.first_token_timeout_s,
@@ -347,7 +343,7 @@ class Dispatcher:
             now = time.monotonic()
             self.policy.on_finish(replica, route, now, now - started, ok)
 
-    async def _with_adapter(self, hop: Hop, replica: Replica, engine_request: engine_pb2.GenerateRequest) -> None:
+    async def _load_adapter(self, hop: Hop, replica: Replica) -> None:
         """The engine call runs with the hop's LoRA adapter, loaded on `replica` first when it lacks it; a
         replica that cannot be reached for the load fails the attempt like a failed call (another may take it)."""
         assert hop.lora is not None
@@ -361,7 +357,6 @@ class Dispatcher:
         except TimeoutError:
             raise EngineFailed(replica.replica_id, f"took too long loading LoRA adapter {hop.lora.name!r}",
                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
-        engine_request.adapter = hop.lora.name
 
 
 def _failure(exc: EngineFailed) -> Failure:

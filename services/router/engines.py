@@ -1,21 +1,25 @@
-"""The router's client of the engines: one channel per address, their info and load reports, and
-the lifecycle calls (a version loaded, a drain, a LoRA adapter loaded or unloaded).
+"""The router's client of the engines: one channel per address, the Generate call, their info and load
+reports, and the lifecycle calls (a version loaded, a drain, a LoRA adapter loaded or unloaded).
 
-Protobuf stops here for what the router keeps: GetInfo becomes EngineInfo, each load report
-the plain LoadReport of replicas.py, and `load_to_pb` is the way back (ListReplicas); LoadVersion
-answers a VersionLoad.  The Generate stream itself is relayed by relay.py on `stub()`.  Each call
+Protobuf stops here: an EngineRequest becomes the engine's GenerateRequest and each of its answers an
+EngineReply (relay.py relays them), GetInfo becomes EngineInfo, each load report the plain LoadReport of
+replicas.py, and `load_to_pb` is the way back (ListReplicas); LoadVersion answers a VersionLoad.  Each call
 raises grpc.aio.AioRpcError when the engine fails it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import fields
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
+from mesh.clients.values import TokenLogprob, TopLogprob
 from mesh.grpcutil import channel
+from mesh.sampling import Sampling
+from mesh.sampling_pb import to_pb
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.router.replicas import LoadReport, TenantShare
+from services.router.request import ABORT, BATCH, ERROR, LENGTH, STOP, Usage
 
 LISTS = ("tenants", "adapters", "adapter_paths")     # converted apart from the plain fields
 
@@ -47,6 +51,77 @@ def load_to_pb(replica_id: str, load: LoadReport) -> common_pb2.LoadReport:
                                  tenants=[common_pb2.TenantLoad(**t._asdict()) for t in load.tenants])
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One attempt's Generate on an engine (engine.proto's GenerateRequest)."""
+    request_id: str
+    model: str
+    prompt_ids: Sequence[int]
+    sampling: Sampling
+    priority: str                          # request.py: interactive | batch
+    resume_ids: Sequence[int]              # another replica's tokens already streamed (mid-stream failover)
+    cache_salt: bytes
+    cache_class: str
+    tenant: str
+    weight: float
+    adapter: str = ""                      # a LoRA adapter to run with; "": the base model
+
+
+@dataclass(frozen=True)
+class EngineReply:
+    """One message of an engine's Generate stream: new tokens; the last one has `finish_reason` and usage."""
+    ids: tuple[int, ...]
+    finish_reason: str = ""                # request.py's STOP, LENGTH, ABORT, ERROR; "": more follows
+    usage: Usage = Usage()
+    logprobs: tuple[TokenLogprob, ...] = ()          # each token's text "" (the router decodes it: relay.py)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    embedding: tuple[float, ...] = ()
+
+
+_FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: "", common_pb2.FINISH_REASON_STOP: STOP,
+           common_pb2.FINISH_REASON_LENGTH: LENGTH, common_pb2.FINISH_REASON_ABORT: ABORT,
+           common_pb2.FINISH_REASON_ERROR: ERROR}
+
+
+def request_to_pb(r: EngineRequest) -> engine_pb2.GenerateRequest:
+    priority = common_pb2.PRIORITY_BATCH if r.priority == BATCH else common_pb2.PRIORITY_INTERACTIVE
+    return engine_pb2.GenerateRequest(request_id=r.request_id, model=r.model, prompt_ids=r.prompt_ids,
+                                      sampling=to_pb(r.sampling), priority=priority, resume_ids=r.resume_ids,
+                                      cache_salt=r.cache_salt, cache_class=r.cache_class, tenant=r.tenant,
+                                      weight=r.weight, adapter=r.adapter)
+
+
+def logprobs_from_pb(entries: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(e.token_id, e.token, e.logprob, tuple(TopLogprob(t.token_id, t.token, t.logprob)
+                                                                    for t in e.top)) for e in entries)
+
+
+def reply_from_pb(m: engine_pb2.GenerateResponse) -> EngineReply:
+    u = m.usage
+    return EngineReply(tuple(m.ids), _FINISH.get(m.finish_reason, ERROR),
+                       Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+                       logprobs_from_pb(m.logprobs) if m.logprobs else (),
+                       logprobs_from_pb(m.prompt_logprobs) if m.prompt_logprobs else (),
+                       tuple(m.embedding))
+
+
+class EngineStream:
+    """One Generate call's answers as EngineReply, in order; `cancel()` ends the call (the engine aborts it)."""
+
+    def __init__(self, call: Any):
+        self._call = call
+        self._messages = call.__aiter__()
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> EngineReply:
+        return reply_from_pb(await self._messages.__anext__())
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class VersionLoad(NamedTuple):
     """An engine's answer to LoadVersion."""
 
@@ -65,6 +140,12 @@ class Engines:
         if stub is None:
             stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel(address))
         return stub
+
+    def generate(self, address: str, request: EngineRequest, metadata: Sequence[tuple[str, str]],
+                 timeout: float | None) -> EngineStream:
+        """Open the engine's Generate stream (`timeout`: the call's deadline; None: none)."""
+        return EngineStream(self.stub(address).Generate(request_to_pb(request), metadata=tuple(metadata),
+                                                        timeout=timeout))
 
     async def info(self, address: str, timeout: float = 2.0) -> EngineInfo:
         """Raises grpc.aio.AioRpcError when the engine does not answer."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -9,13 +10,11 @@ import grpc
 
 from mesh.chat import Message
 from mesh.sampling import Sampling
-from meshpb.v1 import router_pb2
 from services.router.lora import Lora
 from services.router.policies import RouteRequest
 from services.router.relay import Stream
+from services.router.request import RouterRequest
 from services.router.shadow import Deadline
-
-Request = router_pb2.RouterGenerateRequest
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class Hop:
     mirror), the call (a mirror's Deadline: only the time left is read of it), the text already sent
     (a resumed stream's: _prepare), whether it is interactive, not a mirror (level 3 by latency:
     failover/latency.py), `admit` (see `Dispatcher.generate`) and its LoRA adapter, if any."""
-    request: Request
+    request: RouterRequest
     request_id: str
     model: str
     version: str
@@ -55,8 +54,5 @@ class Prompt:
 def mirror_hop(hop: Hop, request_id: str, model: str, version: str) -> Hop:
     """A mirror's own hop: a copy of the request that stores nothing and follows no session, with the
     served call's time left, not interactive and admitted already."""
-    copy = Request()
-    copy.CopyFrom(hop.request)
-    copy.session_id = ""
-    return Hop(copy, request_id, model, version, hop.conversation, "", Deadline(hop.context.time_remaining()),
-               [], False, lora=hop.lora)
+    return Hop(dataclasses.replace(hop.request, session_id=""), request_id, model, version, hop.conversation, "",
+               Deadline(hop.context.time_remaining()), [], False, lora=hop.lora)

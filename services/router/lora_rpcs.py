@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from mesh.grpcutil import rpc_errors
-from meshpb.v1 import router_pb2
+from services.router import wire
 
 if TYPE_CHECKING:
     from services.router.admin import Admin
@@ -22,28 +22,25 @@ class LoraRPCs:
     lora: LoraAdapters
 
     @rpc_errors
-    async def LoadLoraAdapter(self, request: router_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
-                              ) -> router_pb2.LoraAdaptersResponse:
+    async def LoadLoraAdapter(self, request: wire.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+                              ) -> wire.LoraAdaptersResponse:
         self.callers.check_admin(context, "LoadLoraAdapter")
         model = self.admin.resolve(request.model)
         await self.lora.load(request.name, request.path, model, request.replica)
         return self.lora_listing()
 
     @rpc_errors
-    async def UnloadLoraAdapter(self, request: router_pb2.UnloadLoraAdapterRequest,
-                                context: grpc.aio.ServicerContext) -> router_pb2.LoraAdaptersResponse:
+    async def UnloadLoraAdapter(self, request: wire.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> wire.LoraAdaptersResponse:
         self.callers.check_admin(context, "UnloadLoraAdapter")
         await self.lora.unload(request.name)
         return self.lora_listing()
 
     @rpc_errors
-    async def ListLoraAdapters(self, request: router_pb2.ListLoraAdaptersRequest,
-                               context: grpc.aio.ServicerContext) -> router_pb2.LoraAdaptersResponse:
+    async def ListLoraAdapters(self, request: wire.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> wire.LoraAdaptersResponse:
         self.callers.check_user(context, "ListLoraAdapters")
         return self.lora_listing()
 
-    def lora_listing(self) -> router_pb2.LoraAdaptersResponse:
-        reply = router_pb2.LoraAdaptersResponse()
-        for lora, replicas in self.lora.known():
-            reply.adapters.add(name=lora.name, model=lora.model, path=lora.path, replicas=replicas)
-        return reply
+    def lora_listing(self) -> wire.LoraAdaptersResponse:
+        return wire.lora_listing_pb(self.lora.known())

@@ -14,19 +14,20 @@ request, as the error it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from mesh.clients.values import ServedBy
+from mesh.clients.values import ServedBy, TokenLogprob
 from mesh.detokenize import IncrementalDecoder
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import caller_limit
 from mesh.reasoning import ThinkSplitter
-from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
+from services.router.engines import EngineReply, EngineRequest, Engines
+from services.router.request import LENGTH, STOP, Reply, Usage
 from services.router.stops import StopMatcher
-from services.router.wire import served_by_pb
 
 # Codes an engine answers when it, not the request, is the problem.  DEADLINE_EXCEEDED is not
 # here: the engine call carries the client's own deadline, so when it expires nothing is left to retry.
@@ -77,60 +78,54 @@ class Stream:
             thought, answer = thought + more[0], answer + more[1]
         return thought, answer
 
-    def push(self, chunk: engine_pb2.GenerateResponse, served_by: common_pb2.ServedBy
-             ) -> router_pb2.RouterGenerateResponse:
+    def push(self, chunk: EngineReply, served_by: ServedBy) -> Reply:
         """The client's message for one engine message; sets `finished` on the last one."""
-        final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        for entry in [*chunk.logprobs, *chunk.prompt_logprobs]:   # each token's own text, as OpenAI shows it
-            entry.token = self.decode([entry.token_id])
-            for alt in entry.top:
-                alt.token = self.decode([alt.token_id])
+        final = bool(chunk.finish_reason)
+        logprobs, prompt_logprobs = self._named(chunk.logprobs), self._named(chunk.prompt_logprobs)
         text = self.decoder.push(list(chunk.ids), final)
         emit, stopped = self.stops.push(text)
-        ids = list(chunk.ids) if self.include_ids else []
+        ids = chunk.ids if self.include_ids else ()
         if final or stopped:
             if not stopped:
                 emit += self.stops.flush()
             thought, emit = self._split(emit, True)
             self.finished = True
-            reason = common_pb2.FINISH_REASON_STOP if stopped else chunk.finish_reason
-            usage = chunk.usage if final else self.usage()
-            return router_pb2.RouterGenerateResponse(text=emit, ids=ids, logprobs=chunk.logprobs,
-                                                     finish_reason=reason, usage=usage, served_by=served_by,
-                                                     prompt_logprobs=chunk.prompt_logprobs,
-                                                     embedding=chunk.embedding, reasoning=thought)
+            return Reply(emit, ids, logprobs, STOP if stopped else chunk.finish_reason,
+                         chunk.usage if final else self.usage(), served_by, prompt_logprobs, chunk.embedding, thought)
         # The first message names the replica and counts the prompt too, so callers can label the
         # stream early (and account for a stream they end themselves, as the edge's content filter does).
         first, self.sent_first = not self.sent_first, True
         thought, emit = self._split(emit, False)
-        return router_pb2.RouterGenerateResponse(text=emit, reasoning=thought, ids=ids, logprobs=chunk.logprobs,
-                                                 served_by=served_by if first else None,
-                                                 usage=self.usage() if first else None,
-                                                 prompt_logprobs=chunk.prompt_logprobs)
+        return Reply(emit, ids, logprobs, "", self.usage() if first else None, served_by if first else None,
+                     prompt_logprobs, reasoning=thought)
 
-    def usage(self) -> common_pb2.Usage:
-        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.decoder.ids))
+    def _named(self, entries: tuple[TokenLogprob, ...]) -> tuple[TokenLogprob, ...]:
+        """Each token's own text, as OpenAI shows it."""
+        return tuple(dataclasses.replace(e, token=self.decode([e.token_id]), top=tuple(
+            dataclasses.replace(t, token=self.decode([t.token_id])) for t in e.top)) for e in entries)
 
-    def finish_at_length(self, served_by: ServedBy) -> router_pb2.RouterGenerateResponse:
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, len(self.decoder.ids))
+
+    def finish_at_length(self, served_by: ServedBy) -> Reply:
         """The engine died after the last token but before its final message: end the stream here."""
         emit = self.decoder.push([], True)
         text, _ = self.stops.push(emit)
         thought, text = self._split(text + self.stops.flush(), True)
         self.finished = True
-        return router_pb2.RouterGenerateResponse(text=text, reasoning=thought,
-                                                 finish_reason=common_pb2.FINISH_REASON_LENGTH,
-                                                 usage=self.usage(), served_by=served_by_pb(served_by))
+        return Reply(text, finish_reason=LENGTH, usage=self.usage(), served_by=served_by, reasoning=thought)
 
 
 @dataclass(frozen=True)
 class EngineCall:
-    """One attempt's engine call: the engine's stub and replica id, the request, what the client's
-    messages name as served_by, the call's metadata and deadline (None: none), the timeouts before the
+    """One attempt's engine call: the engine client, the replica's id and address, the request, what the
+    client's messages name as served_by, the call's metadata and deadline (None: none), the timeouts before the
     first message and between messages, how an engine's request error is relayed, and the replica's
     health (polled while waiting)."""
-    stub: engine_pb2_grpc.EngineStub
+    engines: Engines
     replica_id: str
-    request: engine_pb2.GenerateRequest
+    address: str
+    request: EngineRequest
     served_by: ServedBy
     metadata: Sequence[tuple[str, str]]
     deadline_s: float | None
@@ -140,20 +135,18 @@ class EngineCall:
     healthy: Callable[[], bool]
 
 
-async def attempt(engine: EngineCall, stream: Stream) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+async def attempt(engine: EngineCall, stream: Stream) -> AsyncIterator[Reply]:
     """Relay one engine call into `stream` until it finishes; raise EngineFailed if the engine fails:
     an error it answers, silence past the timeout, or its health check failing while we wait
     (a hung process is caught by the prober within seconds, well before a stall timeout)."""
     replica_id, relay_error = engine.replica_id, engine.relay_error
-    served_by = served_by_pb(engine.served_by)
-    call = engine.stub.Generate(engine.request, metadata=tuple(engine.metadata), timeout=engine.deadline_s)
-    messages = call.__aiter__()
+    call = engine.engines.generate(engine.address, engine.request, engine.metadata, engine.deadline_s)
     waited_for_first = True
     try:
         while not stream.finished:
             limit = engine.first_token_timeout_s if waited_for_first else engine.stall_timeout_s
             try:
-                chunk = await _next(messages, limit, engine.healthy)
+                chunk = await _next(call, limit, engine.healthy)
             except StopAsyncIteration:
                 raise EngineFailed(replica_id, "ended the stream without finishing it", isolate=True) from None
             except TimeoutError:
@@ -168,7 +161,7 @@ async def attempt(engine: EngineCall, stream: Stream) -> AsyncIterator[router_pb
                                        isolate=err.code() == grpc.StatusCode.UNAVAILABLE) from None
                 raise relay_error(f"engine {replica_id}", err) from None
             waited_for_first = False
-            yield stream.push(chunk, served_by)
+            yield stream.push(chunk, engine.served_by)
     finally:
         call.cancel()
 
@@ -177,8 +170,7 @@ class _Unhealthy(Exception):
     pass
 
 
-async def _next(messages: AsyncIterator[engine_pb2.GenerateResponse], limit: float, healthy: Callable[[], bool]
-                ) -> engine_pb2.GenerateResponse:
+async def _next(messages: AsyncIterator[EngineReply], limit: float, healthy: Callable[[], bool]) -> EngineReply:
     """The next message within `limit` seconds, checking the replica's health every half second."""
     pending = asyncio.ensure_future(messages.__anext__())
     loop = asyncio.get_running_loop()

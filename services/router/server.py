@@ -5,9 +5,10 @@ The parts it is built from do the work:
     watch.py     ReplicaWatch: discovery, health/info probes and load reports -> the replica table
     dispatch.py  Dispatcher: one request's way (session, tokenize, pick, attempts, failover)
     upstream.py  the tokenizer and session-store clients, behind their breakers
-    engines.py   the engine client (channels, GetInfo, WatchLoad, LoadReport <-> protobuf, lifecycle calls)
+    engines.py   the engine client (channels, Generate, GetInfo, WatchLoad, LoadReport <-> protobuf, lifecycle)
     admin.py     Admin: models, version routing and replicas, as plain values
-    wire.py      the Router messages built from those plain values (ServedBy, ModelRouting, recent events)
+    request.py   RouterRequest and Reply: a Generate's question and answers, as the dispatcher reads them
+    wire.py      the Router messages <-> those plain values (Generate's request and replies, ModelRouting, ...)
     tokenize_rpcs.py  TokenRPCs: Tokenize and Detokenize (the edge's /tokenize, /detokenize)
     conversations.py  ConversationRPCs: ForgetConversation (a stored conversation deleted), StoreTurn
     lora_rpcs.py LoraRPCs: LoRA adapters loaded, unloaded, listed (the work: lora.py)
@@ -18,13 +19,13 @@ The policies (policies/), failover (failover/) and stop strings (stops.py) are p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from mesh.chat import from_pb
 from mesh.errors import InvalidArgument, MeshError
 from mesh.grpcutil import rpc_errors
 from mesh.request_limits import name_problem
@@ -47,7 +48,7 @@ from services.router.tokenize_rpcs import TokenRPCs
 from services.router.upstream import Sessions, Tokenizer
 from services.router.versions import ModelVersions
 from services.router.watch import ReplicaWatch
-from services.router.wire import fill_recent, routing_pb
+from services.router.wire import fill_recent, reply_pb, request_from_pb, routing_pb
 
 
 class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.RouterServicer):
@@ -94,19 +95,18 @@ class RouterServicer(TokenRPCs, ConversationRPCs, LoraRPCs, router_pb2_grpc.Rout
             try:
                 # The edge names the tenant (from an API key); a native caller is its own key's tenant.
                 caller = self.callers.caller(context, request.tenant)
-                request.tenant = caller.tenant
-                refused = refusal(request)
+                ask = dataclasses.replace(request_from_pb(request), tenant=caller.tenant)
+                refused = refusal(ask)
                 if refused:                   # a native caller skipped the edge's checks: the same limits here
                     raise InvalidArgument(refused)
-                request.weight = self.callers.weight(context, caller, request.weight)
-                incoming = [from_pb(m) for m in request.chat.messages]
+                ask = dataclasses.replace(ask, weight=self.callers.weight(context, caller, ask.weight))
                 # A native key's tokens: reserved once the prompt is tokenized, settled to the usage.
-                charge = self.callers.charge(caller, request.sampling.max_tokens)
+                charge = self.callers.charge(caller, ask.sampling.max_tokens)
                 replies = self.callers.metered(charge, self.dispatcher.generate(
-                    request, request_id, incoming, context, self.callers.admission(charge)), tokens_used)
+                    ask, request_id, context, self.callers.admission(charge)), tokens_used)
                 async with contextlib.aclosing(replies):        # settled now, not when collected
                     async for reply in replies:
-                        yield reply
+                        yield reply_pb(reply)
             except MeshError as exc:
                 if isinstance(exc, Saturated):
                     metrics.SHED.labels(exc.model).inc()

@@ -7,13 +7,15 @@ the admin view these use."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import grpc
 
+from mesh.clients.values import Tokens
 from mesh.errors import InvalidArgument
 from mesh.grpcutil import rpc_errors
-from meshpb.v1 import router_pb2
+from services.router import wire
 
 if TYPE_CHECKING:
     from services.router.admin import Admin
@@ -27,26 +29,26 @@ class TokenRPCs:
     admin: Admin
 
     @rpc_errors
-    async def Tokenize(self, request: router_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
-                       ) -> router_pb2.TokenizeResponse:
+    async def Tokenize(self, request: wire.TokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> wire.TokenizeResponse:
         self.callers.check_user(context, "Tokenize")
-        model = self.admin.resolve(request.model)
-        kind = request.WhichOneof("input")
-        if kind is None:
+        spec = wire.tokenization(request)
+        model = self.admin.resolve(spec.model)
+        if spec.chat is None and spec.prompt is None:
             raise InvalidArgument("give a prompt or chat messages to tokenize")
-        if kind == "chat" and request.add_special_tokens:
+        if spec.chat is not None and spec.add_special_tokens:
             raise InvalidArgument("add_special_tokens is for a prompt: a chat template places the model's special "
                                   "tokens itself")
-        ids = await self.tokenizer.encode(request, model)
-        reply = router_pb2.TokenizeResponse(ids=ids, model=model, max_context=self.admin.max_context(model))
-        if request.return_token_strs:
+        ids = await self.tokenizer.encode(spec, model)
+        tokens = Tokens(model, tuple(ids), self.admin.max_context(model))
+        if spec.return_token_strs:
             vocabulary = await self.tokenizer.vocabulary(model)
-            reply.token_strs.extend(vocabulary.id_to_token(i) or "" for i in ids)
-        return reply
+            tokens = dataclasses.replace(tokens, token_strs=tuple(vocabulary.id_to_token(i) or "" for i in ids))
+        return wire.tokens_pb(tokens)
 
     @rpc_errors
-    async def Detokenize(self, request: router_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
-                         ) -> router_pb2.DetokenizeResponse:
+    async def Detokenize(self, request: wire.DetokenizeRequest, context: grpc.aio.ServicerContext
+                         ) -> wire.DetokenizeResponse:
         self.callers.check_user(context, "Detokenize")
         model = self.admin.resolve(request.model)
         vocabulary = await self.tokenizer.vocabulary(model)
@@ -54,4 +56,4 @@ class TokenRPCs:
         outside = next((i for i in request.ids if i >= size), None)
         if outside is not None:
             raise InvalidArgument(f"token id {outside} is outside the vocabulary of {model} (ids 0-{size - 1})")
-        return router_pb2.DetokenizeResponse(text=vocabulary.decode(list(request.ids), skip_special_tokens=False))
+        return wire.detokenized(vocabulary.decode(list(request.ids), skip_special_tokens=False))

@@ -21,7 +21,8 @@ from mesh.chat import Message, from_pb, to_pb
 from mesh.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from mesh.grpcutil import channel, retry_after
 from mesh.telemetry import client_span, outgoing_metadata
-from meshpb.v1 import cache_pb2, cache_pb2_grpc, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from meshpb.v1 import cache_pb2, cache_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.router.request import Chat, RouterRequest, Tokenization
 from services.router.sessions import session_key
 
 # What the dependency breakers count: the service failing, not a request it refused.
@@ -99,44 +100,43 @@ class Tokenizer:
         raise Unavailable(f"every tokenizer replica is failing ({'; '.join(failures)}); retry in {wait} s",
                           retry_after_s=wait)
 
-    async def tokenize(self, request: router_pb2.RouterGenerateRequest, model: str, conversation: list[Message],
+    async def tokenize(self, request: RouterRequest, model: str, conversation: list[Message],
                        deadline_s: float | None = None) -> tuple[list[int], str]:
         """The prompt's ids: the chat template over `conversation`, the raw prompt encoded, or the ids given
         (the engine checks them against the vocabulary); and the answer's reasoning format (mesh/reasoning.py:
         "" unless a chat template writes think tags)."""
-        kind = request.WhichOneof("input")
+        kind = request.input
         if kind == "prompt_ids":
-            if not request.prompt_ids.ids:
+            if not request.prompt_ids:
                 raise InvalidArgument("prompt_ids is empty")
-            return list(request.prompt_ids.ids), ""
+            return list(request.prompt_ids), ""
         if kind not in ("chat", "prompt"):
             raise InvalidArgument("the request has neither chat messages nor a prompt")
-        chat = kind == "chat"
-        enc = await self._encode(model, request.chat if chat else None, _chat(conversation) if chat else (),
-                                 request.prompt, True, True, within(deadline_s, 30.0))
-        return list(enc.ids), enc.reasoning if chat else ""
+        enc = await self._encode(model, request.chat, conversation if request.chat is not None else (),
+                                 request.prompt or "", True, True, within(deadline_s, 30.0))
+        return list(enc.ids), enc.reasoning if request.chat is not None else ""
 
-    async def encode(self, request: router_pb2.TokenizeRequest, model: str, timeout: float = 30.0) -> list[int]:
+    async def encode(self, spec: Tokenization, model: str, timeout: float = 30.0) -> list[int]:
         """A Tokenize request's ids: its conversation through the chat template, or its prompt encoded."""
-        chat = request.chat if request.WhichOneof("input") == "chat" else None
-        enc = await self._encode(model, chat, request.chat.messages, request.prompt, request.add_generation_prompt,
-                                 request.add_special_tokens, timeout)
+        messages = spec.chat.messages if spec.chat is not None else ()
+        enc = await self._encode(model, spec.chat, messages, spec.prompt or "", spec.add_generation_prompt,
+                                 spec.add_special_tokens, timeout)
         return list(enc.ids)
 
     async def encode_text(self, model: str, text: str, deadline_s: float | None = None) -> list[int]:
         """A text's ids without special tokens (a sampling field's words: mesh/sampling.py at_tokenizer)."""
         return list((await self._encode(model, None, (), text, False, False, within(deadline_s, 30.0))).ids)
 
-    async def _encode(self, model: str, chat: router_pb2.ChatInput | None,
-                      messages: Sequence[tokenizer_pb2.ChatMessage], prompt: str, add_generation_prompt: bool,
-                      add_special_tokens: bool, timeout: float) -> tokenizer_pb2.EncodeResponse:
+    async def _encode(self, model: str, chat: Chat | None, messages: Sequence[Message], prompt: str,
+                      add_generation_prompt: bool, add_special_tokens: bool, timeout: float
+                      ) -> tokenizer_pb2.EncodeResponse:
         """The tokenizer service's ids for `messages` through the chat template (with `chat`'s tools and
         template variables), or, without `chat`, for `prompt`."""
         with client_span("router.tokenize", model=model, input="chat" if chat is not None else "prompt") as span:
             if chat is not None:
                 enc = await self._call("ApplyChatTemplate", tokenizer_pb2.ChatTemplateRequest(
-                    model=model, messages=messages, add_generation_prompt=add_generation_prompt, tools=chat.tools,
-                    template_kwargs=chat.template_kwargs), timeout)
+                    model=model, messages=_chat(messages), add_generation_prompt=add_generation_prompt,
+                    tools=chat.tools, template_kwargs=chat.template_kwargs), timeout)
             else:
                 enc = await self._call("Encode", tokenizer_pb2.EncodeRequest(
                     model=model, text=prompt, add_special_tokens=add_special_tokens), timeout)

@@ -25,6 +25,7 @@ from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
 from services.cache.store import BlockStore
 from services.router.callers import Callers
+from services.router.request import Reply
 from services.router.server import RouterServicer
 from tests.security.test_mtls import serving
 
@@ -64,10 +65,9 @@ class _Recorder:
     def __init__(self) -> None:
         self.tenants: list[str] = []
 
-    async def generate(self, request: Any, request_id: str, incoming: Any, context: Any, admit: Any = None
-                       ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+    async def generate(self, request: Any, request_id: str, context: Any, admit: Any = None) -> AsyncIterator[Reply]:
         self.tenants.append(request.tenant)
-        yield router_pb2.RouterGenerateResponse(text="ok")
+        yield Reply(text="ok")
 
     def resolve(self, model: str) -> str:          # as the Admin: past the check, the model is unknown
         raise NotFound(f"model {model!r}")

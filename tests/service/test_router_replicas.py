@@ -19,6 +19,7 @@ from mesh.clients.router_pool import RouterPool, router_failed
 from mesh.grpcutil import Service, answered
 from meshpb.v1 import engine_pb2, router_pb2_grpc
 from services.router.server import RouterServicer
+from services.router.wire import request_from_pb
 from tests.fakes.router_mesh import (
     FIRST,
     LENGTH,
@@ -166,7 +167,8 @@ def test_a_router_balances_over_tokenizer_replicas_and_skips_a_dead_one() -> Non
                     # Every replica down: UNAVAILABLE at once, naming each, with a retry hint.
                     only_dead = RouterServicer(dataclasses.replace(config, tokenizer=_dead_address()))
                     with pytest.raises(Exception) as caught:
-                        await only_dead.tokenizer.tokenize(chat(("user", "hi")), MODEL, [Message("user", "hi")])
+                        await only_dead.tokenizer.tokenize(request_from_pb(chat(("user", "hi"))), MODEL,
+                                                          [Message("user", "hi")])
                     assert "every tokenizer replica is failing" in str(caught.value)
                     assert getattr(caught.value, "code", None) == grpc.StatusCode.UNAVAILABLE
             finally:

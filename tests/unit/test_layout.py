@@ -194,3 +194,35 @@ def test_no_class_name_defined_in_two_modules():
             if isinstance(node, ast.ClassDef):
                 where[node.name].append(name)
     assert {cls: found for cls, found in where.items() if len(found) > 1} == {}
+
+
+PB_DOORS = {"services.router.server", "services.router.wire", "services.router.engines", "services.router.upstream"}
+
+
+def protobuf_importers(package: str) -> set[str]:
+    """The modules of `package` that import generated protobuf code (a *_pb2 or *_pb2_grpc module)."""
+    def generated(name: str) -> bool:
+        return name.rpartition(".")[2].endswith(("_pb2", "_pb2_grpc"))
+
+    found = set()
+    for name, path in modules().items():
+        if name != package and not name.startswith(package + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(generated(a.name) for a in node.names) or \
+                    isinstance(node, ast.ImportFrom) and (generated(node.module or "") or
+                                                          any(generated(a.name) for a in node.names)):
+                found.add(name)
+    return found
+
+
+def test_protobuf_stays_at_the_routers_doors():
+    """Issue 50: the servicer (server.py), its conversions (wire.py), the engine client (engines.py) and the
+    tokenizer / session-store clients (upstream.py); inside, the router speaks dataclasses (request.py)."""
+    found = protobuf_importers("services.router")
+    assert len(found) <= 4 and found == PB_DOORS
+
+
+def test_the_protobuf_finder_finds_an_importer():
+    assert "services.engine.server" in protobuf_importers("services.engine")
+    assert "mesh.sampling_pb" in protobuf_importers("mesh") and "mesh.sampling" not in protobuf_importers("mesh")
