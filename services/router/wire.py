@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from mesh import chat, sampling_pb
 from mesh.clients.values import ServedBy, TokenLogprob, Tokens
+from mesh.errors import InvalidArgument
 from meshpb.v1 import common_pb2, router_pb2
 from services.router.admin import Routing
 from services.router.engines import logprobs_from_pb
@@ -62,7 +63,10 @@ def _chat_to_pb(c: Chat, out: router_pb2.ChatInput) -> None:
 
 
 def request_from_pb(m: router_pb2.RouterGenerateRequest) -> RouterRequest:
-    """Raises InvalidArgument for a constraint that names no kind (mesh/sampling_pb.py)."""
+    """Raises InvalidArgument for a priority that is neither interactive nor batch, and for a constraint that
+    names no kind (mesh/sampling_pb.py)."""
+    if m.priority not in (common_pb2.PRIORITY_INTERACTIVE, common_pb2.PRIORITY_BATCH):
+        raise InvalidArgument(f"priority {m.priority} is not PRIORITY_INTERACTIVE (0) or PRIORITY_BATCH (1)")
     kind = m.WhichOneof("input")
     return RouterRequest(
         request_id=m.request_id, model=m.model, chat=_chat_from_pb(m.chat) if kind == "chat" else None,

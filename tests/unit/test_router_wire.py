@@ -53,8 +53,8 @@ def test_each_input_keeps_its_kind(request_: RouterRequest) -> None:
 
 
 def test_a_native_callers_request_reads_as_the_defaults() -> None:
-    got = wire.request_from_pb(router_pb2.RouterGenerateRequest(prompt="x", priority=5))
-    # An unknown priority runs as interactive; an empty SamplingParams is temperature 0 (greedy), the rest defaults.
+    got = wire.request_from_pb(router_pb2.RouterGenerateRequest(prompt="x"))
+    # An empty SamplingParams is temperature 0 (greedy), the rest defaults.
     assert got == RouterRequest(prompt="x", sampling=Sampling(temperature=0.0))
     assert got.priority == "interactive" and got.messages == ()
     chat = router_pb2.RouterGenerateRequest(chat=router_pb2.ChatInput(messages=[
@@ -135,3 +135,12 @@ def test_the_request_names_the_messages_fields() -> None:
     assert set(router_pb2.RouterGenerateRequest.DESCRIPTOR.fields_by_name) == names
     replies = {f.name for f in dataclasses.fields(Reply)}
     assert set(router_pb2.RouterGenerateResponse.DESCRIPTOR.fields_by_name) == replies
+
+
+def test_an_unknown_priority_is_refused() -> None:
+    from mesh.errors import InvalidArgument
+    from meshpb.v1 import router_pb2
+    from services.router.wire import request_from_pb
+
+    with pytest.raises(InvalidArgument, match="priority 5 is not PRIORITY_INTERACTIVE"):
+        request_from_pb(router_pb2.RouterGenerateRequest(model="m", prompt="x", priority=5))
