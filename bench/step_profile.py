@@ -58,7 +58,7 @@ def profile(engine: Engine, tokenizer: Any, rows: int, temperature: float, steps
     timer.wrap(engine, "_run", "model (whole)")
     timer.wrap(engine.runner.model, "lm_head", "LM head")
     timer.wrap(sampler, "sample_batch", "sampling")
-    timer.wrap(engine, "_postprocess", "postprocess (whole)")
+    timer.wrap(engine, "_update", "update (whole)")
     for i in range(rows):
         text = f"[{tag}-{i}] {QUESTIONS[i % len(QUESTIONS)]}"
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

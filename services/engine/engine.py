@@ -1,4 +1,8 @@
-"""The engine: add / abort / step.  One step is schedule -> run the model -> postprocess.
+"""The engine: add / abort / step.  One step is schedule -> run the model -> update.
+
+The scheduler picks the step's chunks (proposing drafts first, with speculation on), the model runs them
+and the sampler turns its rows into tokens in one call (sampler.sample_rows: penalties, grammar masks,
+sampling), and update.py takes those tokens into the requests; every request ends in one place (_finish).
 
 add() and abort() are called from the event loop while step() runs in a worker thread: they only append to
 thread-safe inboxes, which step() drains, so the scheduler and the block manager are touched by one thread
@@ -15,13 +19,17 @@ requests of the batch that step was running with FinishReason.ERROR; the request
 
 With speculation on (services/engine/speculate.py), a step may verify draft tokens of its decode
 rows: a request's step output then carries every token the step accepted, in order.
+
+A step of batch-class rows only gives way to an interactive request that arrives while it runs: the model
+stops between layers and the step counts as not run (models/interrupt.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -36,9 +44,10 @@ from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
 from services.engine.models.interrupt import StepInterrupted, interruptible
 from services.engine.request import COMMON, EngineTokenLogprob, FinishReason, Owner, Request, SamplingParams, StepOutput
-from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
-from services.engine.speculate import Lookup, SpeculationConfig
+from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
+from services.engine.speculate import SpeculationConfig
 from services.engine.stats import EngineStats, Timing
+from services.engine.update import Rules, update_from_output
 from services.engine.versions import Versions
 
 
@@ -53,11 +62,11 @@ class Engine:
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
-        self.scheduler = Scheduler(self.blocks, scheduler)
+        self.scheduler = Scheduler(self.blocks, scheduler, self.speculation, runner.max_context)
+        self.rules = Rules(runner.eos_token_ids, runner.max_context, self.speculation.max_draft)   # update.py
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._requests: dict[str, Request] = {}
-        self._drafted: list[Request] = []       # requests given a draft for the step being run
         self._batch: Batch | None = None        # the batch of the step being run (fail_step's victims)
         self._pending: list[StepOutput] = []    # that step's outputs so far (aborts), for fail_step
         self._lock = threading.Lock()
@@ -131,31 +140,14 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """schedule -> run the model -> postprocess: each running request's new token, or its end."""
-        if self.versions.switch() and self.outbox is not None:
-            self.outbox.clear()            # blocks of the version before: published under its name, or not at all
-        self._pending = outputs = self._drain()
-        if self.speculation.max_draft:
-            self._propose()
-        self._batch = batch = self.scheduler.schedule()
-        batch_class = bool(batch.chunks) and all(c.request.priority > 0 for c in batch.chunks)
-        with self._lock:         # a step of batch-class rows only gives way to an interactive arrival
-            self._give_way = threading.Event() if batch_class else None
-            if self._give_way is not None and any(r.priority == 0 for r in self._inbox):
-                self._give_way.set()
-        try:
-            with self.stats.step(batch), interruptible(self._give_way):
-                if batch.chunks:
-                    outputs += self._postprocess(batch, self._run(batch))
-        except StepInterrupted:
-            self.stats.interrupted += 1      # not run: the next step takes its rows again
-        finally:
-            self._give_way = None
-        self.stats.observe_tenants(self.scheduler.tenant_counts())
-        self._batch, self._pending = None, []
-        if len(self.versions.models) > 1:
-            self.versions.release_unused()
-        return outputs
+        """schedule -> run the model -> update: each running request's new tokens, or its end."""
+        self._switch_version()
+        self._pending = self._drain()           # arrivals in the scheduler, aborts ended: their outputs
+        self._batch = batch = self.scheduler.schedule(arriving=bool(self._inbox))
+        with self._giving_way(batch), self.stats.step(batch):
+            if batch.chunks:
+                self._pending += self._update(batch, self._run(batch))
+        return self._end_step()
 
     def fail_step(self) -> list[StepOutput]:
         """After step() raised: end the requests of the batch it was running with FinishReason.ERROR (the
@@ -167,13 +159,13 @@ class Engine:
         if batch is None:
             return outputs + self.fail_all()
         victims = {c.request.request_id: c.request for c in batch.chunks}
-        return outputs + [self._finish(req, FinishReason.ERROR, (), ()) for rid, req in victims.items()
+        return outputs + [self._finish(req, FinishReason.ERROR) for rid, req in victims.items()
                           if rid in self._requests]
 
     def fail_all(self) -> list[StepOutput]:
         """After a model failure: end every request the engine holds with FinishReason.ERROR (the server
         fails their calls) and keep serving.  The failed step may have left any of them half-computed."""
-        return [self._finish(req, FinishReason.ERROR, (), ()) for req in list(self._requests.values())]
+        return [self._finish(req, FinishReason.ERROR) for req in list(self._requests.values())]
 
     def _drain(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -187,46 +179,42 @@ class Engine:
         for request_id in aborts:
             aborted = self._requests.get(request_id)
             if aborted is not None:
-                outputs.append(self._finish(aborted, FinishReason.ABORT, (), ()))
+                outputs.append(self._finish(aborted, FinishReason.ABORT))
         return outputs
 
-    def _propose(self) -> None:
-        """Draft tokens for this step's decode rows, while the step stays within the row budget.
+    def _switch_version(self) -> None:
+        """A hot swap takes effect between steps (versions.py)."""
+        if self.versions.switch() and self.outbox is not None:
+            self.outbox.clear()            # blocks of the version before: published under its name, or not at all
 
-        Only when every running request is decoding and none waits: a step that admits or prefills
-        is not bound by reading the weights, and a waiting request's first token matters more."""
-        for req in self._drafted:
-            req.draft = []
-        self._drafted = []
-        spec = self.speculation
-        running = self.scheduler.running
-        spare = spec.max_rows - len(running)
-        if spare <= 0 or self.scheduler.num_waiting or self._inbox:
-            return
-        if any(r.num_computed != len(r.all_ids) - 1 for r in running):
-            return
-        limit = self.runner.max_context
-        for req in sorted(running, key=lambda r: (r.priority, r.arrival)):
-            if req.lookup is None:
-                req.lookup = Lookup(spec.min_ngram, spec.max_ngram, draft_len=spec.max_draft)
-            # Every accepted draft and the token after them must fit max_tokens and the context.
-            room = min(req.max_tokens - req.num_generated, limit - len(req.all_ids)) - 1
-            k = min(req.lookup.draft_len, spare, room) if not req.sampling.processed else 0
-            if k <= 0:
-                continue
-            req.draft = req.lookup.propose(req.all_ids, k)
-            if req.draft:
-                self._drafted.append(req)
-                spare -= len(req.draft)
-                if spare <= 0:
-                    return
+    @contextmanager
+    def _giving_way(self, batch: Batch) -> Iterator[None]:
+        """Around a step's run: one of batch-class rows only stops between layers when an interactive
+        request arrives (add() sets the event), and counts as not run: the next step takes its rows again."""
+        with self._lock:
+            self._give_way = threading.Event() if batch.batch_class else None
+            if self._give_way is not None and any(r.priority == 0 for r in self._inbox):
+                self._give_way.set()
+        try:
+            with interruptible(self._give_way):
+                yield
+        except StepInterrupted:
+            self.stats.interrupted += 1
+        finally:
+            self._give_way = None
+
+    def _end_step(self) -> list[StepOutput]:
+        """The step's outputs, once it is over: the tenants' figures after it, an unused old version released."""
+        outputs, self._batch, self._pending = self._pending, None, []
+        self.stats.observe_tenants(self.scheduler.tenant_counts())
+        if len(self.versions.models) > 1:
+            self.versions.release_unused()
+        return outputs
 
     def _run(self, batch: Batch) -> torch.Tensor:
         """The model on the batch: (S, V) logits of its sampled rows, or (S,) token ids if all are greedy."""
         kv_transfer.import_blocks(self.runner.kv, batch.imports)     # what the shared cache had for them
-        sampled = [c.request.sampling for c in batch.chunks if c.sample]
-        logits = self.versions.run(batch.chunks, greedy=all(p.greedy and not p.logprobs and not p.processed
-                                                            for p in sampled))
+        logits = self.versions.run(batch.chunks, greedy=batch.greedy)
         self.scheduler.commit(batch)
         self._publish(batch)
         return logits
@@ -257,84 +245,20 @@ class Engine:
             exported = kv_transfer.export_blocks_async(self.runner.kv, ids)   # the publisher waits for it
             self.outbox.put(hashes, exported.kv, exported.ready, version=self.versions.active, classes=classes)
 
-    def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
+    def _update(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
         """logits: (S, V), or (S,) token ids when every sampled row was greedy; a chunk with drafts has
-        1 + draft rows.  Row i of a chunk is sampled as the token at its own position would be without
-        drafts (_sample); drafts are kept while they equal what was sampled (_accept, speculate.py)."""
-        sampled = [c for c in batch.chunks if c.sample]
-        tokens = self._sample([(c.request, i) for c in sampled for i in range(1 + c.draft)], logits)
-        outputs = []
-        row = 0
-        for chunk in sampled:
-            outputs.append(self._accept(chunk, tokens[row:row + 1 + chunk.draft], logits, row))
-            row += 1 + chunk.draft
-        return outputs
+        1 + draft rows (Batch.rows).  The rows sampled in one call, the tokens taken into the requests
+        (update.py); a request that ends ends in _finish."""
+        tokens = sampler.sample_rows(logits, batch.rows, self.rules.eos_token_ids)
+        step = update_from_output(batch, tokens, logits, self.rules, self.blocks, self._finish)
+        self.stats.drafted(step.drafted, step.accepted)
+        return step.outputs
 
-    def _sample(self, rows: list[tuple[Request, int]], logits: torch.Tensor) -> list[int]:
-        """One token per row ((request, draft index)): penalties and logit bias, grammar masks, then each
-        request's sampler (temperature, top-k/p, its seeded stream at that position)."""
-        if logits.dim() == 1:
-            return list(logits.tolist())
-        scores = logits
-        if any(r.sampling.processed for r, _ in rows):
-            scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
-            for row, (req, _) in enumerate(rows):
-                if req.sampling.penalized:   # (rows with drafts never are: _propose skips them)
-                    scores[row] = sampler.process(logits[row], req.sampling, req.prompt_ids,
-                                                  req.resume_ids + req.output_ids,
-                                                  self.runner.eos_token_ids | set(req.sampling.stop_token_ids))
-            grammar.apply_masks(scores, logits, [(row, r.matcher) for row, (r, _) in enumerate(rows)
-                                                 if r.matcher is not None])
-        return list(sampler.sample_batch(scores, [r.sampling for r, _ in rows], [r.num_generated + i for r, i in rows]))
-
-    def _accept(self, chunk: Chunk, tokens: list[int], logits: torch.Tensor, first_row: int) -> StepOutput:
-        """A chunk's sampled tokens (1 + its drafts) taken in order until one finishes the request or differs
-        from the draft it verified; the grammar advanced, log-probs read, the accepted drafts' KV kept."""
-        req, params = chunk.request, chunk.request.sampling
-        new: list[int] = []
-        logprobs: list[EngineTokenLogprob] = []
-        reason = None
-        for i, token in enumerate(tokens):
-            if params.logprobs:
-                logprobs.append(sampler.token_logprob(logits[first_row + i], token, params.top_logprobs))
-            req.append(token)
-            new.append(token)
-            if req.matcher is not None and not req.matcher.accept(token):
-                reason = FinishReason.ERROR      # (cannot happen: the mask allowed it) fail this one only
-                break
-            reason = self._finish_reason(req, token)
-            if reason is not None or i == chunk.draft or token != req.draft[i]:
-                break
-        if chunk.draft:
-            self._verified(chunk, new)
-        prompt = tuple(req.prompt_logprobs) if req.prompt_logprobs and len(req.output_ids) == len(new) else ()
-        if reason is not None:
-            return self._finish(req, reason, tuple(new), tuple(logprobs), prompt)
-        return StepOutput(req.request_id, tuple(new), tuple(logprobs), prompt_logprobs=prompt)
-
-    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
-        params = req.sampling
-        if req.matcher is not None and req.matcher.done:
-            return FinishReason.STOP             # the grammar is complete (even with ignore_eos)
-        if not params.ignore_eos and (token in self.runner.eos_token_ids or token in params.stop_token_ids):
-            return FinishReason.STOP
-        if req.num_generated >= req.max_tokens or len(req.all_ids) >= self.runner.max_context:
-            return FinishReason.LENGTH
-        return None
-
-    def _verified(self, chunk: Chunk, new: list[int]) -> None:
-        """After a chunk with drafts: the accepted drafts' KV is valid (their rows ran on the tokens
-        that were then sampled), so it counts as computed; the rest is overwritten later."""
-        req = chunk.request
-        accepted = next((i for i, t in enumerate(new[:chunk.draft]) if t != req.draft[i]), min(len(new), chunk.draft))
-        req.num_computed = chunk.start + 1 + min(accepted, len(new) - 1)
-        self.blocks.commit(req.table, req.all_ids, req.num_computed)
-        self.stats.drafted(chunk.draft, accepted)
-        if req.lookup is not None:
-            req.lookup.update(chunk.draft, accepted, self.speculation.max_draft)
-
-    def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...],
-                logprobs: tuple[EngineTokenLogprob, ...], prompt: tuple[EngineTokenLogprob, ...] = ()) -> StepOutput:
+    def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...] = (),
+                logprobs: tuple[EngineTokenLogprob, ...] = (), prompt: tuple[EngineTokenLogprob, ...] = ()
+                ) -> StepOutput:
+        """Where every request ends (update.py's stops and lengths, aborts, failures): out of the scheduler
+        and the engine, its last output with its totals."""
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
         req.finish_reason = reason

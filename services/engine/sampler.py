@@ -1,5 +1,9 @@
 """Turn rows of logits into tokens: greedy, or temperature / top-k / top-p / min-p with a seed.
 
+A step's rows are sampled in one call (sample_rows): each request's penalties and logit bias (process),
+its grammar's mask (grammar.apply_masks), then its sampler, all on a copy made only when some row is
+processed, so logprobs read the model's own logits.
+
 The random stream of a seeded request depends only on (seed, position), so a stream
 resumed on another replica after a failover draws the same tokens it would have drawn.
 
@@ -18,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Sequence, Set
 
 import torch
 
 from meshkernels import cpu_ops
-from services.engine.request import EngineTokenLogprob, SamplingParams
+from services.engine import grammar
+from services.engine.request import EngineTokenLogprob, Request, SamplingParams
 
 
 def step_generator(seed: int | None, position: int) -> torch.Generator | None:
@@ -106,7 +111,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """logits: (V,) float32 for one sequence; position: index of the token being generated."""
     if params.greedy:
         return int(torch.argmax(logits))
-    return _sample_rows(logits.unsqueeze(0), [params], [position])[0]
+    return _draw_rows(logits.unsqueeze(0), [params], [position])[0]
 
 
 def reference_sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
@@ -118,7 +123,7 @@ def reference_sample(logits: torch.Tensor, params: SamplingParams, position: int
     return _inverse_cdf(torch.arange(probs.numel()), probs, _draw(params, position))
 
 
-def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
+def _draw_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
     """logits: (R, V) float32, every row sampled (none greedy)."""
     vocab = logits.shape[-1]
     out = [0] * len(params)
@@ -246,7 +251,27 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: 
             tokens[i] = token
     if sampled:                              # (every row sampled: no copy of a (rows, vocabulary) matrix)
         rows = logits if len(sampled) == len(params) else logits[sampled]
-        drawn = _sample_rows(rows, [params[i] for i in sampled], [positions[i] for i in sampled])
+        drawn = _draw_rows(rows, [params[i] for i in sampled], [positions[i] for i in sampled])
         for i, token in zip(sampled, drawn, strict=True):
             tokens[i] = token
     return tokens
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[Request, int]], eos_token_ids: Set[int]) -> list[int]:
+    """One token per row of a step's output, row k being rows[k] = (request, i): the token at the request's
+    next position + i (i > 0: a row that verifies a draft; scheduler.Batch.rows).  logits: (R, V) float32, or
+    (R,) token ids when the model took every row's argmax (Batch.greedy).  Each request's penalties and logit
+    bias (process; min_tokens bans `eos_token_ids` and its stop ids), its grammar's mask, then its sampler
+    (temperature, top-k/p, its seeded stream at that position).  `logits` is left as the model made it."""
+    if logits.dim() == 1:
+        return logits.tolist()
+    scores = logits
+    if any(r.sampling.processed for r, _ in rows):
+        scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
+        for row, (req, _) in enumerate(rows):
+            if req.sampling.penalized:   # (rows with drafts never are: speculate.propose skips them)
+                scores[row] = process(logits[row], req.sampling, req.prompt_ids, req.resume_ids + req.output_ids,
+                                      eos_token_ids | set(req.sampling.stop_token_ids))
+        grammar.apply_masks(scores, logits, [(row, r.matcher) for row, (r, _) in enumerate(rows)
+                                             if r.matcher is not None])
+    return sample_batch(scores, [r.sampling for r, _ in rows], [r.num_generated + i for r, i in rows])

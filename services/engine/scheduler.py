@@ -22,6 +22,10 @@ interactive request waiting for blocks may likewise preempt batch-class requests
 A request may arrive with staged blocks: prompt KV the server fetched from the shared cache.
 At admission the staged blocks that continue the local prefix hit count as computed; the batch
 lists them as (block id, KV) imports, which the engine copies in before the model runs.
+
+With speculation on (speculate.py), scheduling first proposes drafts for the decode rows, while every
+running request decodes and none waits; a decode row then carries its draft (Chunk.draft) when the
+budget and the free blocks allow.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.fairness import StepTimes, TenantClocks, check_slowdown, row_cap
 from services.engine.request import Request, RequestStatus, StagedBlock
+from services.engine.speculate import SpeculationConfig, propose
 
 if TYPE_CHECKING:
     import torch
@@ -79,11 +84,33 @@ class Batch(NamedTuple):
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def rows(self) -> list[tuple[Request, int]]:
+        """The rows the model's output holds, in order, as (request, i): each sampled chunk's token at its
+        request's next position (i 0), then one row per draft token it verifies (i 1..draft)."""
+        return [(c.request, i) for c in self.chunks if c.sample for i in range(1 + c.draft)]
+
+    @property
+    def greedy(self) -> bool:
+        """Every sampled row takes the argmax of unprocessed logits and wants no logprobs: the model may
+        return token ids instead of logits."""
+        return all(p.greedy and not p.logprobs and not p.processed
+                   for p in (c.request.sampling for c in self.chunks if c.sample))
+
+    @property
+    def batch_class(self) -> bool:
+        """Only batch-class rows: such a step gives way to an interactive arrival (models/interrupt.py)."""
+        return bool(self.chunks) and all(c.request.priority > 0 for c in self.chunks)
+
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None):
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None,
+                 speculation: SpeculationConfig | None = None, max_context: int = 0):
         self.blocks = blocks
         self.config = config or SchedulerConfig()
+        self.speculation = speculation or SpeculationConfig(max_draft=0)     # default: no drafts
+        self.max_context = max_context           # the model's: drafts stay within it
+        self._drafted: list[Request] = []        # requests given a draft for the step scheduled last
         # One queue per priority class; index 0 (interactive) is served first.
         self.waiting: tuple[deque[Request], deque[Request]] = (deque(), deque())
         self.running: list[Request] = []       # requests holding KV blocks (a step takes some or all)
@@ -106,14 +133,17 @@ class Scheduler:
         self.waiting[request.priority].append(request)
         self.clocks.arrive(self._tenant(request), request.weight if self.config.fair else 1.0)
 
-    def schedule(self) -> Batch:
+    def schedule(self, arriving: bool = False) -> Batch:
         """This step's chunks.  Candidates (each tenant's running requests, least recently served first, then
         its waiting ones in queue order: _candidates) are taken class by class, and within a class from the
         tenant with the lowest virtual time (fairness.py; the step's own chunks count as they are taken),
         while the token budget and the sequence slots last (`max_running`, fewer while a light tenant is active:
         fairness.row_cap).  A running request not taken this step keeps its
         KV blocks (paused).  A step that prefills an interactive request takes no batch-class rows: its first
-        token comes as soon as it would on an idle engine."""
+        token comes as soon as it would on an idle engine.  With speculation on, drafts are proposed first
+        (_propose); `arriving` (a request is on its way in, not yet added) holds them back."""
+        if self.speculation.max_draft:
+            self._propose(arriving)
         self.steps += 1
         chunks: list[Chunk] = []
         preempted: list[Request] = []
@@ -155,6 +185,21 @@ class Scheduler:
         self.clocks.keep_up(blocked | {key[1] for key, queue in queues.items() if queue})
         capped = cap < self.config.max_running and not slots and bool(heap)
         return Batch(chunks, preempted, imports, len(untaken), capped)
+
+    def _propose(self, arriving: bool) -> None:
+        """Drafts for this step's decode rows (speculate.propose), while the step stays within the row budget.
+
+        Only when every running request is decoding and none waits: a step that admits or prefills is not
+        bound by reading the weights, and a waiting request's first token matters more."""
+        for req in self._drafted:
+            req.draft = []
+        self._drafted = []
+        spare = self.speculation.max_rows - len(self.running)
+        if spare <= 0 or self.num_waiting or arriving:
+            return
+        if any(r.num_computed != len(r.all_ids) - 1 for r in self.running):
+            return
+        self._drafted = propose(self.running, self.speculation, self.max_context, spare)
 
     def _candidates(self) -> dict[tuple[int, str], deque[Request]]:
         """(class, tenant) -> its running requests, least recently served first (so a tenant's streams take
@@ -277,7 +322,7 @@ class Scheduler:
         """After the model ran: the chunks' KV is in the cache; register full blocks."""
         for chunk in batch.chunks:
             req = chunk.request
-            # Draft rows' KV counts once their tokens are accepted (Engine._accept).
+            # Draft rows' KV counts once their tokens are accepted (update.keep_drafts).
             req.num_computed = chunk.start + chunk.num_tokens - chunk.draft
             self.blocks.commit(req.table, req.all_ids, req.num_computed)
             self.clocks.charge(self._tenant(req), chunk.num_tokens)

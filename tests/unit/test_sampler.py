@@ -183,3 +183,47 @@ def test_bad_words_ban_the_token_that_would_complete_one() -> None:
     assert process(logits, params, [1, 2], [], set())[4] == 1.0                   # the prompt's do not count
     assert process(logits, SamplingParams(bad_words_ids=((7,),)), [], [], set()).tolist() == logits.tolist()
     assert params.penalized and params.processed                   # full logits, its own history, no drafts
+
+
+class _Allows:
+    """A grammar matcher that allows `tokens` next (its fill sets their bits of the batch's bitmask)."""
+
+    def __init__(self, tokens: set[int]):
+        self.tokens = tokens
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.tokens:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+
+def test_sample_rows_processes_masks_and_samples_every_row_in_one_call() -> None:
+    """Each row as its request's penalties, grammar and sampler leave it, at its own position (a draft row:
+    one further); the model's logits are left as they were, for logprobs."""
+    from services.engine.request import Request
+
+    def request(rid: str, generated: int = 0, **params: object) -> Request:
+        r = Request(rid, [1, 2], SamplingParams(max_tokens=8, **params), max_tokens=8)  # type: ignore[arg-type]
+        r.output_ids = [4] * generated
+        return r
+
+    rows = torch.tensor([[1.0, 3.0, 2.0, 0.5, 2.9],     # biased: 0 wins
+                         [9.0, 3.0, 2.0, 0.5, 2.9],     # min_tokens bans the end-of-sequence id 0: 1
+                         [1.0, 3.0, 2.0, 0.5, 2.9],     # its grammar allows 2 and 3: 2
+                         [1.0, 3.0, 2.0, 0.5, 2.9],     # seeded, as a decode's first row,
+                         [1.0, 3.0, 2.0, 0.5, 2.9]])    # and the row after it (a draft's)
+    biased = request("biased", logit_bias=((0, 5.0),))
+    early = request("early", min_tokens=2)
+    constrained = request("constrained")
+    constrained.matcher = _Allows({2, 3})  # type: ignore[assignment]
+    seeded = request("seeded", generated=3, temperature=1.5, seed=7)
+    before = rows.clone()
+    got = sampler.sample_rows(rows, [(biased, 0), (early, 0), (constrained, 0), (seeded, 0), (seeded, 1)],
+                              frozenset({0}))
+    assert got[:3] == [0, 1, 2]
+    assert got[3:] == [sampler.sample(rows[3], seeded.sampling, 3), sampler.sample(rows[4], seeded.sampling, 4)]
+    assert torch.equal(rows, before)
+
+
+def test_sample_rows_takes_the_models_ids_when_every_row_was_greedy() -> None:
+    assert sampler.sample_rows(torch.tensor([5, 2, 9]), [], frozenset()) == [5, 2, 9]

@@ -615,3 +615,29 @@ def test_drafts_are_dropped_when_the_budget_or_the_blocks_run_short() -> None:
     b.append(5)
     b.draft = [6, 7, 8]                           # positions up to 5 need a second block: none is free
     assert [(c.num_tokens, c.draft) for c in tight.schedule().chunks] == [(1, 0)]
+
+
+def test_scheduling_proposes_drafts_when_every_row_decodes_and_none_waits() -> None:
+    from services.engine.speculate import SpeculationConfig
+    s = Scheduler(BlockManager(16, 4), speculation=SpeculationConfig(max_draft=3, max_rows=4), max_context=64)
+    a = req("a", [5, 6, 7, 8, 5, 6], max_tokens=8)
+    s.add(a)
+    step(s)                                     # the prefill: no drafts while it runs
+    assert a.draft == [] and a.output_ids == [7]
+    batch = s.schedule()                        # (5, 6, 7) came before: 8, 5, 6 followed
+    assert a.draft == [8, 5, 6] and spans(batch) == [("a", 6, 4, True)] and batch.chunks[0].draft == 3
+    assert batch.rows == [(a, 0), (a, 1), (a, 2), (a, 3)]
+    s.commit(batch)
+    a.append(8)
+    assert s.schedule(arriving=True).chunks[0].draft == 0 and a.draft == []   # an arrival: no drafts
+
+
+def test_a_batch_says_whether_it_is_greedy_and_whether_it_is_batch_class_only() -> None:
+    a, b = req("a", [1, 2]), req("b", [3, 4], priority=1)
+    sampled = Request("s", [5], SamplingParams(temperature=0.5, max_tokens=4), max_tokens=4)
+    assert Batch([Chunk(a, 0, 2, True), Chunk(b, 0, 2, True)], [], []).greedy
+    assert not Batch([Chunk(a, 0, 2, True), Chunk(sampled, 0, 1, True)], [], []).greedy
+    assert Batch([Chunk(a, 0, 2, True), Chunk(sampled, 0, 1, False)], [], []).greedy   # not sampled this step
+    assert Batch([Chunk(b, 0, 2, True)], [], []).batch_class
+    assert not Batch([Chunk(a, 0, 2, True), Chunk(b, 0, 2, True)], [], []).batch_class
+    assert not Batch([], [], []).batch_class
