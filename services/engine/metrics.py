@@ -1,7 +1,13 @@
-"""Prometheus metrics of one engine replica (served on --metrics-port)."""
+"""Prometheus metrics of one engine replica (served on --metrics-port).
+
+ReplicaMetrics binds them to the replica's label; a Generate call's own figures (its tokens, time to
+first token, time per output token, outcome, queue wait, and its latency for the load reports) are
+observed by its RequestMetrics, which the servicer tells what the stream saw.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -9,9 +15,11 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.engine.grammar_limits import REFUSALS
+from services.engine.stats import RecentLoad
 
 if TYPE_CHECKING:
     from services.engine.plan import ExecutionPlan  # only named here: the metrics need no torch
+    from services.engine.stats import Timing
 
 LABELS = ["replica"]
 RUNNING = Gauge("infermesh_engine_requests_running", "Requests in the running batch", LABELS)
@@ -162,9 +170,15 @@ class ReplicaMetrics:
         self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
         self.queue_wait, self.batch = QUEUE_WAIT.labels(replica), BATCH.labels(replica)
         self.replica = replica
+        self.recent = RecentLoad()     # the load reports' window: requests finished, tokens generated
         self._constrained = {g: CONSTRAINED.labels(replica, g) for g in GRAMMAR_OUTCOMES}
         self._seen = (0, 0, 0, 0, 0)  # prefix queries, hits, preemptions, drafted, accepted already counted
         self._plan: tuple[str, ...] = ()
+
+    def request(self, adapter: str = "") -> RequestMetrics:
+        """A Generate call's figures, from now (its start); `adapter`: the LoRA adapter it named, if any."""
+        count_adapter_request(self.replica, adapter)
+        return RequestMetrics(self)
 
     def constrained(self, grammar: str) -> None:
         """One constrained request: its grammar's GRAMMAR_OUTCOMES value."""
@@ -214,3 +228,38 @@ class ReplicaMetrics:
         if self._plan:
             PLAN.remove(*self._plan)
             self._plan = ()
+
+
+class RequestMetrics:
+    """One Generate call's figures, as its stream saw them: tokens generated, time to first token from the
+    call's start (a grammar's compile and a shared-cache fetch included), mean time per output token, its
+    latency (into the load reports' window) and its outcome (requests_total: "cancelled", the caller went
+    away, unless told otherwise), counted when the call closes."""
+
+    def __init__(self, replica: ReplicaMetrics):
+        self._replica = replica
+        self.started = time.monotonic()
+        self.first_token_at = 0.0
+        self.outcome = "cancelled"
+
+    def generated(self, tokens: int) -> None:
+        """One message's tokens, about to be sent."""
+        if tokens:
+            self._replica.generated.inc(tokens)
+            if not self.first_token_at:
+                self.first_token_at = time.monotonic()
+                self._replica.ttft.observe(self.first_token_at - self.started)
+
+    def ended(self, outcome: str, produced: int) -> None:
+        """The last message, about to be sent: the request ended with `outcome` (its finish reason) after
+        `produced` tokens generated here."""
+        self.outcome = outcome
+        if produced > 1:
+            self._replica.tpot.observe((time.monotonic() - self.first_token_at) / (produced - 1))
+        self._replica.recent.finished(time.monotonic(), time.monotonic() - self.started)
+
+    def closed(self, timing: Timing | None) -> None:
+        """The call is over (completed, failed, refused or cancelled); `timing`: the engine's phase timings."""
+        self._replica.finished(self.outcome)
+        if timing is not None and timing.scheduled_ns:
+            self._replica.queue_wait.observe((timing.scheduled_ns - timing.arrival_ns) / 1e9)

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,8 +64,6 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
         # Always the same thread, the one that loaded the model (services/engine/__main__.py): OpenMP
         # keeps a worker team per thread that starts parallel work, and two teams compete for the cores.
         self._step_thread = step_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._finished: deque[tuple[float, float]] = deque(maxlen=512)  # (end time, latency s)
-        self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)
         self.metrics = metrics.ReplicaMetrics(config.replica_id)
         self.metrics.set_plan(engine.runner.plan)
         self.metrics.watch_tenants(engine.stats)
@@ -117,8 +114,8 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
         self._observe_step()
         if self.engine.outbox:
             self._publish_wakeup.set()
+        self.metrics.recent.generated(now, outputs)
         for out in outputs:
-            self._tokens.append((now, len(out.new_ids)))
             queue = self.queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
@@ -161,12 +158,9 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
                                            Owner(int(request.priority), request.tenant, request.weight or 1.0),
                                            cache_salt=request.cache_salt, cache_class=request.cache_class,
                                            adapter=request.adapter)
-            metrics.count_adapter_request(self.config.replica_id, request.adapter)
             queue: asyncio.Queue[StepOutput] = asyncio.Queue()
             self.queues[request_id] = queue
-            started = time.monotonic()
-            first_token_at = 0.0
-            outcome = "cancelled"           # until the engine says otherwise: the caller went away
+            call = self.metrics.request(request.adapter)    # its tokens, first-token and per-token times, outcome
             try:
                 if req.sampling.constraint is not None:   # compiled off the event loop and the step thread
                     try:
@@ -174,25 +168,21 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
                         # compile rate a miss spends.
                         await self._match(req, req.sampling.constraint, request.cache_salt)
                     except (CompileRefused, ConstraintRefused):
-                        outcome = "rejected"                # rpc_errors sends its retry-after and caller mark
+                        call.outcome = "rejected"           # rpc_errors sends its retry-after and caller mark
                         raise
                 if self.remote is not None:
                     await self._fetch_prefix(req, span)
                 try:
                     self.engine.add(req)
                 except ResourceExhausted:
-                    outcome = "rejected"
+                    call.outcome = "rejected"
                     raise
                 self._wakeup.set()
                 while True:
                     out = _coalesced(await queue.get(), queue)
-                    if out.new_ids:
-                        self.metrics.generated.inc(len(out.new_ids))
-                        if not first_token_at:
-                            first_token_at = time.monotonic()
-                            self.metrics.ttft.observe(first_token_at - started)
+                    call.generated(len(out.new_ids))
                     if out.finish_reason is FinishReason.ERROR:
-                        outcome = "error"
+                        call.outcome = "error"
                         await context.abort(grpc.StatusCode.INTERNAL,
                                             f"engine {self.config.replica_id} failed while running the model")
                     if out.finish_reason is None:
@@ -200,13 +190,9 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
                         continue
                     # The last message: recorded before it goes, since a caller that has it may close the
                     # stream at once, and this generator is then never resumed past the yield.
-                    outcome = out.finish_reason.value
                     span.set_attributes({"completion_tokens": out.completion_tokens,
-                                         "cached_tokens": out.cached_tokens, "finish_reason": outcome})
-                    produced = len(req.output_ids)
-                    if produced > 1:
-                        self.metrics.tpot.observe((time.monotonic() - first_token_at) / (produced - 1))
-                    self._finished.append((time.monotonic(), time.monotonic() - started))
+                                         "cached_tokens": out.cached_tokens, "finish_reason": out.finish_reason.value})
+                    call.ended(out.finish_reason.value, len(req.output_ids))
                     with contextlib.suppress(GeneratorExit):     # closed after the last message: delivered
                         yield output_to_pb(out)
                     return
@@ -217,8 +203,8 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
                 if req.finish_reason is None:
                     self.engine.abort(request_id)
                     self._wakeup.set()
-                self.metrics.finished(outcome)
                 timing = self.engine.pop_timing(request_id)
+                call.closed(timing)
                 if timing is not None:
                     self._trace_phases(span, timing, len(req.prompt_ids), req.num_cached_tokens,
                                        len(req.output_ids))
@@ -256,7 +242,6 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
         scheduled = timing.scheduled_ns
         span_between("engine.queue", timing.arrival_ns, scheduled or end, span)
         if scheduled:
-            self.metrics.queue_wait.observe((scheduled - timing.arrival_ns) / 1e9)
             span_between("engine.prefill", scheduled, timing.first_token_ns or end, span,
                          prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
         if timing.first_token_ns:
@@ -271,24 +256,16 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse(found=found)
 
     def load_report(self) -> common_pb2.LoadReport:
-        now = time.monotonic()
-        window = 10.0
-        recent = [lat for t, lat in self._finished if now - t < window]
-        tokens = sum(n for t, n in self._tokens if now - t < window)
-        latencies = sorted(recent)
-
-        def pct(p: float) -> float:
-            return 1000.0 * latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else 0.0
-
+        recent = self.metrics.recent.figures(time.monotonic())
         held = self.engine.adapters.held()
         return common_pb2.LoadReport(
             replica_id=self.config.replica_id,
             running=self.engine.num_running,
             waiting=self.engine.num_waiting,
-            qps=len(recent) / window,
-            p50_latency_ms=pct(0.5),
-            p99_latency_ms=pct(0.99),
-            tokens_per_second=tokens / window,
+            qps=recent.qps,
+            p50_latency_ms=recent.p50_latency_ms,
+            p99_latency_ms=recent.p99_latency_ms,
+            tokens_per_second=recent.tokens_per_second,
             kv_blocks_total=self.engine.blocks.num_blocks,
             kv_blocks_free=self.engine.blocks.num_free_blocks,
             unix_ms=int(time.time() * 1000),

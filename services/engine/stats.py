@@ -2,20 +2,25 @@
 
 The step thread writes (one `step()` block per step, `finished()` as requests end); the server
 reads: the step figures after every step (for Prometheus), a request's timings once it is over
-(for its trace spans).
+(for its trace spans).  What the server's streams saw in the last seconds (requests finished, tokens
+generated) is kept in a RecentLoad for its load reports.  No torch here: the metrics import it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from services.engine.fairness import StepTimes
-from services.engine.scheduler import Batch
+
+if TYPE_CHECKING:
+    from services.engine.request import StepOutput
+    from services.engine.scheduler import Batch
 
 # Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
 MAX_TIMINGS = 4096
@@ -123,3 +128,40 @@ class EngineStats:
                 timing.scheduled_ns = started_ns
             if chunk.sample and not timing.first_token_ns:
                 timing.first_token_ns = ended_ns
+
+
+class LoadFigures(NamedTuple):
+    """The last window's figures, as a load report carries them."""
+
+    qps: float                  # requests finished a second
+    p50_latency_ms: float       # their latency (a Generate call's start to its last message)
+    p99_latency_ms: float
+    tokens_per_second: float    # tokens generated
+
+
+class RecentLoad:
+    """Requests finished and tokens generated in the last `window_s` seconds (time.monotonic() readings),
+    for load reports: the last 512 requests and the last 4,096 outputs, at most."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._finished: deque[tuple[float, float]] = deque(maxlen=512)    # (end time, latency s)
+        self._tokens: deque[tuple[float, int]] = deque(maxlen=4096)       # (step end, tokens of one output)
+
+    def generated(self, now: float, outputs: Sequence[StepOutput]) -> None:
+        """A step's outputs, delivered at `now`."""
+        for out in outputs:
+            self._tokens.append((now, len(out.new_ids)))
+
+    def finished(self, now: float, latency_s: float) -> None:
+        self._finished.append((now, latency_s))
+
+    def figures(self, now: float) -> LoadFigures:
+        window = self.window_s
+        latencies = sorted(lat for t, lat in self._finished if now - t < window)
+        tokens = sum(n for t, n in self._tokens if now - t < window)
+
+        def pct(p: float) -> float:
+            return 1000.0 * latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else 0.0
+
+        return LoadFigures(len(latencies) / window, pct(0.5), pct(0.99), tokens / window)
