@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
@@ -42,7 +41,7 @@ from services.engine.fairness import waiting_refusal
 from services.engine.grammar_limits import GrammarLimits
 from services.engine.kv_transfer import Outbox
 from services.engine.model_runner import ModelRunner
-from services.engine.models.interrupt import StepInterrupted, interruptible
+from services.engine.models.interrupt import interruptible
 from services.engine.request import COMMON, EngineTokenLogprob, FinishReason, Owner, Request, SamplingParams, StepOutput
 from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from services.engine.speculate import SpeculationConfig
@@ -154,7 +153,7 @@ class Engine:
         server fails their calls; the model may have left them half-computed) and keep the others.  The
         step's other outputs (aborts) are returned too.  A failure before a batch was scheduled fails
         every request (fail_all)."""
-        batch, self._batch = self._batch, None
+        batch, self._batch, self._give_way = self._batch, None, None
         outputs, self._pending = self._pending, []
         if batch is None:
             return outputs + self.fail_all()
@@ -187,25 +186,18 @@ class Engine:
         if self.versions.switch() and self.outbox is not None:
             self.outbox.clear()            # blocks of the version before: published under its name, or not at all
 
-    @contextmanager
-    def _giving_way(self, batch: Batch) -> Iterator[None]:
+    def _giving_way(self, batch: Batch) -> interruptible:
         """Around a step's run: one of batch-class rows only stops between layers when an interactive
         request arrives (add() sets the event), and counts as not run: the next step takes its rows again."""
         with self._lock:
             self._give_way = threading.Event() if batch.batch_class else None
             if self._give_way is not None and any(r.priority == 0 for r in self._inbox):
                 self._give_way.set()
-        try:
-            with interruptible(self._give_way):
-                yield
-        except StepInterrupted:
-            self.stats.interrupted += 1
-        finally:
-            self._give_way = None
+        return interruptible(self._give_way, self.stats.gave_way)
 
     def _end_step(self) -> list[StepOutput]:
         """The step's outputs, once it is over: the tenants' figures after it, an unused old version released."""
-        outputs, self._batch, self._pending = self._pending, None, []
+        outputs, self._batch, self._pending, self._give_way = self._pending, None, [], None
         self.stats.observe_tenants(self.scheduler.tenant_counts())
         if len(self.versions.models) > 1:
             self.versions.release_unused()

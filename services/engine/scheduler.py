@@ -94,8 +94,8 @@ class Batch(NamedTuple):
     def greedy(self) -> bool:
         """Every sampled row takes the argmax of unprocessed logits and wants no logprobs: the model may
         return token ids instead of logits."""
-        return all(p.greedy and not p.logprobs and not p.processed
-                   for p in (c.request.sampling for c in self.chunks if c.sample))
+        sampled = [c.request.sampling for c in self.chunks if c.sample]
+        return all(p.greedy and not p.logprobs and not p.processed for p in sampled)
 
     @property
     def batch_class(self) -> bool:

@@ -92,6 +92,10 @@ class EngineStats:
                 name = OTHER
             served[name] = served.get(name, 0) + chunk.num_tokens
 
+    def gave_way(self) -> None:
+        """A step of batch-class rows was given up for an interactive arrival (not run: no figures)."""
+        self.interrupted += 1
+
     def drafted(self, drafted: int, accepted: int) -> None:
         self.draft_tokens += drafted
         self.accepted_tokens += accepted

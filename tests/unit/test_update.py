@@ -52,7 +52,8 @@ def test_each_sampled_chunk_takes_its_token_and_ends_there_when_it_must() -> Non
     batch = Batch([decoding(blocks, a), prefill, decoding(blocks, b)], [], [])
     ends = Ends()
     step = update_from_output(batch, [11, 12], torch.tensor([11, 12]), RULES, blocks, ends)
-    assert step.outputs == [StepOutput("a", (11,)), StepOutput("b", (12,), (), FinishReason.LENGTH, completion_tokens=1)]
+    assert step.outputs == [StepOutput("a", (11,)),
+                            StepOutput("b", (12,), (), FinishReason.LENGTH, completion_tokens=1)]
     assert ends.calls == [("b", FinishReason.LENGTH, (12,))]
     assert (a.output_ids, b.output_ids, c.output_ids) == ([11], [12], [])
     assert (step.drafted, step.accepted) == (0, 0)

@@ -9,9 +9,9 @@ next step takes the same rows again (their KV writes so far are rewritten with t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from contextvars import ContextVar
+from types import TracebackType
 
 
 class StepInterrupted(Exception):
@@ -21,14 +21,26 @@ class StepInterrupted(Exception):
 _EVENT: ContextVar[threading.Event | None] = ContextVar("infermesh_step_interrupt", default=None)
 
 
-@contextmanager
-def interruptible(event: threading.Event | None) -> Iterator[None]:
-    """Within the block, check() raises once `event` is set (None: the step runs to its end)."""
-    token = _EVENT.set(event)
-    try:
-        yield
-    finally:
-        _EVENT.reset(token)
+class interruptible:  # a context manager, named as contextlib's are
+    """Within the block, check() raises StepInterrupted once `event` is set (None: the step runs to its end);
+    the block then ends there, quietly, after `gave_way` is called.  A class, not a generator: it wraps
+    every step."""
+
+    __slots__ = ("_token", "event", "gave_way")
+
+    def __init__(self, event: threading.Event | None, gave_way: Callable[[], None] | None = None):
+        self.event, self.gave_way = event, gave_way
+
+    def __enter__(self) -> None:
+        self._token = _EVENT.set(self.event)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        _EVENT.reset(self._token)
+        if kind is None or not issubclass(kind, StepInterrupted):
+            return False
+        if self.gave_way is not None:
+            self.gave_way()
+        return True
 
 
 def check() -> None:
