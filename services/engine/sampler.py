@@ -269,7 +269,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[Request, int]], eos_t
     if any(r.sampling.processed for r, _ in rows):
         scores = logits.clone()          # logprobs stay the model's own; sampling sees the processed
         for row, (req, _) in enumerate(rows):
-            if req.sampling.penalized:   # (rows with drafts never are: speculate.propose skips them)
+            if req.sampling.penalized:   # (rows with drafts never are: Scheduler._propose)
                 scores[row] = process(logits[row], req.sampling, req.prompt_ids, req.resume_ids + req.output_ids,
                                       eos_token_ids | set(req.sampling.stop_token_ids))
         grammar.apply_masks(scores, logits, [(row, r.matcher) for row, (r, _) in enumerate(rows)

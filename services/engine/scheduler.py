@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from services.engine.block_manager import BlockManager, BlockTable
 from services.engine.fairness import StepTimes, TenantClocks, check_slowdown, row_cap
 from services.engine.request import Request, RequestStatus, StagedBlock
-from services.engine.speculate import SpeculationConfig, propose
+from services.engine.speculate import Lookup, SpeculationConfig
 
 if TYPE_CHECKING:
     import torch
@@ -187,19 +187,35 @@ class Scheduler:
         return Batch(chunks, preempted, imports, len(untaken), capped)
 
     def _propose(self, arriving: bool) -> None:
-        """Drafts for this step's decode rows (speculate.propose), while the step stays within the row budget.
+        """Drafts (Request.draft, from each request's speculate.Lookup) for this step's decode rows, interactive
+        then batch class, oldest first, while the step stays within the row budget (`max_rows`).
 
         Only when every running request is decoding and none waits: a step that admits or prefills is not
-        bound by reading the weights, and a waiting request's first token matters more."""
+        bound by reading the weights, and a waiting request's first token matters more.  A row whose logits
+        are processed (penalties, a grammar) gets none: it needs its own history at every position."""
         for req in self._drafted:
             req.draft = []
         self._drafted = []
-        spare = self.speculation.max_rows - len(self.running)
+        spec = self.speculation
+        spare = spec.max_rows - len(self.running)
         if spare <= 0 or self.num_waiting or arriving:
             return
         if any(r.num_computed != len(r.all_ids) - 1 for r in self.running):
             return
-        self._drafted = propose(self.running, self.speculation, self.max_context, spare)
+        for req in sorted(self.running, key=lambda r: (r.priority, r.arrival)):
+            if req.lookup is None:
+                req.lookup = Lookup(spec.min_ngram, spec.max_ngram, draft_len=spec.max_draft)
+            # Every accepted draft and the token after them must fit max_tokens and the context.
+            room = min(req.max_tokens - req.num_generated, self.max_context - len(req.all_ids)) - 1
+            k = min(req.lookup.draft_len, spare, room) if not req.sampling.processed else 0
+            if k <= 0:
+                continue
+            req.draft = req.lookup.propose(req.all_ids, k)
+            if req.draft:
+                self._drafted.append(req)
+                spare -= len(req.draft)
+                if spare <= 0:
+                    return
 
     def _candidates(self) -> dict[tuple[int, str], deque[Request]]:
         """(class, tenant) -> its running requests, least recently served first (so a tenant's streams take

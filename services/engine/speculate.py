@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from services.engine.plan import ExecutionPlan
-    from services.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -70,28 +69,6 @@ class Lookup:
             self.draft_len = min(most, self.draft_len + 1)
         elif accepted == 0:
             self.draft_len = max(1, self.draft_len - 1)
-
-
-def propose(running: Sequence[Request], config: SpeculationConfig, max_context: int, spare: int) -> list[Request]:
-    """Drafts (Request.draft) for decoding requests, interactive then batch class, oldest first, while `spare`
-    rows last; returns the requests given one.  A row whose logits are processed (penalties, a grammar) gets
-    none: it needs its own history at every position.  Every accepted draft and the token after them must
-    fit max_tokens and the context."""
-    drafted: list[Request] = []
-    for req in sorted(running, key=lambda r: (r.priority, r.arrival)):
-        if req.lookup is None:
-            req.lookup = Lookup(config.min_ngram, config.max_ngram, draft_len=config.max_draft)
-        room = min(req.max_tokens - req.num_generated, max_context - len(req.all_ids)) - 1
-        k = min(req.lookup.draft_len, spare, room) if not req.sampling.processed else 0
-        if k <= 0:
-            continue
-        req.draft = req.lookup.propose(req.all_ids, k)
-        if req.draft:
-            drafted.append(req)
-            spare -= len(req.draft)
-            if spare <= 0:
-                break
-    return drafted
 
 
 def for_plan(plan: ExecutionPlan, max_draft: int = -1, max_rows: int = 0) -> SpeculationConfig:

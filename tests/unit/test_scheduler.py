@@ -641,3 +641,23 @@ def test_a_batch_says_whether_it_is_greedy_and_whether_it_is_batch_class_only() 
     assert Batch([Chunk(b, 0, 2, True)], [], []).batch_class
     assert not Batch([Chunk(a, 0, 2, True), Chunk(b, 0, 2, True)], [], []).batch_class
     assert not Batch([], [], []).batch_class
+
+
+def test_drafts_go_to_the_oldest_decode_rows_within_the_row_budget_never_to_a_processed_one() -> None:
+    from services.engine.speculate import SpeculationConfig
+    s = Scheduler(BlockManager(64, 4), speculation=SpeculationConfig(max_draft=3, max_rows=7), max_context=64)
+    penalized = Request("penalized", [1, 2, 7, 9, 1, 2], SamplingParams(max_tokens=8, presence_penalty=1.0),
+                        max_tokens=8)
+    old, new = req("old", [5, 6, 7, 8, 5, 6]), req("new", [9, 8, 7, 9, 8])
+    for r in (penalized, old, new):
+        s.add(r)
+    step(s)                                     # the prefills; each then ends in 7
+    batch = s.schedule()                        # 4 spare rows: old takes 3, new the last one
+    assert (penalized.draft, old.draft, new.draft) == ([], [8, 5, 6], [9])
+    assert [c.draft for c in batch.chunks] == [0, 3, 1]
+    near = Scheduler(BlockManager(64, 4), speculation=SpeculationConfig(max_draft=3, max_rows=4), max_context=9)
+    end = req("end", [5, 6, 7, 8, 5, 6])
+    near.add(end)
+    step(near)
+    near.schedule()                             # one draft and the token after it fill the context
+    assert end.draft == [8]

@@ -50,24 +50,3 @@ def test_config_and_the_plans_default() -> None:
     assert for_plan(cpu, 0).max_draft == 0 and for_plan(cpu, 5, 8) == SpeculationConfig(max_draft=5, max_rows=8)
     gpu = ExecutionPlan("cuda", "bfloat16", "fused", "triton", "triton", "cuda")
     assert for_plan(gpu).max_draft == 0
-
-
-def test_propose_drafts_interactive_then_oldest_rows_within_the_spare_rows() -> None:
-    from services.engine.request import Request, SamplingParams
-    from services.engine.speculate import propose
-
-    def request(rid: str, prompt: list[int], arrival: int, priority: int = 0, **params: float) -> Request:
-        r = Request(rid, prompt, SamplingParams(max_tokens=16, **params), max_tokens=16)  # type: ignore[arg-type]
-        r.arrival, r.priority = arrival, priority
-        return r
-
-    config = SpeculationConfig(max_draft=3)
-    batch = request("batch", [1, 2, 3, 4, 1, 2], arrival=0, priority=1)
-    old = request("old", [5, 6, 7, 8, 5, 6], arrival=1)
-    new = request("new", [9, 8, 7, 9, 8], arrival=2)
-    penalized = request("penalized", [1, 2, 3, 1, 2], arrival=0, presence_penalty=1.0)   # its own logits: none
-    drafted = propose([batch, new, penalized, old], config, max_context=64, spare=4)
-    assert [r.request_id for r in drafted] == ["old", "new"]
-    assert (old.draft, new.draft, batch.draft, penalized.draft) == ([7, 8, 5], [7], [], [])
-    near_end = request("near_end", [5, 6, 7, 8, 5, 6], arrival=0)
-    assert propose([near_end], config, max_context=8, spare=4) == [near_end] and near_end.draft == [7]
