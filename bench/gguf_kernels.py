@@ -34,7 +34,7 @@ import torch  # noqa: E402 - after the allocator's setting
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 from meshkernels import cpu_ops, gguf_blocks  # noqa: E402
-from services.engine.models.linear import Bf16WeightLinear, Fp16WeightLinear  # noqa: E402
+from services.engine.runtime.models.linear import Bf16WeightLinear, Fp16WeightLinear  # noqa: E402
 
 # (K, N) of q/k/v fused, o, gate/up fused, down, and the LM head (a tied embedding: Q8_0 in Qwen2.5's Q4_K_M
 # files and in SmolLM2's Q4_1 file, whose other linear weights are all Q4_1; K = 576 holds no K-quant).

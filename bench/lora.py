@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.engine import QUESTIONS, cpu_name  # noqa: E402 - the served bench's prompts and CPU name
 from bench.step_profile import served_engine  # noqa: E402
+from services.engine.core.request import SamplingParams  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
-from services.engine.request import SamplingParams  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 from bench.engine import cpu_name  # noqa: E402
 from mesh.models import served_model  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.core.request import SamplingParams  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
-from services.engine.models.gguf_weights import has_gguf  # noqa: E402
-from services.engine.plan import decide, for_config  # noqa: E402
-from services.engine.request import SamplingParams  # noqa: E402
+from services.engine.runtime.model_runner import ModelRunner  # noqa: E402
+from services.engine.runtime.models.gguf_weights import has_gguf  # noqa: E402
+from services.engine.runtime.plan import decide, for_config  # noqa: E402
 
 TOPICS = ("the history of the printing press", "how a refrigerator works", "the water cycle", "chess openings",
           "the life of honeybees", "volcanoes", "how compilers optimize loops", "the Roman road network",

@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mesh.prefix import block_hash  # noqa: E402
-from services.engine.block_manager import BlockManager  # noqa: E402
-from services.engine.request import Request, SamplingParams  # noqa: E402
-from services.engine.scheduler import Batch, Scheduler, SchedulerConfig  # noqa: E402
+from services.engine.core.block_manager import BlockManager  # noqa: E402
+from services.engine.core.request import Request, SamplingParams  # noqa: E402
+from services.engine.core.scheduler import Batch, Scheduler, SchedulerConfig  # noqa: E402
 from services.router.policies import POLICIES, Policy, PolicyConfig, RouteRequest  # noqa: E402
 from services.router.replicas import LoadReport, Replica  # noqa: E402
 
@@ -213,7 +213,7 @@ class SimEngine:
         return finished
 
     def report(self, now: float, window: float = 10.0) -> LoadReport:
-        """What services/engine/server.py load_report() would say now."""
+        """What services/engine/rpcs/server.py load_report() would say now."""
         while self.done and self.done[0][0] <= now - window:
             self.done.popleft()
         while self.made and self.made[0][0] <= now - window:

@@ -28,11 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.engine import QUESTIONS, cpu_name  # noqa: E402 - the served bench's prompts and CPU name
 from mesh.models import served_model  # noqa: E402
-from services.engine import plan, sampler  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.core.request import SamplingParams  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
-from services.engine.request import SamplingParams  # noqa: E402
+from services.engine.runtime import (
+    plan,
+    sampler,  # noqa: E402
+)
+from services.engine.runtime.model_runner import ModelRunner  # noqa: E402
 
 
 class Timer:

@@ -157,8 +157,8 @@ def engine_check(folder: Path, gguf: Path | None = None) -> None:
     model.gguf was made from, named in the message instead of the folder's copy."""
     from mesh import models
     from mesh.models.gguf_header import GgufError
-    from services.engine.models.config import LlamaConfig
-    from services.engine.models.gguf_check import check_file
+    from services.engine.runtime.models.config import LlamaConfig
+    from services.engine.runtime.models.gguf_check import check_file
 
     try:
         config = LlamaConfig.from_folder(folder)
@@ -177,7 +177,7 @@ def engine_view(folder: Path) -> str:
     import torch
 
     from mesh import models
-    from services.engine import plan, tune
+    from services.engine.runtime import plan, tune
 
     try:
         engine_check(folder)
@@ -209,7 +209,7 @@ def _cmd_top(a: argparse.Namespace) -> int:
 
 def _cmd_tune(a: argparse.Namespace) -> int:
     from mesh import models
-    from services.engine import tune
+    from services.engine.runtime import tune
 
     try:
         folder = models.path(a.model)

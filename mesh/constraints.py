@@ -1,7 +1,7 @@
 """Structured-output constraints as every service speaks of them: what the generated text must be.
 
 The edge builds them from `response_format`, the regex / grammar extensions and tool choices
-(mesh/tools.py); the engine compiles them (services/engine/grammar.py).  Pure code.
+(mesh/tools.py); the engine compiles them (services/engine/runtime/grammar.py).  Pure code.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 MAX_NAME_CHARS = 256            # model, user / session id, replica pin, messages[].name
-MAX_WEIGHT = 1000.0             # a tier's weight in fair scheduling (services/engine/fairness.py); above 0
+MAX_WEIGHT = 1000.0             # a tier's weight in fair scheduling (services/engine/core/fairness.py); above 0
 
 
 def name_problem(what: str, value: str) -> str | None:

@@ -5,7 +5,7 @@
 protobuf message carries it (mesh/sampling_pb.py converts field by field), the router checks a native caller's
 values at its door
 (`problem`) and settles what needs the tokenizer (`at_tokenizer`), and the engine samples with it
-(services/engine/request.py: SamplingParams adds the engine's default and its derived flags).  A field's limits
+(services/engine/core/request.py: SamplingParams adds the engine's default and its derived flags).  A field's limits
 live in its `Spec`, beside its default: adding a field is a line here, one in proto/meshpb/v1/common.proto, and
 its effect where it acts.
 
@@ -57,7 +57,7 @@ def _spec(kind: str, lo: float | None = None, hi: float | None = None, **rules: 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to sample one answer (the defaults are OpenAI's; services/engine/request.py's SamplingParams samples
+    """How to sample one answer (the defaults are OpenAI's; services/engine/core/request.py's SamplingParams samples
     greedily by default)."""
     temperature: float = field(default=1.0, metadata=_spec("number", 0.0, 2.0, guard=True))
     top_p: float = field(default=1.0, metadata=_spec("number", 0.0, 1.0, unset_zero=True, guard=True))
@@ -105,7 +105,7 @@ class Sampling:
 
     @property
     def penalized(self) -> bool:
-        """Whether the sampler's logits processing (services/engine/sampler.py: process) changes the logits:
+        """Whether the sampler's logits processing (services/engine/runtime/sampler.py: process) changes the logits:
         processed, a grammar aside (its masks are applied apart)."""
         return any(getattr(self, name) != default for name, _, default in LOGITS_FIELDS if name != "constraint")
 
@@ -115,7 +115,7 @@ GREEDY_BELOW = 1e-5     # temperatures below this sample greedily (Sampling.gree
 
 def field_spec(name: str) -> dataclasses.Field[Any]:
     """A field of Sampling with its default and spec, for a subclass that changes only the default
-    (services/engine/request.py: `temperature: float = field_spec("temperature")` with default 0)."""
+    (services/engine/core/request.py: `temperature: float = field_spec("temperature")` with default 0)."""
     return Sampling.__dataclass_fields__[name]
 
 

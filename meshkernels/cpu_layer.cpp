@@ -1,5 +1,5 @@
 // One decoder layer of a pure-decode step in one call, for small batches with the q4 weights
-// (services/engine/models/llama.py takes it when the plan allows): the same ops the Python forward
+// (services/engine/runtime/models/llama.py takes it when the plan allows): the same ops the Python forward
 // calls one by one (add + RMSNorm, the q4 GEMMs, RoPE + KV write, paged decode attention, SiLU x up),
 // called from C++, so a step pays one dispatch per layer instead of nine.  Same math, same order:
 // the result equals the op-by-op forward's bit for bit.

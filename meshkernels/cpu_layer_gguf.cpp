@@ -1,5 +1,5 @@
 // One decoder layer of a pure-decode step in one call, for small batches with a GGUF's own blocks
-// (services/engine/models/llama.py takes it when the plan's small kind is `gguf`): decode_layer_q4's
+// (services/engine/runtime/models/llama.py takes it when the plan's small kind is `gguf`): decode_layer_q4's
 // ops (cpu_layer.cpp) with gguf_linear products.  A GGUF may store q, k and v (or gate and up) in
 // different types, so each of those is up to three (two) products, one per type, placed side by side as
 // models/linear.py's Concat places them, with q/k/v's biases added after.  Same math, same order as the

@@ -1,4 +1,4 @@
-// LoRA updates of a mixed batch's rows in one call per projection (services/engine/lora.py's `apply`, whose
+// LoRA updates of a mixed batch's rows in one call per projection (services/engine/runtime/lora.py's `apply`, whose
 // torch loop is the reference): for each adapter's rows, t = h[row] A (A: in x rank, the modules' stacked)
 // then out[row] += t B over B's nonzero blocks only (B: rank x width, each module's block at its ranks and
 // columns; q, k and v share one projection, so two thirds of its merged B are zeros the torch GEMM multiplies).

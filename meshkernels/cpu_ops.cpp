@@ -1,6 +1,6 @@
 // Fused float32 CPU ops for the engine's fast (non-"exact") forward; built and loaded by meshkernels/cpu_ops.py.
 //
-// Each op replaces a run of small torch ops in services/engine/models/llama.py (about 8-10 us of dispatch
+// Each op replaces a run of small torch ops in services/engine/runtime/models/llama.py (about 8-10 us of dispatch
 // each), and paged_decode_attention reads K/V rows straight from the paged cache instead of gathering
 // them into contiguous copies first.  The math is float32 throughout; results agree with the torch ops
 // to rounding (sums are taken in a different order), not bit for bit.

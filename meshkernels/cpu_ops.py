@@ -12,7 +12,7 @@ The engine's fast (non-"exact") forward calls them through `torch.ops.infermesh.
   slots (T,), num_heads)`: rotates q and k in place and stores k and v at `slots`.
 - `silu_and_mul(gate_up (T, 2I))` -> (T, I): silu(gate) * up.
 - `lora_apply(out (T, O), h (T, I), rows (R,), table (n, 19))`: each adapter's rows' LoRA update added into `out`
-  in place (meshkernels/cpu_lora.cpp; its reference is services/engine/lora.py's torch loop).
+  in place (meshkernels/cpu_lora.cpp; its reference is services/engine/runtime/lora.py's torch loop).
 
 Their torch references, with the same signatures, are meshkernels/torch_ops.py (the norm, RoPE and SiLU
 ops) and paged_attention.decode() / _reference() (decode attention); tests/unit/test_cpu_ops.py

@@ -1,4 +1,4 @@
-// Sampling's passes over the vocabulary, for services/engine/sampler.py; built and loaded by meshkernels/cpu_ops.py.
+// Sampling's passes over the vocabulary, for services/engine/runtime/sampler.py; built and loaded by meshkernels/cpu_ops.py.
 //
 // A sampled row of a 151,936-token vocabulary is 600 KB of logits: torch's topk, logsumexp, division and
 // softmax each read it again (and topk sorts its candidates), ~2-3 ms a row on 2 cores.  These ops read a
@@ -8,7 +8,7 @@
 //   per row, logsumexp(logits / T) over the whole vocabulary, and the `counts` most likely tokens, most
 //   likely first (values = logit / T; the rest of the K slots are -inf and id -1).  The candidates are
 //   exactly the top `counts`: every token left out is less likely than every one kept.  Their torch
-//   reference: topk + logsumexp (services/engine/sampler.py: candidates_reference).
+//   reference: topk + logsumexp (services/engine/runtime/sampler.py: candidates_reference).
 // - sample_whole(logits (R, V), temps (R,), draws (R,), out (R,)!): per row, the token at the inverse CDF
 //   of softmax(logits / T) in token-id order at draws[r] x total (temperature alone, no filter).
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"
 ALIASES: dict[str, str] = {"default": DEFAULT_MODEL}
-# The one list of `model_type`s the engine's Llama-family forward runs (services/engine/models).
+# The one list of `model_type`s the engine's Llama-family forward runs (services/engine/runtime/models).
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 
 

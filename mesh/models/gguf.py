@@ -116,7 +116,7 @@ def _convert(gguf: Path, out_dir: Path) -> dict[str, Any]:
 def keep_gguf(gguf: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """A folder that keeps the GGUF's own blocks: config, generation config, tokenizer and chat template read
     from the file (no weight de-quantized), and the file itself as `model.gguf` (a hard link where the
-    filesystem allows, else a copy).  The engine reads the weights from it (services/engine/models/
+    filesystem allows, else a copy).  The engine reads the weights from it (services/engine/runtime/models/
     gguf_weights.py); `AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf")` does too."""
     with _alone(Path(gguf)) as alone:
         return _keep(alone, Path(gguf), Path(out_dir))

@@ -13,7 +13,7 @@ tensors than the file can hold, a string longer than what is left, a tensor whos
 alignment that would start the data inside the header): a malformed file is refused with GgufError naming the
 file, the tensor or key and what the file says, never read out of bounds or turned into a raw traceback.  What
 the tensors must be for a model (present, shaped by its config, of a type the loader reads) is the engine's
-check: services/engine/models/gguf_check.py.
+check: services/engine/runtime/models/gguf_check.py.
 
 Standard library at import; numpy and gguf-py's type table are imported by the functions that need them.
 """

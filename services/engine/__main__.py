@@ -20,15 +20,16 @@ from mesh.grpcutil import Service
 from mesh.models import served_model
 from mesh.ratelimit import parse_rate
 from mesh.service import Advertised, add_service_flags, run_service, serve_grpc
-from services.engine import kv_transfer, plan, speculate
 from services.engine.config import DEVICES, DTYPES, GRAPH_MODES, KV_DTYPES, EngineConfig
+from services.engine.core import speculate
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.grammar_limits import GrammarLimits
-from services.engine.kv_transfer import Outbox
-from services.engine.model_runner import ModelRunner
-from services.engine.remote_cache import RemoteCache, kv_version
-from services.engine.scheduler import SchedulerConfig
-from services.engine.server import EngineServicer, add_to
+from services.engine.rpcs.remote_cache import RemoteCache, kv_version
+from services.engine.rpcs.server import EngineServicer, add_to
+from services.engine.runtime import kv_transfer, plan
+from services.engine.runtime.grammar_limits import GrammarLimits
+from services.engine.runtime.kv_transfer import Outbox
+from services.engine.runtime.model_runner import ModelRunner
 
 log = logging.getLogger("engine")
 

@@ -1,21 +1,21 @@
 """EngineConfig: one frozen description of an engine process, as its flags ask for it.
 
 What `auto` becomes on this machine (device, dtype, matmul, kernels, graphs) is decided once, at
-start, by services/engine/plan.py."""
+start, by services/engine/runtime/plan.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mesh.ratelimit import Rate
-from services.engine.fairness import check_slowdown
+from services.engine.core.fairness import check_slowdown
 
 DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")   # auto: float16 with the fused CPU ops, else dtype
 # Pure-decode steps.  auto: CUDA graphs on a GPU, else off; eager: the graphs' static buffers without
 # capture (their logic, on any device); cuda: captured graphs (a GPU only).
-GRAPHS = ("off", "eager", "cuda")           # what a plan runs (services/engine/plan.py)
+GRAPHS = ("off", "eager", "cuda")           # what a plan runs (services/engine/runtime/plan.py)
 GRAPH_MODES = ("auto", *GRAPHS)             # what a config may ask for
 
 
@@ -37,7 +37,7 @@ class EngineConfig:
     block_size: int = 16               # tokens per KV block
     max_batched_tokens: int = 512      # tokens per step (decode rows + prefill chunks)
     max_running: int = 64              # sequences per step
-    fair_scheduling: bool = True       # weighted fair queuing between tenants (services/engine/fairness.py)
+    fair_scheduling: bool = True       # weighted fair queuing between tenants (services/engine/core/fairness.py)
     fair_slowdown: float = 1.5         # a light tenant's steps at most this x its share's (scheduler.py); 0: off
     speculate: int = -1                # prompt-lookup draft tokens per request and step; -1 auto, 0 off
     speculate_rows: int = 0            # draft while a step's rows stay within this; 0 auto (speculate.py)
@@ -53,7 +53,7 @@ class EngineConfig:
     cache_timeout_s: float = 2.0       # fetching one request's blocks, at most; then it recomputes
     cache_outbox_mb: int = 256         # computed blocks waiting to be published; the oldest go beyond
     cache_staging_mb: int = 1024       # fetched blocks waiting for their requests' admission; beyond: recompute
-    # Structured outputs (services/engine/grammar_limits.py): what compiled grammars may cost.
+    # Structured outputs (services/engine/runtime/grammar_limits.py): what compiled grammars may cost.
     grammar_cache_mb: int = 0          # compiled grammars kept, by their real size; 0: auto (grammar_cache_bytes)
     grammar_compile_rate: Rate | None = Rate(20, 60)   # new grammars per tenant (cache_salt); None: no limit
     grammar_compiles: int = 1          # compiles running at once, all tenants (each in its own process)

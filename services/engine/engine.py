@@ -17,7 +17,7 @@ A step that raises (a model failure) leaves the engine usable: the server calls 
 requests of the batch that step was running with FinishReason.ERROR; the requests the step did not touch
 (waiting for admission, or left out of the batch) go on.
 
-With speculation on (services/engine/speculate.py), a step may verify draft tokens of its decode
+With speculation on (services/engine/core/speculate.py), a step may verify draft tokens of its decode
 rows: a request's step output then carries every token the step accepted, in order.
 
 A step of batch-class rows only gives way to an interactive request that arrives while it runs: the model
@@ -33,21 +33,29 @@ from collections.abc import Sequence
 import torch
 
 from mesh.errors import ResourceExhausted
-from services.engine import grammar, kv_transfer, sampler
-from services.engine.adapters import AdapterPool, factor_dtype, shape_of
-from services.engine.admission import build_request
-from services.engine.block_manager import BlockManager
-from services.engine.fairness import waiting_refusal
-from services.engine.grammar_limits import GrammarLimits
-from services.engine.kv_transfer import Outbox
-from services.engine.model_runner import ModelRunner
-from services.engine.models.interrupt import interruptible
-from services.engine.request import COMMON, EngineTokenLogprob, FinishReason, Owner, Request, SamplingParams, StepOutput
-from services.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from services.engine.speculate import SpeculationConfig
+from services.engine.core.admission import build_request
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.fairness import waiting_refusal
+from services.engine.core.request import (
+    COMMON,
+    EngineTokenLogprob,
+    FinishReason,
+    Owner,
+    Request,
+    SamplingParams,
+    StepOutput,
+)
+from services.engine.core.scheduler import Batch, Scheduler, SchedulerConfig
+from services.engine.core.speculate import SpeculationConfig
+from services.engine.core.update import Rules, update_from_output
+from services.engine.runtime import grammar, kv_transfer, sampler
+from services.engine.runtime.adapters import AdapterPool, factor_dtype, shape_of
+from services.engine.runtime.grammar_limits import GrammarLimits
+from services.engine.runtime.kv_transfer import Outbox
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.models.interrupt import interruptible
+from services.engine.runtime.versions import Versions
 from services.engine.stats import EngineStats, Timing
-from services.engine.update import Rules, update_from_output
-from services.engine.versions import Versions
 
 
 class Engine:
@@ -55,8 +63,8 @@ class Engine:
                  outbox: Outbox | None = None, speculation: SpeculationConfig | None = None, version: str = "1",
                  grammar_limits: GrammarLimits | None = None):
         self.runner = runner
-        self.versions = Versions(runner, version)      # hot swaps (services/engine/versions.py)
-        self.adapters = AdapterPool(shape_of(runner), factor_dtype(runner))   # LoRA (services/engine/adapters.py)
+        self.versions = Versions(runner, version)      # hot swaps (services/engine/runtime/versions.py)
+        self.adapters = AdapterPool(shape_of(runner), factor_dtype(runner))   # LoRA (runtime/adapters.py)
         self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache

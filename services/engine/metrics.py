@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from services.engine.grammar_limits import REFUSALS
+from services.engine.runtime.grammar_limits import REFUSALS
 from services.engine.stats import RecentLoad
 
 if TYPE_CHECKING:
-    from services.engine.plan import ExecutionPlan  # only named here: the metrics need no torch
+    from services.engine.runtime.plan import ExecutionPlan  # only named here: the metrics need no torch
     from services.engine.stats import Timing
 
 LABELS = ["replica"]
@@ -34,7 +34,7 @@ DRAFTED = Counter("infermesh_engine_draft_tokens_total", "Speculative draft toke
 ACCEPTED = Counter("infermesh_engine_draft_accepted_tokens_total", "Of the draft tokens verified, those accepted",
                    LABELS)
 # A constrained request's grammar: cached (compiled before), compiled, or why it was refused
-# (services/engine/grammar_limits.py REFUSALS).  Refusals are values of this label, not a metric of their
+# (services/engine/runtime/grammar_limits.py REFUSALS).  Refusals are values of this label, not a metric of their
 # own, so the dashboard's structured-output panel shows them beside the compiles they limit.
 GRAMMAR_OUTCOMES = ("cached", "compiled", *REFUSALS)
 CONSTRAINED = Counter("infermesh_engine_constrained_requests_total",
@@ -69,7 +69,7 @@ def count_adapter_request(replica: str, adapter: str) -> None:
 
 
 PLAN_LABELS = ("device", "dtype", "matmul", "attention", "ops", "graphs", "matmul_large", "split_rows", "kv_dtype")
-PLAN = Gauge("infermesh_engine_plan_info", "The replica's execution plan (services/engine/plan.py) as labels; 1",
+PLAN = Gauge("infermesh_engine_plan_info", "The replica's execution plan (runtime/plan.py) as labels; 1",
              ["replica", *PLAN_LABELS])
 
 

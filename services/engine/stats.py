@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from services.engine.fairness import StepTimes
+from services.engine.core.fairness import StepTimes
 
 if TYPE_CHECKING:
-    from services.engine.request import StepOutput
-    from services.engine.scheduler import Batch
+    from services.engine.core.request import StepOutput
+    from services.engine.core.scheduler import Batch
 
 # Timings kept for requests whose server never collects them (in-process callers): the oldest go first.
 MAX_TIMINGS = 4096

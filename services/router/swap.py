@@ -3,7 +3,7 @@
 
 One replica at a time, so the others keep their whole capacity while it loads: each engine loads
 the weights beside its running ones and, with activate, starts new requests on them while its
-requests in flight finish on theirs (services/engine/versions.py).  The replica table follows each
+requests in flight finish on theirs (services/engine/runtime/versions.py).  The replica table follows each
 engine's answer at once (its probes would within a second), and once every replica runs the new
 version, it becomes the model's default.
 """

@@ -9,8 +9,8 @@ would generate token after token the sum of all its ids so far % 100 (tests/unit
 
 from __future__ import annotations
 
-from services.engine.request import Request
-from services.engine.scheduler import Batch, Scheduler
+from services.engine.core.request import Request
+from services.engine.core.scheduler import Batch, Scheduler
 
 
 class FakeModel:

@@ -26,11 +26,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from services.engine.core.request import SamplingParams
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 
 CONFIGS: dict[str, dict[str, Any]] = {
     # SmolLM2-135M-Instruct's own config.json (the shapes; the weights are random).

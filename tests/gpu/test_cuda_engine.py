@@ -16,12 +16,12 @@ pytestmark = [
                        reason="needs a CUDA GPU; none here (bench/gpu_check.py runs these checks on a lent GPU)"),
 ]
 
-from services.engine import kv_transfer  # noqa: E402
+from services.engine.core.request import SamplingParams  # noqa: E402
+from services.engine.core.scheduler import SchedulerConfig  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
-from services.engine.plan import decide  # noqa: E402
-from services.engine.request import SamplingParams  # noqa: E402
-from services.engine.scheduler import SchedulerConfig  # noqa: E402
+from services.engine.runtime import kv_transfer  # noqa: E402
+from services.engine.runtime.model_runner import ModelRunner  # noqa: E402
+from services.engine.runtime.plan import decide  # noqa: E402
 
 
 @pytest.fixture(scope="module")

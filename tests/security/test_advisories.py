@@ -87,11 +87,11 @@ def test_extreme_penalties_are_refused_at_the_door(extreme: dict[str, Any]) -> N
 def test_extreme_penalties_with_drafts_do_not_crash_the_engine(model_dir: Path) -> None:
     """The limits' corners (the largest penalties the door lets through, a logit bias of +-100) with prompt-lookup
     drafts: every row finishes and the engine takes the next request."""
+    from services.engine.core.request import SamplingParams
+    from services.engine.core.speculate import SpeculationConfig
     from services.engine.engine import Engine
-    from services.engine.model_runner import ModelRunner
-    from services.engine.plan import decide
-    from services.engine.request import SamplingParams
-    from services.engine.speculate import SpeculationConfig
+    from services.engine.runtime.model_runner import ModelRunner
+    from services.engine.runtime.plan import decide
 
     runner = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="q4"), kv_cache_bytes=32 << 20)
     engine = Engine(runner, speculation=SpeculationConfig(max_draft=3, max_rows=4))

@@ -1,5 +1,5 @@
 """Issue 49, item 8: a GGUF's tensors are checked against its header, its file and the model's config before any
-weight is read (mesh/models/gguf_header.py, services/engine/models/gguf_check.py).
+weight is read (mesh/models/gguf_header.py, services/engine/runtime/models/gguf_check.py).
 
 Before, malformed files gave raw tracebacks at `infermesh model register`, and some registered, served as healthy
 and failed every request (a projection the config's heads or sizes do not fit, a type the loader cannot read), or
@@ -24,7 +24,7 @@ import pytest
 
 from mesh import models
 from mesh.models.gguf_header import GgufError, read_header
-from services.engine.models.config import load_weights
+from services.engine.runtime.models.config import load_weights
 from tests.service.gguf_files import Field, tokenizer_fields
 
 gguf = pytest.importorskip("gguf")
@@ -216,7 +216,7 @@ def test_a_hot_swap_to_a_bad_file_is_refused_before_the_running_weights_go(tmp_p
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from meshpb.v1 import engine_pb2
-    from services.engine import lifecycle_rpcs as lifecycle
+    from services.engine.rpcs import lifecycle
     from tests.service.test_engine_server import request, serving
     from tests.service.test_hot_swap import tiny
 

@@ -29,8 +29,8 @@ from mesh.errors import InvalidArgument, ResourceExhausted
 from mesh.models import eos_token_ids
 from mesh.ratelimit import Rate
 from services.engine.config import EngineConfig
-from services.engine.grammar import Grammars
-from services.engine.grammar_limits import CompileGate, CompileRefused, GrammarCache, GrammarLimits
+from services.engine.runtime.grammar import Grammars
+from services.engine.runtime.grammar_limits import CompileGate, CompileRefused, GrammarCache, GrammarLimits
 
 
 class Clock:
@@ -229,7 +229,7 @@ def test_a_start_that_ends_while_a_compile_waits_leaves_it_a_whole_compile_limit
     limits, which ends just before the waiter's second wake while its compile runs past it (the waiter was
     refused then, at 5 s: the start had ended, and the limit was counted from when it last saw it running).  The
     start and the compile are timed by sleeps; the compile itself is real."""
-    from services.engine import grammar as grammar_mod
+    from services.engine.runtime import grammar as grammar_mod
 
     g = grammars(model_dir, compile_timeout_s=2.5, compiles=1)
     real = grammar_mod.CompileWorker(g._tokenizer_info().serialize_json())   # started before the clock runs
@@ -295,10 +295,10 @@ def test_a_slow_compile_is_stopped_refused_by_name_and_refused_at_once_after(mod
 def test_the_engine_answers_resource_exhausted_with_retry_after_and_counts_it(model_dir: Path) -> None:
     from mesh.grpcutil import Service, caller_limit, channel
     from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-    from services.engine import server as engine_server
     from services.engine.engine import Engine
-    from services.engine.model_runner import ModelRunner
-    from services.engine.plan import decide
+    from services.engine.rpcs import server as engine_server
+    from services.engine.runtime.model_runner import ModelRunner
+    from services.engine.runtime.plan import decide
 
     runner = ModelRunner(model_dir, decide(device="cpu", dtype="float32"), kv_cache_bytes=8 << 20, block_size=16)
     engine = Engine(runner, grammar_limits=GrammarLimits(compile_rate=Rate(1, 60)))

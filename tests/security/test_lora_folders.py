@@ -1,6 +1,6 @@
-"""Issue 49, item 8: LoRA folders and files are checked before the engine holds them (services/engine/lora_checks.py,
-lora.py, lora_gguf.py); LoadAdapter refuses a bad one with INVALID_ARGUMENT and a message naming the field or the
-tensor, what was expected and what the adapter has.
+"""Issue 49, item 8: LoRA folders and files are checked before the engine holds them
+(services/engine/runtime/: lora_checks.py, lora.py, lora_gguf.py); LoadAdapter refuses a bad one with
+INVALID_ARGUMENT and a message naming the field or the tensor, what was expected and what the adapter has.
 
 Before, r=0, a list for alpha_pattern or a 24-byte .gguf file gave INTERNAL with raw exception text, and an
 adapter with NaN factors loaded, failed the first step it ran in (every request of that step) and had the router
@@ -30,9 +30,9 @@ from mesh.errors import InvalidArgument
 from mesh.grpcutil import Service, channel
 from mesh.models.gguf_header import read_header
 from meshpb.v1 import engine_pb2, engine_pb2_grpc
-from services.engine.adapter_rpcs import AdapterRPCs
-from services.engine.adapters import AdapterPool
-from services.engine.lora import Shape
+from services.engine.rpcs.adapters import AdapterRPCs
+from services.engine.runtime.adapters import AdapterPool
+from services.engine.runtime.lora import Shape
 from tests.lora_adapters import random_adapter, write_gguf_lora
 
 BASE = SimpleNamespace(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,

@@ -1,7 +1,7 @@
 """Issue 49's advisory list: LoRA paths outside the folders an operator allowed.  An admin key's
 `POST /v1/load_lora_adapter {"lora_path": ...}` could name any folder of an engine's machine; with
 `--lora-roots DIR[,DIR]` (INFERMESH_ENGINE_LORA_ROOTS) an engine loads adapters from under those folders only,
-symlinks and `..` resolved (services/engine/adapter_rpcs.py: confined)."""
+symlinks and `..` resolved (services/engine/rpcs/adapters.py: confined)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from mesh.errors import InvalidArgument
 from services.engine.__main__ import parse
-from services.engine.adapter_rpcs import confined
+from services.engine.rpcs.adapters import confined
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from mesh.apikeys import digest
 from mesh.ratelimit import InFlight, over_fair_share
 from services.edge.app import EdgeApp
 from services.edge.config import EdgeConfig
-from services.engine.fairness import waiting_refusal
+from services.engine.core.fairness import waiting_refusal
 from tests.fakes.edge_router import FakeRouter, asgi
 
 A = {"authorization": "Bearer k-a"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.sampler import step_generator
+from services.engine.runtime.sampler import step_generator
 
 
 def _draws(seed: int, positions: range = range(8)) -> list[float]:

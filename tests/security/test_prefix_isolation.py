@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from mesh.prefix import block_hashes, root, tenant_salt
-from services.engine.block_manager import BlockManager
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.request import SamplingParams
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 from services.router.config import RouterConfig
 from tests.fakes.router_mesh import chat, collect, run, running
 

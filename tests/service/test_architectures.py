@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from mesh.errors import InvalidArgument
+from services.engine.core.request import SamplingParams
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.models.config import LlamaConfig as OurConfig
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.models.config import LlamaConfig as OurConfig
+from services.engine.runtime.plan import decide
 
 pytestmark = pytest.mark.slow            # a model of every architecture built and run (make test-fast leaves them out)
 
@@ -246,7 +246,7 @@ def test_fast_modes_keep_logprobs_within_a_stated_tolerance(case: tuple[str, Pat
     """The CPU's fast kinds as auto runs them (fused ops, float16 KV cache): every generated token's logprob
     within `tolerance` of transformers' float32 logprob of the same token at the same place (measured on
     these models: fp16w <= 0.0023, bf16w <= 0.031)."""
-    from services.engine.models.linear import native_bf16
+    from services.engine.runtime.models.linear import native_bf16
 
     if matmul == "bf16w" and not native_bf16():
         pytest.skip("bf16w needs a CPU that multiplies bf16 natively")

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mesh.errors import InvalidArgument
+from services.engine.core.request import SamplingParams
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner, pooled_positions
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner, pooled_positions
+from services.engine.runtime.plan import decide
 
 TEXTS = ["The cat sat on the mat.", "Quarterly revenue grew by twelve percent, driven by cloud services."]
 

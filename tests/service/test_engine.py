@@ -11,12 +11,12 @@ import torch
 
 from mesh.errors import InvalidArgument, ResourceExhausted
 from meshkernels import cpu_ops
+from services.engine.core.request import FinishReason, SamplingParams, StepOutput
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.models.linear import native_bf16
-from services.engine.plan import decide
-from services.engine.request import FinishReason, SamplingParams, StepOutput
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.models.linear import native_bf16
+from services.engine.runtime.plan import decide
 from tests.reference import greedy
 
 EXACT = decide(device="cpu", dtype="float32")       # --dtype float32: transformers' math, bit for bit
@@ -336,7 +336,7 @@ def test_logit_bias_penalties_and_min_tokens_on_the_model(model_dir: Path, hf) -
     model's own); min_tokens holds the end of sequence back; a frequency penalty changes a repetitive
     answer; speculation leaves processed requests alone.  What is checked is the processing, not parity, so
     on the q4 plan (the model's own quantized weights), whose steps are ~3x faster than float32's."""
-    from services.engine.speculate import SpeculationConfig
+    from services.engine.core.speculate import SpeculationConfig
 
     _, tokenizer = hf
     runner = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="q4"), kv_cache_bytes=64 << 20)

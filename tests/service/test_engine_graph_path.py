@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from mesh.models import eos_token_ids
+from services.engine.core.request import FinishReason, Request, SamplingParams, StepOutput
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import FinishReason, Request, SamplingParams, StepOutput
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 from tests.service.test_engine import run, tokens
 
 pytestmark = pytest.mark.slow      # the Triton kernels through Triton's interpreter (make test-fast leaves them out)

@@ -16,15 +16,15 @@ from meshpb.v1 import cache_pb2, cache_pb2_grpc, common_pb2, engine_pb2, engine_
 from services.cache.server import CacheServicer, add_to
 from services.cache.sessions import SessionStore
 from services.cache.store import BlockStore
-from services.engine import kv_transfer
-from services.engine import server as engine_server
 from services.engine.config import EngineConfig
+from services.engine.core.request import SamplingParams, StepOutput
 from services.engine.engine import Engine
-from services.engine.kv_transfer import Outbox
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.remote_cache import RemoteCache, kv_version
-from services.engine.request import SamplingParams, StepOutput
+from services.engine.rpcs import server as engine_server
+from services.engine.rpcs.remote_cache import RemoteCache, kv_version
+from services.engine.runtime import kv_transfer
+from services.engine.runtime.kv_transfer import Outbox
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 from tests.service.test_engine import chat_ids, tokens
 
 MODEL = "smollm2-135m"

@@ -17,12 +17,12 @@ from prometheus_client import REGISTRY
 
 from mesh.grpcutil import Service, channel
 from meshpb.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine import server as engine_server
 from services.engine.config import EngineConfig
+from services.engine.core.request import FinishReason, SamplingParams
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import FinishReason, SamplingParams
+from services.engine.rpcs import server as engine_server
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_fail_all_ends_every_held_request_with_an_error_and_the_engine_goes_on(f
 
 def test_a_failed_step_fails_the_requests_it_ran_and_no_others(folder: Path) -> None:
     """Issue 20: with one sequence per step, a's failing step holds b outside its batch: only a fails."""
-    from services.engine.scheduler import SchedulerConfig
+    from services.engine.core.scheduler import SchedulerConfig
 
     engine, params = failed_step(folder, SchedulerConfig(max_running=1))
     assert engine.num_waiting == 1                      # b was held back, outside the batch

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from services.engine.core.request import Owner, SamplingParams
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.models import interrupt
-from services.engine.request import Owner, SamplingParams
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.models import interrupt
 from tests.service.test_engine import EXACT, PROMPTS, chat_ids, run, tokens
 
 BATCH = Owner(priority=1, tenant="jobs")

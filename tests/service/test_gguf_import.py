@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from mesh.models.gguf import load_gguf_model
+from services.engine.core.request import SamplingParams
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.models.config import load_weights
-from services.engine.models.gguf_weights import dense
-from services.engine.models.linear import Fp16WeightLinear, GgufLinear, Q4Linear, Q8LayerLinear
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.models.config import load_weights
+from services.engine.runtime.models.gguf_weights import dense
+from services.engine.runtime.models.linear import Fp16WeightLinear, GgufLinear, Q4Linear, Q8LayerLinear
+from services.engine.runtime.plan import decide
 from tests.service.gguf_files import Field, tokenizer_fields, write_llama_gguf
 
 VOCAB = 1024                    # the default model's first tokens: tokenizer_fields

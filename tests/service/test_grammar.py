@@ -13,11 +13,11 @@ from transformers import AutoTokenizer
 
 from mesh.constraints import Constraint
 from mesh.errors import InvalidArgument
+from services.engine.core.request import FinishReason, SamplingParams
+from services.engine.core.speculate import SpeculationConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import FinishReason, SamplingParams
-from services.engine.speculate import SpeculationConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 from tests.data.json_schemas import SCHEMAS
 from tests.service.test_engine import chat_ids, run, tokens
 

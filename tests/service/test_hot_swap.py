@@ -1,4 +1,4 @@
-"""Issue 21: a model version swapped in place (services/engine/versions.py), on tiny random Llamas whose
+"""Issue 21: a model version swapped in place (services/engine/runtime/versions.py), on tiny random Llamas whose
 two versions differ in every weight: requests started before the switch finish on v1's weights, those
 after run on v2's, the prefix cache never serves one version's blocks to the other, and v1's weights are
 released once no request holds them."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mesh.errors import FailedPrecondition, InvalidArgument
+from services.engine.core.request import SamplingParams
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -154,7 +154,7 @@ def test_load_version_over_grpc_beside_or_drained_when_memory_is_short(folders: 
     import grpc
 
     from meshpb.v1 import engine_pb2
-    from services.engine import lifecycle_rpcs as lifecycle
+    from services.engine.rpcs import lifecycle
     from tests.service.test_engine_server import request, serving
 
     v1, v2 = folders

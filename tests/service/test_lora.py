@@ -1,4 +1,5 @@
-"""LoRA adapters in the engine (issue 36; services/engine/lora.py, adapters.py): a PEFT adapter built on the default
+"""LoRA adapters in the engine (issue 36; services/engine/runtime/lora.py, adapters.py): a PEFT adapter built on
+the default
 model (nonzero B matrices, every projection targeted), loaded at run time, answers greedily as transformers +
 peft does; one step holding base-model rows and two adapters' rows gives every row its own model's tokens; bad
 adapters are refused by name; an unloaded adapter is NOT_FOUND for later requests; over the engine's gRPC
@@ -15,13 +16,13 @@ import pytest
 import torch
 
 from mesh.errors import InvalidArgument, NotFound
-from services.engine.adapters import shape_of
+from services.engine.core.request import SamplingParams
 from services.engine.engine import Engine
-from services.engine.lora import load_adapter
-from services.engine.lora_gguf import load_gguf_adapter
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
+from services.engine.runtime.adapters import shape_of
+from services.engine.runtime.lora import load_adapter
+from services.engine.runtime.lora_gguf import load_gguf_adapter
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 from tests.lora_adapters import TARGETS, build_adapter, write_gguf_lora
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core.request import SamplingParams
+from services.engine.core.scheduler import SchedulerConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import SamplingParams
-from services.engine.scheduler import SchedulerConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 from tests.service.test_engine import run, tokens
 
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding on the real model (services/engine/speculate.py): the output is
+"""Prompt-lookup speculative decoding on the real model (services/engine/core/speculate.py): the output is
 the one decoding without drafts gives, greedy and seeded, token for token, and drafts are taken."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from services.engine.core.request import FinishReason, SamplingParams, StepOutput
+from services.engine.core.speculate import SpeculationConfig
 from services.engine.engine import Engine
-from services.engine.model_runner import ModelRunner
-from services.engine.plan import decide
-from services.engine.request import FinishReason, SamplingParams, StepOutput
-from services.engine.speculate import SpeculationConfig
+from services.engine.runtime.model_runner import ModelRunner
+from services.engine.runtime.plan import decide
 
 # Text that repeats itself: the lookup finds its drafts in the prompt and in what the model writes.
 PROMPTS = [

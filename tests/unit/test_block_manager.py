@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mesh.prefix import block_hashes
-from services.engine.block_manager import BlockManager, BlockTable
+from services.engine.core.block_manager import BlockManager, BlockTable
 
 A = [1, 2, 3, 4, 5]  # block_size 2: two full blocks [1,2] [3,4] and a tail [5]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.engine.request import EngineTokenLogprob, FinishReason, StepOutput
-from services.engine.server import _coalesced
+from services.engine.core.request import EngineTokenLogprob, FinishReason, StepOutput
+from services.engine.rpcs.server import _coalesced
 
 
 def test_queued_outputs_go_as_one_message_up_to_the_last() -> None:

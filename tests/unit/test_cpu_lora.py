@@ -1,4 +1,4 @@
-"""The CPU library's LoRA kernel (meshkernels/cpu_lora.cpp) against services/engine/lora.py's torch loop: a
+"""The CPU library's LoRA kernel (meshkernels/cpu_lora.cpp) against services/engine/runtime/lora.py's torch loop: a
 mixed step's rows over adapters of different ranks and targets (some projections without factors, merged q/k/v
 blocks), updates added in place to those rows only; bad tables are refused by name."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshkernels import cpu_ops
-from services.engine.lora import PROJECTIONS, Adapter, Factors, apply, grouped
+from services.engine.runtime.lora import PROJECTIONS, Adapter, Factors, apply, grouped
 
 if not cpu_ops.load():
     pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see meshkernels.cpu_ops' warning)",

@@ -1,5 +1,5 @@
 """The CPU library's sampling ops (meshkernels/cpu_sample.cpp) against their torch references in
-services/engine/sampler.py: the candidates (topk + logsumexp) and the whole-vocabulary inverse CDF, on
+services/engine/runtime/sampler.py: the candidates (topk + logsumexp) and the whole-vocabulary inverse CDF, on
 the native build and the AVX2 and portable ones."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meshkernels import cpu_ops
-from services.engine import sampler
+from services.engine.runtime import sampler
 
 if not cpu_ops.load():
     pytest.skip("fused CPU ops off (INFERMESH_CPU_OPS=0) or not built (see meshkernels.cpu_ops' warning)",
@@ -80,7 +80,8 @@ def test_the_other_instruction_set_paths_sample_alike(isa: str) -> None:
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops._cpu_flags():
         pytest.skip("this CPU has no AVX2")
     script = (
-        "import torch; from meshkernels import cpu_ops; from services.engine import sampler; assert cpu_ops.load();"
+        "import torch; from meshkernels import cpu_ops; from services.engine.runtime import sampler;"
+        "assert cpu_ops.load();"
         "g = torch.Generator().manual_seed(5); x = torch.randn(3, 20_000, generator=g) * 3;"
         "t = torch.tensor([0.7, 1.0, 1.4]); v, i, l = sampler.candidates(x, t, 64);"
         "rv, ri, rl = sampler.candidates_reference(x, t, 64);"

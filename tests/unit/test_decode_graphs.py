@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import decode_graphs
-from services.engine.decode_graphs import DecodeGraphs
+from services.engine.runtime import decode_graphs
+from services.engine.runtime.decode_graphs import DecodeGraphs
 
 
 @pytest.mark.parametrize("max_batch,expected", [

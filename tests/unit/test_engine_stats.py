@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.engine import metrics
-from services.engine.request import StepOutput
+from services.engine.core.request import StepOutput
 from services.engine.stats import LoadFigures, RecentLoad, Timing
 
 

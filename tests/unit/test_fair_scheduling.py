@@ -1,4 +1,4 @@
-"""Fair scheduling between tenants inside the engine (services/engine/fairness.py, scheduler.py).
+"""Fair scheduling between tenants inside the engine (services/engine/core/fairness.py, scheduler.py).
 
 Exact orders and token counts, stepped with tests/fakes/model.py (whose outputs change if a
 block is shared, evicted or reused wrongly, so a paused or preempted request that resumed wrongly
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.block_manager import BlockManager
-from services.engine.fairness import StepTimes, TenantClocks, check_weight, row_cap
-from services.engine.request import Request, RequestStatus, SamplingParams
-from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.fairness import StepTimes, TenantClocks, check_weight, row_cap
+from services.engine.core.request import Request, RequestStatus, SamplingParams
+from services.engine.core.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
 from services.engine.stats import EngineStats
 from tests.fakes.model import FakeModel
 from tests.unit.test_scheduler import reference

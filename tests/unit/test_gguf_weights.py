@@ -1,4 +1,4 @@
-"""A folder whose weights are a GGUF file (services/engine/models/gguf_weights.py) and the gguf matmul kind:
+"""A folder whose weights are a GGUF file (services/engine/runtime/models/gguf_weights.py) and the gguf matmul kind:
 names mapped per architecture, quantized tensors kept as blocks, llama's q/k rows and Gemma's norms given
 back as transformers gives them, embedding rows de-quantized alone, and products over blocks of mixed
 types (q and k in one type, v in another, as real files store them) equal to the float product within
@@ -15,8 +15,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from meshkernels import cpu_ops  # noqa: E402
-from services.engine.models.gguf_weights import Blocks, dense, load  # noqa: E402
-from services.engine.models.linear import Concat, Fp16WeightLinear, GgufLinear, linear_kind  # noqa: E402
+from services.engine.runtime.models.gguf_weights import Blocks, dense, load  # noqa: E402
+from services.engine.runtime.models.linear import Concat, Fp16WeightLinear, GgufLinear, linear_kind  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 H, HEADS, KV = 64, 4, 2
@@ -132,7 +132,7 @@ def test_products_over_blocks_of_mixed_types(tmp_path: Path) -> None:
 def test_tuning_times_the_files_own_blocks(tmp_path: Path) -> None:
     import json
 
-    from services.engine import tune
+    from services.engine.runtime import tune
 
     # Every tensor the forward reads, and a config they fit: tuning loads the folder as the engine does (its
     # tensors checked against the config first, models/gguf_check.py).
@@ -167,7 +167,7 @@ def test_q4_and_q8_kinds_take_a_files_blocks_of_their_layout_as_they_are(tmp_pat
     """A Q4_1 weight is q4's blocks and a Q8_0 weight q8's, byte for byte: the kinds multiply by the file's own
     bytes (nothing de-quantized and packed again); a Q8_0 weight under q4 is q8's; any other type is
     de-quantized, then packed where that is lossless (not for Q5_0's 5-bit weights) or run by the fallback."""
-    from services.engine.models.linear import Q4Linear, Q8LayerLinear, Q8Linear
+    from services.engine.runtime.models.linear import Q4Linear, Q8LayerLinear, Q8Linear
 
     types = {"blk.0.attn_q.weight": Q.Q4_1, "blk.0.attn_k.weight": Q.Q8_0, "blk.0.attn_v.weight": Q.Q5_0}
     folder, _ = _folder(tmp_path, "qwen2", types)
@@ -191,7 +191,7 @@ def test_q4_and_q8_kinds_take_a_files_blocks_of_their_layout_as_they_are(tmp_pat
 def test_a_split_plans_head_splits_as_its_layers(tmp_path: Path) -> None:
     """q4 up to 4 rows, bf16w above: the head is the file's 8-bit blocks up to 4 rows (its exact product) and
     bf16w's above; a plan of one kind, or whose large kind's head would be an fp32 copy, keeps one head."""
-    from services.engine.models.linear import Bf16WeightLinear, Q8Linear, SplitLinear, head_kind
+    from services.engine.runtime.models.linear import Bf16WeightLinear, Q8Linear, SplitLinear, head_kind
 
     folder, _ = _folder(tmp_path, "qwen2", {"blk.0.attn_k.weight": Q.Q8_0})
     k = load(folder, 1, HEADS, KV)["model.layers.0.self_attn.k_proj.weight"]

@@ -1,4 +1,4 @@
-"""A step that may stop between layers (services/engine/models/interrupt.py)."""
+"""A step that may stop between layers (services/engine/runtime/models/interrupt.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from services.engine.models import interrupt
+from services.engine.runtime.models import interrupt
 
 
 def test_check_raises_only_inside_a_block_whose_event_is_set_and_the_block_ends_quietly() -> None:

@@ -1,4 +1,4 @@
-"""The CPU KV cache's memory (services/engine/model_runner.py kv_zeros): zeros, writable, and taken from the
+"""The CPU KV cache's memory (services/engine/runtime/model_runner.py kv_zeros): zeros, writable, and taken from the
 machine only as pages are written."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from services.engine.model_runner import kv_zeros
+from services.engine.runtime.model_runner import kv_zeros
 
 
 def _resident_bytes() -> int:

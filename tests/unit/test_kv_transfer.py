@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import kv_transfer
-from services.engine.kv_transfer import KVLayout, Outbox
+from services.engine.runtime import kv_transfer
+from services.engine.runtime.kv_transfer import KVLayout, Outbox
 
 
 def paged_kv(layers: int = 3, blocks: int = 6, dtype: torch.dtype = torch.float32

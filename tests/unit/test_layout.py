@@ -224,5 +224,5 @@ def test_protobuf_stays_at_the_routers_doors():
 
 
 def test_the_protobuf_finder_finds_an_importer():
-    assert "services.engine.server" in protobuf_importers("services.engine")
+    assert "services.engine.rpcs.server" in protobuf_importers("services.engine")
     assert "mesh.sampling_pb" in protobuf_importers("mesh") and "mesh.sampling" not in protobuf_importers("mesh")

@@ -78,7 +78,7 @@ def test_sampling_defaults_come_from_the_generation_config(tmp_path: Path) -> No
 def test_the_engine_applies_them_only_to_fields_left_unset() -> None:
     from mesh.errors import InvalidArgument
     from meshpb.v1 import common_pb2
-    from services.engine.server import sampling_from_pb
+    from services.engine.rpcs.server import sampling_from_pb
 
     defaults = {"temperature": 0.6, "top_k": 20.0}
     unset = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, model_defaults=["temperature", "top_p", "top_k"])

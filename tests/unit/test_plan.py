@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from meshkernels import cpu_ops
-from services.engine import plan
 from services.engine.config import EngineConfig
-from services.engine.models import attention, linear, ops
-from services.engine.plan import ExecutionPlan, decide
+from services.engine.runtime import plan
+from services.engine.runtime.models import attention, linear, ops
+from services.engine.runtime.plan import ExecutionPlan, decide
 
 
 def fields(p: ExecutionPlan) -> tuple[str, ...]:
@@ -94,7 +94,7 @@ def test_kv_cache_is_float16_where_the_fused_cpu_ops_attend() -> None:
 
 
 def test_a_measured_choice_becomes_the_cpu_plan() -> None:
-    from services.engine.tune import Tuned, choose
+    from services.engine.runtime.tune import Tuned, choose
 
     table = {"q4": [5.0, 20.0, 60.0, 200.0], "fp16w": [30.0, 35.0, 50.0, 120.0], "packed": [40.0, 45.0, 70.0, 150.0]}
     tuned = choose(table)
@@ -117,7 +117,7 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
 
 
 def test_tuning_leaves_out_what_cannot_run_and_falls_back_without_shapes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from services.engine import tune
+    from services.engine.runtime import tune
 
     kinds = ["q4", "fp16w"] if "fbgemm" in torch.backends.quantized.supported_engines else ["q4"]
     table = tune.measure(2, [(64, 40), (40, 64)], kinds, reps=1)
@@ -130,7 +130,7 @@ def test_an_answer_timed_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
     if the machine is quiet then, and keeps a quiet answer (or a provisional one while still busy)."""
     import json
 
-    from services.engine import tune
+    from services.engine.runtime import tune
 
     monkeypatch.setenv("INFERMESH_HOME", str(tmp_path / "home"))
     folder = tmp_path / "model"
@@ -166,7 +166,7 @@ def test_the_busy_probe_sees_another_process_spin() -> None:
     import subprocess
     import sys
 
-    from services.engine import tune
+    from services.engine.runtime import tune
 
     probe = tune._others_since()
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1: pass"

@@ -102,7 +102,7 @@ def test_q4_0_blocks_pack_losslessly_too() -> None:
 
 
 def test_block_linear_kinds_fall_back_where_packing_would_change_weights() -> None:
-    from services.engine.models.linear import Fp16WeightLinear, Q4Linear, Q8LayerLinear, Q8Linear
+    from services.engine.runtime.models.linear import Fp16WeightLinear, Q4Linear, Q8LayerLinear, Q8Linear
 
     exact, lossy = Q4Linear(q4_made(32, 64, 6), None), Q4Linear(torch.randn(32, 64, generator=gen(7)), None)
     assert exact.lossless and not lossy.lossless and isinstance(lossy.fallback, Q8LayerLinear)

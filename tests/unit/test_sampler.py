@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from mesh.errors import InvalidArgument
-from services.engine import sampler
-from services.engine.request import SamplingParams
+from services.engine.core.request import SamplingParams
+from services.engine.runtime import sampler
 
 
 def logits() -> torch.Tensor:
@@ -48,7 +48,7 @@ def test_invalid_params_are_rejected(kwargs: dict[str, float]) -> None:
 
 def test_processing_bias_penalties_and_min_tokens() -> None:
     """sampler.process, term by term, against the definitions (OpenAI's penalties, vLLM's repetition)."""
-    from services.engine.sampler import process
+    from services.engine.runtime.sampler import process
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
     plain = SamplingParams()
@@ -65,7 +65,7 @@ def test_processing_bias_penalties_and_min_tokens() -> None:
 
 
 def test_min_p_keeps_tokens_near_the_top() -> None:
-    from services.engine.sampler import filter_logits
+    from services.engine.runtime.sampler import filter_logits
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     kept = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))   # >= 0.2 x 0.5 = 0.1
@@ -173,7 +173,7 @@ def test_a_temperature_too_small_to_scale_by_samples_greedily(extra: dict[str, f
 def test_bad_words_ban_the_token_that_would_complete_one() -> None:
     """vLLM's bad_words, as token sequences (the router tokenized them): a one-token word is never chosen; a
     longer one's last token only where the tokens before it were just generated."""
-    from services.engine.sampler import process
+    from services.engine.runtime.sampler import process
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
     params = SamplingParams(bad_words_ids=((3,), (1, 2, 4)))
@@ -200,7 +200,7 @@ class _Allows:
 def test_sample_rows_processes_masks_and_samples_every_row_in_one_call() -> None:
     """Each row as its request's penalties, grammar and sampler leave it, at its own position (a draft row:
     one further); the model's logits are left as they were, for logprobs."""
-    from services.engine.request import Request
+    from services.engine.core.request import Request
 
     def request(rid: str, generated: int = 0, **params: object) -> Request:
         r = Request(rid, [1, 2], SamplingParams(max_tokens=8, **params), max_tokens=8)  # type: ignore[arg-type]

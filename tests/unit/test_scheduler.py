@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from mesh.prefix import block_hashes
-from services.engine.block_manager import BlockManager
-from services.engine.request import Request, RequestStatus, SamplingParams, StagedBlock
-from services.engine.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.request import Request, RequestStatus, SamplingParams, StagedBlock
+from services.engine.core.scheduler import Batch, Chunk, Scheduler, SchedulerConfig
 from tests.fakes.model import FakeModel
 
 
@@ -618,7 +618,7 @@ def test_drafts_are_dropped_when_the_budget_or_the_blocks_run_short() -> None:
 
 
 def test_scheduling_proposes_drafts_when_every_row_decodes_and_none_waits() -> None:
-    from services.engine.speculate import SpeculationConfig
+    from services.engine.core.speculate import SpeculationConfig
     s = Scheduler(BlockManager(16, 4), speculation=SpeculationConfig(max_draft=3, max_rows=4), max_context=64)
     a = req("a", [5, 6, 7, 8, 5, 6], max_tokens=8)
     s.add(a)
@@ -644,7 +644,7 @@ def test_a_batch_says_whether_it_is_greedy_and_whether_it_is_batch_class_only() 
 
 
 def test_drafts_go_to_the_oldest_decode_rows_within_the_row_budget_never_to_a_processed_one() -> None:
-    from services.engine.speculate import SpeculationConfig
+    from services.engine.core.speculate import SpeculationConfig
     s = Scheduler(BlockManager(64, 4), speculation=SpeculationConfig(max_draft=3, max_rows=7), max_context=64)
     penalized = Request("penalized", [1, 2, 7, 9, 1, 2], SamplingParams(max_tokens=8, presence_penalty=1.0),
                         max_tokens=8)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, generate_latest
 
 from services.engine import metrics
-from services.engine.kv_transfer import Outbox
-from services.engine.remote_cache import RemoteStats
+from services.engine.rpcs.remote_cache import RemoteStats
+from services.engine.runtime.kv_transfer import Outbox
 
 
 class Remote:

@@ -1,11 +1,11 @@
-"""Prompt lookup (services/engine/speculate.py): which drafts it proposes, and how their length adapts."""
+"""Prompt lookup (services/engine/core/speculate.py): which drafts it proposes, and how their length adapts."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.engine.plan import ExecutionPlan
-from services.engine.speculate import Lookup, SpeculationConfig, for_plan
+from services.engine.core.speculate import Lookup, SpeculationConfig, for_plan
+from services.engine.runtime.plan import ExecutionPlan
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffix() -> None:

@@ -1,4 +1,4 @@
-"""A step's update (services/engine/update.py) on hand-built batches: which tokens each request takes,
+"""A step's update (services/engine/core/update.py) on hand-built batches: which tokens each request takes,
 its finish reason, its logprobs, the drafts kept, and that an ended request ends through `end` alone."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.request import EngineTokenLogprob, FinishReason, Request, SamplingParams, StepOutput
-from services.engine.scheduler import Batch, Chunk
-from services.engine.speculate import Lookup
-from services.engine.update import Rules, finish_reason, update_from_output
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.request import EngineTokenLogprob, FinishReason, Request, SamplingParams, StepOutput
+from services.engine.core.scheduler import Batch, Chunk
+from services.engine.core.speculate import Lookup
+from services.engine.core.update import Rules, finish_reason, update_from_output
 
 EOS = 0
 RULES = Rules(frozenset({EOS}), max_context=32, max_draft=3)

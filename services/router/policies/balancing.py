@@ -28,7 +28,7 @@ A tenant's share: the load a request sees on a replica counts its own tenant's r
 twice (load = (outstanding + the tenant's requests there) / weight; the tenant's count is the
 engine's report or this router's in-flight count, whichever is higher).  With one tenant the
 ratios are unchanged; with several, a tenant already heavy on one replica is steered to the
-others while they have room, so the engines' fair scheduling (services/engine/fairness.py) has
+others while they have room, so the engines' fair scheduling (services/engine/core/fairness.py) has
 less to arbitrate and the heavy tenant's work spreads instead of queuing behind itself.
 
 Only candidates of weight > 0 are scored (weighted.py: weight 0 is a standby); equal best scores
