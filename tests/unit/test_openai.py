@@ -467,3 +467,15 @@ def test_verbose_health_lists_each_service_and_needs_a_key_when_keys_are_set() -
         assert (await asgi(keyed, "GET", "/health"))[0] == 200
 
     asyncio.run(main())
+
+
+def test_logit_bias_entries_are_checked_before_their_count() -> None:
+    """The OpenAPI fuzz's body: null biases under keys that are not token ids were a 500 (the count's check read
+    the values as numbers)."""
+    from services.edge.errors import ApiError
+    from services.edge.surfaces.requests import parse_completion
+
+    with pytest.raises(ApiError, match="'logit_bias' key '' is not a token id"):
+        parse_completion({"logit_bias": {"": None, "k": None}, "model": "m", "prompt": "0", "top_k": 0})
+    with pytest.raises(ApiError, match="'logit_bias' holds at most 1024 tokens"):
+        parse_completion({"logit_bias": {str(i): 1 for i in range(1025)}, "model": "m", "prompt": "0"})

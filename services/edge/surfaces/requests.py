@@ -119,7 +119,6 @@ def _bias(body: dict[str, Any], name: str, spec: Spec) -> tuple[tuple[int, float
         return ()
     if not isinstance(bias, dict):
         raise ApiError(400, f"'{name}' must be an object of token id -> bias", name, code="invalid_type")
-    _within(name, tuple(bias.items()))
     assert spec.lo is not None and spec.hi is not None
     out = []
     for key, value in bias.items():
@@ -130,7 +129,7 @@ def _bias(body: dict[str, Any], name: str, spec: Spec) -> tuple[tuple[int, float
             raise ApiError(400, f"'{name}' value for {shown(str(key))} must be a number within "
                            f"{spec.lo:g}-{spec.hi:g}", name)
         out.append((token, float(value)))
-    return tuple(sorted(out))
+    return _within(name, tuple(sorted(out)))
 
 
 def _within(name: str, values: T) -> T:
