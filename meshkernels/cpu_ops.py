@@ -110,6 +110,12 @@ def _isa_flags() -> list[str]:
     return [*avx2, *vnni]
 
 
+def build_flags() -> list[str]:
+    """The vector paths the ops are (or will be) built for here: the CPU's, or the lower ones INFERMESH_CPU_ISA
+    asks for.  A plan tuned on one build is not another's (services/engine/runtime/tune.py keys its cache by it)."""
+    return _isa_flags()
+
+
 def _build_folder(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):

@@ -172,3 +172,18 @@ def test_the_busy_probe_sees_another_process_spin() -> None:
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1: pass"
     subprocess.run([sys.executable, "-c", spin], check=True)
     assert probe() > 0.1
+
+
+def test_a_plan_tuned_on_one_build_of_the_ops_is_not_anothers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFERMESH_CPU_ISA=avx512 builds the ops without AMX: its plan is measured again, not the AMX build's reused
+    (the non-AMX path's figures were the AMX plan's)."""
+    from services.engine.runtime import tune
+
+    monkeypatch.setattr(cpu_ops, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                        "avx512_vnni", "amx_tile", "amx_int8"})
+    monkeypatch.delenv("INFERMESH_CPU_ISA", raising=False)
+    native = tune._cache_file(2, [(64, 40)], ["gguf"])
+    assert "-mamx-int8" in cpu_ops.build_flags()
+    monkeypatch.setenv("INFERMESH_CPU_ISA", "avx512")
+    assert "-mamx-int8" not in cpu_ops.build_flags()
+    assert tune._cache_file(2, [(64, 40)], ["gguf"]) != native
