@@ -305,6 +305,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> 
                                       extra_body={"truncate_prompt_tokens": 100_000})
     assert short.usage is not None and short.usage.prompt_tokens == whole.usage.prompt_tokens
     assert short.choices[0].text == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="'echo' returns the whole prompt"):
+        client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 5})
     with pytest.raises(openai.BadRequestError, match="'truncate_prompt_tokens' must be between 1 and"):
         client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4,
                                   extra_body={"truncate_prompt_tokens": 0})

@@ -286,6 +286,9 @@ def parse_completion(body: dict[str, Any], session_id: str = "", pinned: str = "
             raise ApiError(400, f"'{name}' is not supported; leave it at {neutral!r}", name)
     top = integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = boolean(body, "echo")
+    if echo and body.get("truncate_prompt_tokens"):
+        raise ApiError(400, "'echo' returns the whole prompt and 'truncate_prompt_tokens' cuts it: send one of them",
+                       "truncate_prompt_tokens")
     # echo with max_tokens 0 (what evaluation harnesses send to score a text): the prompt and, with
     # logprobs, its tokens' logprobs; the engine makes one token, which is not returned.
     prompt_only = echo and body.get("max_tokens") == 0
