@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.runtime.sampler import step_generator
+from services.engine.runtime.sampler import inverse_cdf, step_generator
 
 # Which draw at a position: keeping a draft, the residual's token, the bonus token after every draft was kept.
 KEEP, RESIDUAL, BONUS = 1, 2, 3
@@ -29,13 +29,6 @@ def _uniform(seed: int | None, position: int, use: int) -> float:
     return float(torch.rand((), generator=stream))
 
 
-def _pick(weights: torch.Tensor, u: float) -> int:
-    """The token whose bucket of the cumulative `weights` (V,) holds u x total; never one of weight 0."""
-    cdf = weights.double().cumsum(dim=-1)
-    k = int(torch.searchsorted(cdf, torch.tensor(u * float(cdf[-1]), dtype=cdf.dtype), right=True))
-    return k if k < weights.numel() and weights[k] > 0 else int(torch.nonzero(weights > 0).max())
-
-
 def verify(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, seed: int | None = None,
            position: int = 0) -> list[int]:
     """The tokens a step keeps from `drafts` (drawn from q), and the one it draws after them.  q: (k, V) the
@@ -44,6 +37,7 @@ def verify(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, seed: int | 
     if q.shape[0] != len(drafts) or p.shape[0] != len(drafts) + 1 or q.shape[1:] != p.shape[1:]:
         raise ValueError(f"{len(drafts)} drafts need q of {len(drafts)} rows and p of {len(drafts) + 1} rows of "
                          f"one vocabulary; got q {tuple(q.shape)} and p {tuple(p.shape)}")
+    ids = torch.arange(p.shape[1])
     out: list[int] = []
     for i, token in enumerate(drafts):
         drafted, target = float(q[i, token]), float(p[i, token])
@@ -51,7 +45,8 @@ def verify(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, seed: int | 
             out.append(token)
             continue
         residual = (p[i] - q[i]).clamp_min(0)
-        out.append(_pick(residual if float(residual.sum()) > 0 else p[i], _uniform(seed, position + i, RESIDUAL)))
+        out.append(inverse_cdf(ids, residual if float(residual.sum()) > 0 else p[i],
+                               _uniform(seed, position + i, RESIDUAL)))
         return out
-    out.append(_pick(p[len(drafts)], _uniform(seed, position + len(drafts), BONUS)))
+    out.append(inverse_cdf(ids, p[len(drafts)], _uniform(seed, position + len(drafts), BONUS)))
     return out

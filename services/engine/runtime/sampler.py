@@ -97,7 +97,7 @@ def _draw(params: SamplingParams, position: int) -> float:
     return float(torch.rand((), generator=step_generator(params.seed, position)))
 
 
-def _inverse_cdf(ids: torch.Tensor, weights: torch.Tensor, u: float) -> int:
+def inverse_cdf(ids: torch.Tensor, weights: torch.Tensor, u: float) -> int:
     """The token of `ids` (ascending) whose bucket of the cumulative `weights` holds u x total: never one
     of weight 0, so a masked token is never chosen."""
     cdf = weights.cumsum(dim=-1)
@@ -120,7 +120,7 @@ def reference_sample(logits: torch.Tensor, params: SamplingParams, position: int
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return _inverse_cdf(torch.arange(probs.numel()), probs, _draw(params, position))
+    return inverse_cdf(torch.arange(probs.numel()), probs, _draw(params, position))
 
 
 def _draw_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
@@ -163,7 +163,7 @@ def _whole(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequen
         return out.tolist()
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
     ids = torch.arange(logits.shape[-1])
-    return [_inverse_cdf(ids, probs[row], u) for row, u in enumerate(draws)]
+    return [inverse_cdf(ids, probs[row], u) for row, u in enumerate(draws)]
 
 
 def candidates(logits: torch.Tensor, temps: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
