@@ -15,6 +15,7 @@ Pure code, no protobuf.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,13 +98,13 @@ class Sampling:
         its limit, the most likely token (as vLLM treats temperatures under 1e-5)."""
         return self.temperature < GREEDY_BELOW
 
-    @property
+    @functools.cached_property
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (penalties, bias, min_tokens, a grammar, ...): such a
         row needs its full logits and its own history, so it takes neither the greedy shortcut nor drafts."""
         return any(getattr(self, name) != default for name, _, default in LOGITS_FIELDS)
 
-    @property
+    @functools.cached_property
     def penalized(self) -> bool:
         """Whether the sampler's logits processing (services/engine/runtime/sampler.py: process) changes the logits:
         processed, a grammar aside (its masks are applied apart)."""
