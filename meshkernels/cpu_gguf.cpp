@@ -38,6 +38,11 @@
 // sign(qx, q)), as llama.cpp does.  Vector paths: AVX512-VNNI (two blocks per 512-bit vector), VNNI on
 // 256 bits (AVX512-VL or AVX-VNNI), AVX2, portable scalar.  meshkernels/cpu_ops.py picks the compiler flags
 // (INFERMESH_CPU_ISA=avx512|avxvnni|avx2|portable builds a lower path; avx512 is all but AMX).
+//
+// kind + 256: blocks repacked 16 rows at a time by gguf_repack (cpu_gguf_r16.cpp's layout and products,
+// cpu_gguf_r16_pack.cpp's repacking): one vector instruction multiplies 16 columns; the plan's `ggufr` kind.
+// gguf_repack(blocks (N, row bytes) uint8, kind, forward) -> (N, row bytes): the repacked blocks (forward),
+// or the file's again.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -268,14 +273,15 @@ void columns(const QuantizedX& qx, const Lanes& ln, const uint8_t* w, int64_t ro
   }
 }
 
+// Columns [first, n) of out (T, N) = x W^T.
 template <int64_t KIND>
-void vector_linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+void vector_linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out, int64_t first) {
   const Lanes ln = lanes_for(qx, Kind<KIND>::offset, Kind<KIND>::mins);
   const int64_t row_bytes = qx.k / Kind<KIND>::weights * Kind<KIND>::bytes;
   // Output features split evenly across threads; each thread streams its rows of W once.
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
-  const int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
-  torch::stable::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(16, (n - first + threads - 1) / threads);
+  torch::stable::parallel_for(first, n, grain, [&](int64_t begin, int64_t end) {
     columns<KIND>(qx, ln, w, row_bytes, out, n, begin, end);
   });
 }
@@ -285,7 +291,7 @@ struct KindInfo {
   const char* name;
   int64_t bytes, weights;
   int64_t amx_rows;          // from this many rows on, AMX tiles where usable
-  void (*linear)(const QuantizedX&, const uint8_t*, int64_t, float*);
+  void (*linear)(const QuantizedX&, const uint8_t*, int64_t, float*, int64_t);
 };
 
 // AMX from one row for all but Q8_0: its B and C tiles are sized to the rows, so one to four rows cost
@@ -300,37 +306,71 @@ constexpr KindInfo kKinds[] = {
     {kQ5_K, "Q5_K", 176, 256, 1, &vector_linear<kQ5_K>}, {kQ6_K, "Q6_K", 210, 256, 1, &vector_linear<kQ6_K>},
 };
 
-void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
-  const char* op = "gguf_linear";
-  const KindInfo* info = nullptr;
+const KindInfo* kind_info(int64_t kind, const char* op) {
   for (const KindInfo& candidate : kKinds)
-    if (candidate.id == kind) info = &candidate;
-  CHECK(info != nullptr, op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ",
-        kind);
-  check_float(x, op, "x", 2);
-  check_contiguous(x, op, "x");
+    if (candidate.id == kind % kRepacked) return &candidate;
+  fail(op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), or one of them + ",
+       kRepacked, " (repacked by gguf_repack), got ", kind);
+}
+
+// The blocks' shape checked for x's K: returns their row bytes.
+int64_t check_blocks(const Tensor& blocks, const KindInfo& info, int64_t k, const char* op) {
   check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
   check_contiguous(blocks, op, "blocks");
+  CHECK(k % info.weights == 0, op, ": in_features ", k, " is not a multiple of ", info.weights,
+        info.weights == kBlock ? "" : " (a K-quant super-block)");
+  const int64_t nb = k / info.weights;
+  CHECK(blocks.size(1) == nb * info.bytes, op, ": blocks ", str(blocks.sizes()), " do not hold rows of ", nb, " ",
+        info.name, " blocks of ", info.bytes, " bytes (in_features ", k, ")");
+  return nb * info.bytes;
+}
+
+void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
+  const char* op = "gguf_linear";
+  CHECK(kind >= 0 && kind < 2 * kRepacked, op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or ",
+        "14 (Q6_K), or one of them + ", kRepacked, " (repacked by gguf_repack), got ", kind);
+  const KindInfo* info = kind_info(kind, op);
+  const bool repacked = kind >= kRepacked;
+  check_float(x, op, "x", 2);
+  check_contiguous(x, op, "x");
   check_float(out, op, "out", 2);
   check_contiguous(out, op, "out");
   const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0);
-  CHECK(k % info->weights == 0, op, ": in_features ", k, " is not a multiple of ", info->weights,
-        info->weights == kBlock ? "" : " (a K-quant super-block)");
-  const int64_t nb = k / info->weights;
-  CHECK(blocks.size(1) == nb * info->bytes, op, ": blocks ", str(blocks.sizes()), " do not hold rows of ", nb, " ",
-        info->name, " blocks of ", info->bytes, " bytes (in_features ", k, ")");
+  check_blocks(blocks, *info, k, op);
   CHECK(out.size(0) == t && out.size(1) == n, op, ": out must have shape (", t, ", ", n, "), got ",
         str(out.sizes()));
   if (t == 0 || n == 0) return;
-  if (q8k_linear(kind, x.const_data_ptr<float>(), t, k, blocks.const_data_ptr<uint8_t>(), n,
-                 out.mutable_data_ptr<float>()))
-    return;
+  const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+  float* o = out.mutable_data_ptr<float>();
+  if (!repacked && q8k_linear(kind, x.const_data_ptr<float>(), t, k, w, n, o)) return;
   QuantizedX qx;
   quantize_rows(x.const_data_ptr<float>(), t, k, qx);
-  if (t >= info->amx_rows && amx_usable())
-    amx_linear(kind, qx, blocks.const_data_ptr<uint8_t>(), n, out.mutable_data_ptr<float>());
-  else
-    info->linear(qx, blocks.const_data_ptr<uint8_t>(), n, out.mutable_data_ptr<float>());
+  if (repacked) {     // the groups of 16 rows, then the last n % 16 as the file has them
+    r16_linear(info->id, qx, w, n, o);
+    if (n % kCols) info->linear(qx, w, n, o, n - n % kCols);
+  } else if (t >= info->amx_rows && amx_usable()) {
+    amx_linear(kind, qx, w, n, o);
+  } else {
+    info->linear(qx, w, n, o, 0);
+  }
+}
+
+// blocks (N, row bytes) of `kind` (the file's layout) repacked for gguf_linear's kind + 256; `forward` false:
+// repacked blocks back to the file's layout.
+Tensor gguf_repack(const Tensor& blocks, int64_t kind, bool forward) {
+  const char* op = "gguf_repack";
+  CHECK(kind >= 0 && kind < kRepacked, op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or ",
+        "14 (Q6_K), got ", kind);
+  const KindInfo* info = kind_info(kind, op);
+  check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
+  check_contiguous(blocks, op, "blocks");
+  CHECK(blocks.size(1) % info->bytes == 0, op, ": rows of ", blocks.size(1), " bytes are not whole ", info->name,
+        " blocks of ", info->bytes, " bytes");
+  Tensor out = torch::stable::new_empty(blocks, {blocks.size(0), blocks.size(1)});
+  if (blocks.numel())
+    r16_repack(kind, blocks.const_data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), out.mutable_data_ptr<uint8_t>(),
+               forward);
+  return out;
 }
 
 }  // namespace
@@ -343,8 +383,10 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
 
 STABLE_TORCH_LIBRARY_FRAGMENT(infermesh, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int kind, Tensor(a!) out) -> ()");
+  m.def("gguf_repack(Tensor blocks, int kind, bool forward) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(infermesh, CPU, m) {
   m.impl("gguf_linear", TORCH_BOX(&gguf_linear));
+  m.impl("gguf_repack", TORCH_BOX(&gguf_repack));
 }

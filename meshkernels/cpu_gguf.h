@@ -54,6 +54,12 @@ void amx_linear_wide(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64
 // false (nothing done) for other kinds and row counts, and in builds without AVX512-VNNI.
 constexpr int64_t kQ8KRows = 4;
 bool q8k_linear(int64_t kind, const float* x, int64_t t, int64_t k, const uint8_t* w, int64_t n, float* out);
+// Weights repacked 16 columns at a time (cpu_gguf_r16.cpp): gguf_linear's kind + kRepacked names them.
+constexpr int64_t kCols = 16, kRepacked = 256;
+// out (T, N) = x W^T over W's first 16 * (N / 16) rows, repacked; false for a kind it lacks.
+bool r16_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
+// N rows of `row_bytes` at src, the file's layout, repacked into dst (forward), or back; false for a kind it lacks.
+bool r16_repack(int64_t kind, const uint8_t* src, int64_t n, int64_t row_bytes, uint8_t* dst, bool forward);
 
 }  // namespace infermesh_gguf
 

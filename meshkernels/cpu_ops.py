@@ -45,14 +45,24 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# A lower INFERMESH_CPU_ISA stands for a CPU without the higher paths: oneDNN (torch's bf16 and fp32 GEMMs) is
+# capped to match, so that "AMX off" on a Xeon leaves AMX out of the bf16w kind's matmuls too (oneDNN reads
+# its cap at its first primitive; an explicit ONEDNN_MAX_CPU_ISA wins).
+_ONEDNN_CAPS = {"avx512": "AVX512_CORE_BF16", "avxvnni": "AVX2_VNNI", "avx2": "AVX2", "portable": "SSE41"}
+if os.environ.get("INFERMESH_CPU_ISA") in _ONEDNN_CAPS:
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAPS[os.environ["INFERMESH_CPU_ISA"]])
+
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with_name("cpu_layer.cpp"),
            Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gguf.cpp"),
            Path(__file__).with_name("cpu_gguf_x.cpp"), Path(__file__).with_name("cpu_gguf_amx.cpp"),
            Path(__file__).with_name("cpu_gguf_amx16.cpp"), Path(__file__).with_name("cpu_layer_gguf.cpp"),
-           Path(__file__).with_name("cpu_gguf_q8k.cpp"), Path(__file__).with_name("cpu_lora.cpp"))
+           Path(__file__).with_name("cpu_gguf_q8k.cpp"), Path(__file__).with_name("cpu_lora.cpp"),
+           Path(__file__).with_name("cpu_gguf_r16.cpp"),
+           Path(__file__).with_name("cpu_gguf_r16_pack.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"),
-           Path(__file__).with_name("cpu_gguf.h"), Path(__file__).with_name("cpu_gguf_amx.h"))
+           Path(__file__).with_name("cpu_gguf.h"), Path(__file__).with_name("cpu_gguf_amx.h"),
+           Path(__file__).with_name("cpu_gguf_r16.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"
 
 _lock = threading.Lock()
@@ -92,7 +102,7 @@ def _isa_flags() -> list[str]:
     """The vector paths this CPU runs (AVX-512, else AVX2; with VNNI where the CPU has it; AMX-INT8 tiles
     for cpu_gguf_amx.cpp), else none: the portable loops.
     `INFERMESH_CPU_ISA=avx512|avx2|avxvnni|portable` builds a lower one (to test those paths on a bigger
-    CPU; avx512 is everything but AMX)."""
+    CPU; avx512 is everything but AMX) and caps oneDNN's to match (ONEDNN_MAX_CPU_ISA, set at import)."""
     flags, wanted = _cpu_flags(), os.environ.get("INFERMESH_CPU_ISA", "native")
     avx2 = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
     if wanted == "portable" or not avx2:

@@ -145,3 +145,18 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizat
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
     torch.ops.infermesh.gguf_linear(x, blocks, kind_of(kind), out)
     return out
+
+
+REPACKED = 256      # gguf_linear's kind + REPACKED: the blocks are repack()'s
+
+
+def repack(blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """The blocks (N, row bytes) of `kind` laid out 16 rows at a time for the vector paths without AMX
+    (meshkernels/cpu_gguf_r16.cpp): same shape, same bytes rearranged; `gguf_linear(x, repacked, kind + REPACKED)`
+    multiplies by them.  The last N % 16 rows stay as they are."""
+    return torch.ops.infermesh.gguf_repack(blocks.contiguous(), kind_of(kind), True)
+
+
+def unpack(repacked: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:
+    """repack() undone: the file's blocks again, byte for byte."""
+    return torch.ops.infermesh.gguf_repack(repacked.contiguous(), kind_of(kind), False)

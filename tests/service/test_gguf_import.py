@@ -128,6 +128,13 @@ def test_register_a_gguf_file(qtype: str, tiny: Any, tokenizer: list[Field], tmp
         op_by_op = ModelRunner(folder, decide(device="cpu", dtype="float32", matmul="gguf"), kv_cache_bytes=16 << 20)
         op_by_op.model.fused_layers = None
         assert _generate(op_by_op, prompts) == fused
+        # ggufr, the blocks repacked 16 rows at a time: its one call per layer is its op-by-op forward exactly
+        repacked = ModelRunner(folder, decide(device="cpu", dtype="float32", matmul="ggufr"), kv_cache_bytes=16 << 20)
+        assert repacked.model.fused_layers is not None and repacked.model.layers[0].down.kind >= 256
+        assert (repacked.model.layers[0].down(hidden) - want).abs().max() <= 0.02 * want.abs().max()
+        fused_r = _generate(repacked, prompts)
+        repacked.model.fused_layers = None
+        assert _generate(repacked, prompts) == fused_r
 
     if cli:
         shown = subprocess.run([sys.executable, "-m", "infermesh.cli", "model", "inspect", "tiny"], env=env,

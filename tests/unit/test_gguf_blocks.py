@@ -154,11 +154,16 @@ def activation_block(kind: int, rows: int) -> int:
     return 256 if q8k and kind in (gguf_blocks.Q4_K, gguf_blocks.Q6_K) and 1 <= rows <= 4 else 32
 
 
-def check_against_references(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> None:
-    out = gguf_blocks.gguf_linear(x, blocks, kind)
+def check_against_references(x: torch.Tensor, blocks: torch.Tensor, kind: int, repacked: bool = False) -> None:
+    """The op's product against the references; `repacked`: by the blocks repack()ed (activations per 32 there)."""
+    if repacked:
+        out = torch.empty(x.shape[0], blocks.shape[0])
+        ops.gguf_linear(x, gguf_blocks.repack(blocks, kind), kind + gguf_blocks.REPACKED, out)
+    else:
+        out = gguf_blocks.gguf_linear(x, blocks, kind)
     w = gguf_blocks.dequantize(blocks, kind)
     t, k = x.shape
-    block = activation_block(kind, t)
+    block = 32 if repacked else activation_block(kind, t)
     q, d = gguf_blocks.quantize_activations(x, block)
     xq = (q.double().reshape(t, -1, block) * d.double().unsqueeze(-1)).reshape(t, k)
     # against the int8-activation product: float32 rounding of the block sums only
@@ -186,6 +191,30 @@ def test_kernel_matches_references(rows: int, shape: int, kind: int) -> None:
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
     x[0, :32] = 0.0                                      # a block of zeros: dx = 0
     check_against_references(x, blocks, kind)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 33])
+@pytest.mark.parametrize("shape", range(4))
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
+def test_repacked_kernel_matches_references(rows: int, shape: int, kind: int) -> None:
+    """Blocks repacked 16 rows at a time (cpu_gguf_r16.cpp), N a multiple of 16 or not (the last rows stay as
+    the file has them), extreme scales in one shape: the same product."""
+    k, n = SHAPES[gguf_blocks.KINDS[kind].weights][shape]
+    blocks = gguf_blocks.blocks_from_array(random_blocks(n, k, kind, seed=rows * 5 + k, extreme=shape == 1), kind)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
+    x[0, :32] = 0.0
+    check_against_references(x, blocks, kind, repacked=True)
+
+
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
+def test_repacking_is_undone_byte_for_byte(kind: int) -> None:
+    """unpack(repack(b)) is b, for every byte pattern; repack moves bytes, it does not change what they hold."""
+    k = 512 if gguf_blocks.KINDS[kind].weights == 256 else 96
+    blocks = gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=kind, extreme=True), kind)
+    repacked = gguf_blocks.repack(blocks, kind)
+    assert repacked.shape == blocks.shape and not torch.equal(repacked[:32], blocks[:32])
+    assert torch.equal(repacked[32:], blocks[32:])                  # the last 37 % 16 rows as they were
+    assert torch.equal(gguf_blocks.unpack(repacked, kind), blocks)
 
 
 @pytest.mark.parametrize("rows", [3, 20])
@@ -220,8 +249,13 @@ def test_bad_arguments_get_precise_errors() -> None:
     with pytest.raises(RuntimeError, match="do not hold rows of 2 Q5_0 blocks of 22 bytes"):
         ops.gguf_linear(torch.randn(2, 64), blocks, 6, out)
     with pytest.raises(RuntimeError, match=r"kind must be 3 \(Q4_1\), 6 \(Q5_0\), 8 \(Q8_0\), 12 \(Q4_K\), "
-                                           r"13 \(Q5_K\) or 14 \(Q6_K\), got 5"):
+                                           r"13 \(Q5_K\) or 14 \(Q6_K\), or one of them \+ 256 \(repacked by "
+                                           r"gguf_repack\), got 5"):
         ops.gguf_linear(torch.randn(2, 64), blocks, 5, out)
+    with pytest.raises(RuntimeError, match=r"got 261"):
+        ops.gguf_linear(torch.randn(2, 64), blocks, 261, out)
+    with pytest.raises(RuntimeError, match=r"gguf_repack: rows of 50 bytes are not whole Q8_0 blocks of 34 bytes"):
+        ops.gguf_repack(torch.zeros(4, 50, dtype=torch.uint8), 8, True)
     with pytest.raises(RuntimeError, match=r"out must have shape \(3, 8\)"):
         ops.gguf_linear(torch.randn(3, 64), blocks, 8, out)
     with pytest.raises(RuntimeError, match=r"in_features 640 is not a multiple of 256 \(a K-quant super-block\)"):
@@ -253,6 +287,10 @@ def test_the_other_instruction_set_paths_agree(isa: str) -> None:
         "from tests.unit.test_gguf_blocks import random_blocks, check_against_references;"
         "[check_against_references(torch.randn(t, k, generator=torch.Generator().manual_seed(t)),"
         " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind)"
+        " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
+        " for t in (1, 3, 6, 9, 16)];"
+        "[check_against_references(torch.randn(t, k, generator=torch.Generator().manual_seed(t)),"
+        " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind, True)"
         " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
         " for t in (1, 3, 6, 9, 16)];"
         "from tests.unit.test_cpu_lora import check_against_reference;"

@@ -16,7 +16,13 @@ gguf = pytest.importorskip("gguf")
 
 from meshkernels import cpu_ops  # noqa: E402
 from services.engine.runtime.models.gguf_weights import Blocks, dense, load  # noqa: E402
-from services.engine.runtime.models.linear import Concat, Fp16WeightLinear, GgufLinear, linear_kind  # noqa: E402
+from services.engine.runtime.models.linear import (  # noqa: E402
+    Concat,
+    Fp16WeightLinear,
+    GgufLinear,
+    GgufRepackedLinear,
+    linear_kind,
+)
 
 Q = gguf.GGMLQuantizationType
 H, HEADS, KV = 64, 4, 2
@@ -126,6 +132,29 @@ def test_products_over_blocks_of_mixed_types(tmp_path: Path) -> None:
         y = torch.randn(rows, H)
         ref = y @ dense(parts[0]).T
         assert (split(y) - ref).abs().max() <= 0.02 * ref.abs().max()
+    # ggufr: the same products by the blocks repacked 16 rows at a time (the file's layout not kept)
+    repacked = Concat(linear_kind("ggufr"), parts, [bias, None, None])
+    assert all(isinstance(p, GgufRepackedLinear) and p.kind >= 256 for p in repacked.parts)
+    assert not any(p.weight.data_ptr() == q.weight.data_ptr() for p, q in zip(repacked.parts, qkv.parts, strict=True))
+    assert (repacked(x) - got).abs().max() <= 1e-5 * got.abs().max()
+    assert GgufRepackedLinear(weights["model.layers.0.mlp.down_proj.weight"], None).kind is None   # Q4_0: de-quantized
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K])
+def test_a_repacked_embedding_reads_the_files_rows(qtype: Q) -> None:
+    """A tied embedding over the head's repacked blocks (RepackedBlocks) gives each row as the file's blocks do,
+    rows in whole groups of 16 and in the last rows past them alike."""
+    from meshkernels import gguf_blocks
+    from services.engine.runtime.models.gguf_weights import RepackedBlocks
+    from tests.unit.test_gguf_blocks import random_blocks
+
+    k = 256
+    blocks = Blocks(gguf_blocks.blocks_from_array(random_blocks(45, k, int(qtype), seed=1), int(qtype)), qtype, (45, k))
+    repacked = RepackedBlocks(gguf_blocks.repack(blocks.data, int(qtype)), qtype, (45, k))
+    ids = torch.tensor([[0, 15, 16, 44], [31, 32, 40, 3]])
+    assert torch.equal(repacked.rows(ids), blocks.rows(ids))
+    assert torch.equal(repacked.dense(), blocks.dense())
 
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
@@ -144,8 +173,10 @@ def test_tuning_times_the_files_own_blocks(tmp_path: Path) -> None:
         "intermediate_size": 2 * H, "num_hidden_layers": 1, "vocab_size": 96, "tie_word_embeddings": True}))
     assert "gguf" in tune.candidates(folder) and "gguf" not in tune.candidates(None)
     layers, gemms = tune.shapes(folder)
-    table = tune.measure(layers, gemms, ["gguf"], reps=1, folder=folder)
-    assert len(table["gguf"]) == len(tune.ROWS) and all(ms > 0 for ms in table["gguf"])
+    assert "ggufr" in tune.candidates(folder) and "ggufr" not in tune.candidates(None)
+    table = tune.measure(layers, gemms, ["gguf", "ggufr"], reps=1, folder=folder)
+    for kind in ("gguf", "ggufr"):
+        assert len(table[kind]) == len(tune.ROWS) and all(ms > 0 for ms in table[kind])
     timed = load(folder, 1, HEADS, KV)
     assert sorted({w.name for w in timed.values() if isinstance(w, Blocks)}) == ["Q5_0", "Q8_0"]
 

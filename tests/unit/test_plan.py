@@ -110,10 +110,11 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
         assert (p.matmul, p.matmul_large, p.split_rows) == ("q4", "fp16w", 4)
         assert "q4 matmuls up to 4 rows, fp16w above" in str(p)
     assert decide(device="cpu", dtype="float32", tuned=tuned).matmul == "exact"   # the exact mode stays exact
-    with pytest.raises(ValueError, match="q4, bf16w and gguf matmuls run in a float32 model on the CPU only"):
+    with pytest.raises(ValueError, match="q4, bf16w, gguf and ggufr matmuls run in a float32 model on the CPU only"):
         ExecutionPlan("cuda", "bfloat16", "q4", "triton", "triton", "off")
-    with pytest.raises(ValueError, match="gguf matmuls run in a float32 model on the CPU only"):
-        ExecutionPlan("cuda", "bfloat16", "gguf", "triton", "triton", "off")
+    for kind in ("gguf", "ggufr"):
+        with pytest.raises(ValueError, match="ggufr matmuls run in a float32 model on the CPU only"):
+            ExecutionPlan("cuda", "bfloat16", kind, "triton", "triton", "off")
 
 
 def test_tuning_leaves_out_what_cannot_run_and_falls_back_without_shapes(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -35,7 +35,7 @@ def shape_of(runner: ModelRunner) -> Shape:
 
 # GEMM kinds that round the weights (below float32): the adapters' factors are then kept in float16 for the CPU
 # kernel (half the bytes a step reads; meshkernels/cpu_lora.cpp), not finer than the base model's own products.
-REDUCED = frozenset({"fp16w", "int8", "q4", "bf16w", "gguf"})
+REDUCED = frozenset({"fp16w", "int8", "q4", "bf16w", "gguf", "ggufr"})
 
 
 def factor_dtype(runner: ModelRunner) -> torch.dtype:

@@ -12,7 +12,8 @@ import torch
 
 from services.engine.config import GRAPHS
 
-MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4", "bf16w", "gguf")
+MATMULS = ("exact", "fused", "packed", "fp16w", "int8", "q4", "bf16w", "gguf", "ggufr")
+GGUF_MATMULS = ("gguf", "ggufr")   # a GGUF's own blocks: as the file lays them out, or repacked 16 rows at a time
 ATTENTIONS = ("torch", "fused", "triton")   # decode attention: gather + SDPA, the CPU library, Triton
 OPS = ("torch", "cpu", "triton")            # add + RMSNorm, RoPE + KV write, SiLU x up
 KV_DTYPES = ("float32", "float16", "bfloat16")
@@ -41,9 +42,9 @@ class ExecutionPlan:
             raise ValueError("--dtype int8 runs on the CPU only (FBGEMM)")
         if self.matmul_large and (self.matmul_large not in MATMULS or self.split_rows < 1):
             raise ValueError(f"matmul_large {self.matmul_large!r} needs a kind of {MATMULS} and split_rows >= 1")
-        if {"q4", "bf16w", "gguf"} & {self.matmul, self.matmul_large} and (self.device, self.dtype) != ("cpu",
-                                                                                                "float32"):
-            raise ValueError("q4, bf16w and gguf matmuls run in a float32 model on the CPU only")
+        if {"q4", "bf16w", *GGUF_MATMULS} & {self.matmul, self.matmul_large} and (self.device, self.dtype) != (
+                "cpu", "float32"):
+            raise ValueError("q4, bf16w, gguf and ggufr matmuls run in a float32 model on the CPU only")
         if (self.attention == "fused" or self.ops == "cpu") and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError("the fused CPU ops run float32 on the CPU only")
         if self.kv_dtype and self.kv_dtype not in KV_DTYPES:

@@ -24,22 +24,24 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mesh.files import exclusive_lock, write_atomic
 from mesh.models import home
 from meshkernels import cpu_ops
+from services.engine.runtime.execution_plan import GGUF_MATMULS
 from services.engine.runtime.models.config import load_weights
 from services.engine.runtime.models.gguf_weights import FILE, has_gguf
-from services.engine.runtime.models.linear import LINEARS, Concat, GgufLinear, native_bf16
+from services.engine.runtime.models.linear import LINEARS, Concat, native_bf16
 
 log = logging.getLogger(__name__)
 
 ROWS = (1, 4, 16, 64)
 LAYERS = 8              # distinct weights timed: enough that they stream from memory, not cache
 SECOND_COPY = 1.5       # how much faster a second kind's 64-row step must be to be worth its copy
-VERSION = 3             # bump when the candidates or the method change: old answers are then ignored
+VERSION = 4             # bump when the candidates or the method change: old answers are then ignored
 BUSY = 0.25             # other processes' CPU (cores, averaged) above which a measurement is provisional
 
 
@@ -59,7 +61,7 @@ def candidates(folder: Path | None = None) -> list[str]:
     if cpu_ops.load():
         kinds.append("q4")
         if folder is not None and has_gguf(folder):
-            kinds.append("gguf")
+            kinds += ["gguf", "ggufr"]
     if "fbgemm" in torch.backends.quantized.supported_engines:
         kinds.append("fp16w")
     if torch.backends.mkldnn.is_available():
@@ -114,8 +116,10 @@ def measure(layers: int, gemms: list[tuple[int, int]], kinds: list[str], reps: i
         if kind == "q4" and any(k % 32 for _, k in gemms):
             continue                                  # no 32-weight blocks along these inputs
         try:
-            calls = _gguf_calls(folder, len(weights)) if kind == "gguf" and folder is not None else \
-                [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
+            if kind in GGUF_MATMULS and folder is not None:
+                calls = _gguf_calls(folder, len(weights), LINEARS[kind])
+            else:
+                calls = [(_multiply(kind, w), w.shape[1]) for layer in weights for w in layer]
             table[kind] = [_time(calls, rows, reps) * layers / len(weights) for rows in ROWS]
         except (RuntimeError, ValueError) as exc:      # a kind this build or shape cannot run: not a candidate
             log.warning("matmul kind %s left out of tuning: %s", kind, exc)
@@ -137,14 +141,16 @@ GGUF_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("s
                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
-def _gguf_calls(folder: Path, count: int) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
-    """The `gguf` kind's products over the first `count` layers of the folder's GGUF, as the model groups them."""
+def _gguf_calls(folder: Path, count: int, kind: Callable[..., Any]) -> list[tuple[Callable[[torch.Tensor],
+                                                                                           torch.Tensor], int]]:
+    """The `gguf` (or `ggufr`) kind's products over the first `count` layers of the folder's GGUF, as the model
+    groups them."""
     weights = load_weights(folder)
     calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
     for i in range(count):
         for group in GGUF_GROUPS:
             parts = [weights[f"model.layers.{i}.{name}.weight"] for name in group]
-            calls.append((Concat(GgufLinear, parts, [None] * len(parts)), parts[0].shape[1]))
+            calls.append((Concat(kind, parts, [None] * len(parts)), parts[0].shape[1]))
     return calls
 
 
@@ -230,7 +236,7 @@ def cached(folder: Path) -> Tuned | None:
 
 def _keyed(kinds: list[str], folder: Path) -> list[str]:
     """The kinds as the cache key names them: `gguf` with the file's layer types."""
-    return [f"gguf[{_file_key(folder)}]" if kind == "gguf" else kind for kind in kinds]
+    return [f"{kind}[{_file_key(folder)}]" if kind in GGUF_MATMULS else kind for kind in kinds]
 
 
 def _others_since() -> Callable[[], float]:

@@ -71,6 +71,29 @@ class Blocks:
                                                                             parts[0].shape[1]))
 
 
+@dataclass(frozen=True)
+class RepackedBlocks(Blocks):
+    """A weight's blocks after gguf_blocks.repack (16 rows at a time): a tied embedding reading the head's
+    repacked copy, so the file's layout is not kept beside it.  Rows come back through unpack, a group at a
+    time."""
+
+    def dense(self) -> torch.Tensor:
+        return _dequantize(self._unpacked(self.data).numpy(), self.qtype, self.shape[1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.flatten()
+        groups = torch.unique(torch.div(flat, 16, rounding_mode="floor"))
+        # each id's 16-row group un-repacked alone (the last rows past whole groups are stored as they are)
+        unpacked = {int(g): self._unpacked(self.data[int(g) * 16:int(g) * 16 + 16]) for g in groups}
+        raw = torch.stack([unpacked[int(i) // 16][int(i) % 16] for i in flat])
+        return _dequantize(raw.numpy(), self.qtype, self.shape[1]).reshape(*ids.shape, self.shape[1])
+
+    def _unpacked(self, data: torch.Tensor) -> torch.Tensor:
+        from meshkernels import gguf_blocks
+
+        return gguf_blocks.unpack(data, int(self.qtype))
+
+
 Weight = torch.Tensor | Blocks
 
 

@@ -207,6 +207,20 @@ class GgufLinear(Linear):
         return out if self.bias is None else out.add_(self.bias)
 
 
+class GgufRepackedLinear(GgufLinear):
+    """GgufLinear with the blocks repacked 16 rows at a time at load (meshkernels/cpu_gguf_r16.cpp: one vector
+    instruction multiplies 16 columns, for the CPUs without AMX): the same bytes, one copy, the file's
+    layout not kept."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None):
+        super().__init__(weight, bias)
+        if self.fallback is None and self.kind is not None:
+            from meshkernels import gguf_blocks
+
+            self.weight = gguf_blocks.repack(self.weight, self.kind)
+            self.kind += gguf_blocks.REPACKED
+
+
 def gguf_kind(weight: Weight) -> int | None:
     """The gguf_linear kind of a weight's blocks, or None (a float weight, or a type the kernel lacks)."""
     if not isinstance(weight, Blocks):
@@ -232,7 +246,7 @@ class SplitLinear(Linear):
 
 LINEARS: dict[str, type[Linear]] = {"exact": Linear, "fused": FusedLinear, "packed": PackedLinear,
                                     "fp16w": Fp16WeightLinear, "int8": Int8Linear, "q4": Q4Linear,
-                                    "bf16w": Bf16WeightLinear, "gguf": GgufLinear}
+                                    "bf16w": Bf16WeightLinear, "gguf": GgufLinear, "ggufr": GgufRepackedLinear}
 Kind = Callable[[Weight, torch.Tensor | None], Linear]
 
 
@@ -252,7 +266,7 @@ def _kind(matmul: str) -> Kind:
 def linear_kind(matmul: str, large: str = "", rows: int = 0) -> Kind:
     """The layers' Linear for a plan: `matmul`, or up to `rows` rows `matmul` and above them `large`."""
     if not large or large == matmul:
-        return LINEARS[matmul] if matmul != "gguf" else GgufLinear
+        return LINEARS[matmul]
     small_kind, large_kind = _kind(matmul), _kind(large)
     return lambda w, b: SplitLinear(small_kind(w, b), large_kind(w, b), rows)
 
@@ -275,7 +289,7 @@ def _head_kind(matmul: str) -> Kind:
     if matmul == "q4":
         return Q8Linear
     cls = PackedLinear if matmul == "fp16w" else LINEARS[matmul]
-    return cls if cls is GgufLinear else lambda w, b: cls(dense(w), b)
+    return cls if issubclass(cls, GgufLinear) else lambda w, b: cls(dense(w), b)
 
 
 def has_fbgemm() -> bool:

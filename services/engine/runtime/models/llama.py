@@ -18,18 +18,19 @@ from typing import Any
 
 import torch
 
-from services.engine.runtime.execution_plan import ExecutionPlan
+from services.engine.runtime.execution_plan import GGUF_MATMULS, ExecutionPlan
 from services.engine.runtime.lora import LoraRows
 from services.engine.runtime.lora import apply as lora_apply
 from services.engine.runtime.models import interrupt, rope
 from services.engine.runtime.models import ops as op_sets
 from services.engine.runtime.models.attention import Attention, AttentionMetadata
 from services.engine.runtime.models.config import LlamaConfig, split_fused
-from services.engine.runtime.models.gguf_weights import Blocks, Weight, dense
+from services.engine.runtime.models.gguf_weights import Blocks, RepackedBlocks, Weight, dense
 from services.engine.runtime.models.linear import (
     BlockLinear,
     Concat,
     GgufLinear,
+    GgufRepackedLinear,
     Int8Linear,
     Linear,
     Q4Linear,
@@ -125,7 +126,7 @@ class LlamaModel:
 
         # A GGUF folder's quantized weights stay blocks where the plan multiplies by them (gguf_weights.py):
         # every one for `gguf`; the layers' for the kinds that take a file's blocks of their own layout (q4).
-        keep_blocks = "gguf" in (plan.matmul, plan.matmul_large)
+        keep_blocks = bool(set(GGUF_MATMULS) & {plan.matmul, plan.matmul_large})
         layer_blocks = keep_blocks or any(map(takes_blocks, (plan.matmul, plan.matmul_large)))
 
         def lw(name: str, blocks: bool = True) -> Weight:
@@ -168,9 +169,14 @@ class LlamaModel:
         head: Weight = lw(head_name) if not tied or layer_blocks and isinstance(weights[head_name], Blocks) \
             else self.embed
         # A GGUF's head is quantized in the file already: with the gguf kind it splits as the layers do.
-        self.lm_head = linear(head, None) if plan.matmul == "gguf" else \
+        gguf = plan.matmul in GGUF_MATMULS
+        self.lm_head = linear(head, None) if gguf else \
             head_kind(plan.matmul, plan.matmul_large, plan.split_rows)(head, None)
-        if plan.matmul != "gguf":
+        if tied and isinstance(head, Blocks) and isinstance(self.lm_head, GgufRepackedLinear) \
+                and self.lm_head.fallback is None:
+            # the embedding reads the head's repacked blocks: one copy of the tied weight, not two
+            self.embed = RepackedBlocks(self.lm_head.weight, head.qtype, head.shape)
+        if not gguf:
             head = dense(self.embed if tied else head).to(device=device, dtype=dtype)
         if isinstance(head, Blocks):        # the head in its blocks: logits (and argmax) from them, no copies
             head = torch.empty(0)
@@ -180,7 +186,7 @@ class LlamaModel:
         # full product reads no more than the copy would.
         small_head = self.lm_head.small if isinstance(self.lm_head, SplitLinear) else self.lm_head
         exact_blocks = isinstance(small_head, BlockLinear) and small_head.lossless
-        cpu_fast = plan.matmul not in ("exact", "gguf") and plan.device == "cpu" and (
+        cpu_fast = plan.matmul not in ("exact", *GGUF_MATMULS) and plan.device == "cpu" and (
             not exact_blocks or bool(plan.matmul_large))
         self.head_weight = head if cpu_fast else None
         self.approx_head = Int8Linear(head, None) if cpu_fast and has_fbgemm() else None
@@ -225,8 +231,8 @@ class LlamaModel:
                      or self.dynamic or config.attn_softcap
                      or config.embed_scale != 1.0 or config.activation != "silu")   # what decode_layer_q4 computes
         fusable = (plan.attention, plan.ops) == ("fused", "cpu") and plain
-        self.fused_op = "decode_layer_gguf" if plan.matmul == "gguf" else "decode_layer_q4"
-        self.fused_layers = (_fused_gguf_layers(self.layers) if plan.matmul == "gguf" else
+        self.fused_op = "decode_layer_gguf" if gguf else "decode_layer_q4"
+        self.fused_layers = (_fused_gguf_layers(self.layers) if gguf else
                              _fused_q4_layers(self.layers)) if fusable else None
         self.fused_rows = plan.split_rows if plan.matmul_large else 1 << 30
 

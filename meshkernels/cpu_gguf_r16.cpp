@@ -1,0 +1,485 @@
+// GGUF blocks repacked 16 output columns at a time, for the vector paths (CPUs without AMX, and any CPU where
+// the tuner measures it faster): the same bytes as the file's blocks, laid out at load so that one 512-bit
+// register holds 4 weights of each of 16 columns.  A dot-product instruction (VNNI's dpbusd, AVX2's
+// maddubs) then multiplies all 16 columns by 4 broadcast activations: the weights are read once, in order,
+// with no per-column decoding into memory and no horizontal sums (cpu_gguf.cpp's loop multiplies one
+// column per instruction, and decodes each block of it through a buffer first).  llama.cpp's repacked
+// types and ik_llama.cpp's R4/R8 layouts do the same; this layout is our own.
+//
+// A weight (N, K / w * bytes) of kind Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K keeps its shape and size: its
+// first 16 * (N / 16) rows become groups of 16 rows, each group a run of "units" (a block of 32 weights; a
+// K-quant's super-block of 256), each unit 16 * bytes long; the last N % 16 rows stay as the file has them
+// (cpu_gguf.cpp multiplies those).  Within a unit, for each 32-weight block j of it (one, or eight), with
+// u the weight's unsigned q (Q8_0's q + 128, Q5_0's and Q5_K's 5 bits, Q6_K's 6 bits) and element l
+// of the block, g = (l % 16) / 4, i = l % 4, high = l >= 16:
+//   nibbles  (all but Q8_0) at 256 j: byte 64 g + 4 c + i, low nibble from l < 16, high from l >= 16: u & 15;
+//   Q8_0's bytes: byte 64 (2 g + high) + 4 c + i = u;
+//   Q5_0 / Q5_K 5th bits (u >> 4): 8 uint64 masks per block, mask 2 g + high, bit 4 c + i;
+//   Q6_K's top 2 bits (u >> 4): 128 bytes per block, byte 64 high + 4 c + i, bits 2 g and 2 g + 1;
+// then each column's scales as the file stores them, column c at 2 c (fp16) or in planes:
+//   Q4_1: d[16] m[16] after the nibbles (256); Q5_0: masks (256), d (320); Q8_0: d (512);
+//   Q4_K: d (2048), dmin (2080), the 12 scale bytes as 3 planes of 16 uint32 (2112: plane p, column c = bytes
+//   4 p .. 4 p + 3); Q5_K: masks (2048), d (2560), dmin (2592), planes (2624); Q6_K: top bits (2048), the
+//   16 int8 scales as scale s of column c at 3072 + 16 s + c, d (3328).
+// So a register load of 64 bytes of nibbles gives, masked, weights 4 g .. 4 g + 3 of all 16 columns
+// (shifted: 16 + 4 g ..), the activations' 4 bytes at the same positions broadcast beside them.
+//
+// The products are gguf_linear's (cpu_gguf.cpp): activations quantized per row and 32 elements (dx, qx),
+// every block's integer dot product exact, scale * dx * dot (and the mins' c * dx * sum(qx)) summed in
+// float32; only the order of the float sums differs.  Rows go 8 (AVX-512) or 4 at a time over each group's
+// decoded weights; threads split the groups.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+#include "cpu_common.h"
+}  // namespace
+#include "cpu_gguf.h"
+
+#include "cpu_gguf_r16.h"
+
+namespace {
+
+// ------------------------------------------------------------------------------------------ the products
+
+// Per 32-weight block b of a row: the offset's correction (-offset * sum(qx) over the block, or per 16 for
+// Q6_K's halves) and dx * sum(qx) for the mins.
+inline int32_t block_sum(const QuantizedX& qx, int64_t row, int64_t b, int half) {
+  const size_t at = static_cast<size_t>(2 * (row * qx.nb + b));
+  return half < 0 ? qx.s16[at] + qx.s16[at + 1] : qx.s16[at + static_cast<size_t>(half)];
+}
+
+#if defined(__AVX2__)
+// The unit 1 KB after this one's lines asked for now: the stream runs ahead of the hardware prefetcher
+// (measured on a Sapphire Rapids, AMX off, 300-400 MB of weights: Q4_1 / Q5_0 / Q6_K 1.1-1.4x faster at one
+// row with it; 4 KB ahead was no better).
+constexpr int64_t kAhead = 1024;
+inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define R16_ZMM 1
+constexpr int kRowsAtOnce = 8;
+#elif defined(__AVX2__)
+constexpr int kRowsAtOnce = 4;
+#else
+constexpr int kRowsAtOnce = 4;
+#endif
+
+#if defined(R16_ZMM)
+inline __m512 halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another).
+template <int64_t KIND, int R>
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
+  using K = Kind<KIND>;
+  constexpr int64_t bpu = blocks_of<KIND>();
+  constexpr bool halves = K::halves;
+  const int64_t units = qx.nb / bpu, k = qx.k;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
+    prefetch_ahead(w, kCols * K::bytes);
+    [[maybe_unused]] __m512 dk, mk;
+    [[maybe_unused]] __m512i words[4];
+    if constexpr (k_scales<KIND>()) {
+      dk = halves16(w + R16<KIND>::d);
+      mk = _mm512_sub_ps(_mm512_setzero_ps(), halves16(w + R16<KIND>::dmin));
+      const __m512i w0 = _mm512_loadu_si512(w + R16<KIND>::planes), w1 = _mm512_loadu_si512(w + R16<KIND>::planes + 64),
+                    w2 = _mm512_loadu_si512(w + R16<KIND>::planes + 128);
+      const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
+                    low2 = _mm512_set1_epi32(0x03030303);
+      words[0] = _mm512_and_si512(w0, low6);
+      words[1] = _mm512_or_si512(_mm512_and_si512(w2, low4),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), low2), 4));
+      words[2] = _mm512_and_si512(w1, low6);
+      words[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low4),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), low2), 4));
+    }
+    [[maybe_unused]] const __m512 d6 = KIND == kQ6_K ? halves16(w + R16<kQ6_K>::d) : _mm512_setzero_ps();
+    for (int j = 0; j < bpu; ++j) {
+      const int64_t b = s * bpu + j;
+      __m512i dot[R], dot2[halves ? R : 1];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      if constexpr (halves)
+        for (int r = 0; r < R; ++r) dot2[r] = _mm512_setzero_si512();
+      [[maybe_unused]] __m512i top[2];
+      if constexpr (KIND == kQ6_K) {
+        top[0] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j);
+        top[1] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j + 64);
+      }
+      for (int g = 0; g < 4; ++g) {
+        __m512i lo, hi;
+        if constexpr (KIND == kQ8_0) {
+          lo = _mm512_loadu_si512(w + 128 * g);
+          hi = _mm512_loadu_si512(w + 128 * g + 64);
+        } else {
+          const __m512i v = _mm512_loadu_si512(w + 256 * j + 64 * g);
+          lo = _mm512_and_si512(v, low);
+          hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          if constexpr (five_bits<KIND>()) {
+            uint64_t m[2];
+            std::memcpy(m, w + R16<KIND>::masks + 64 * j + 16 * g, 16);
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            lo = _mm512_mask_add_epi8(lo, m[0], lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, m[1], hi, sixteen);
+          }
+          if constexpr (KIND == kQ6_K) {
+            const __m512i mask = _mm512_set1_epi8(0x30);
+            __m512i tl, th;
+            if (g == 0) {
+              tl = _mm512_slli_epi16(top[0], 4), th = _mm512_slli_epi16(top[1], 4);
+            } else if (g == 1) {
+              tl = _mm512_slli_epi16(top[0], 2), th = _mm512_slli_epi16(top[1], 2);
+            } else if (g == 2) {
+              tl = top[0], th = top[1];
+            } else {
+              tl = _mm512_srli_epi16(top[0], 2), th = _mm512_srli_epi16(top[1], 2);
+            }
+            lo = _mm512_ternarylogic_epi64(lo, tl, mask, 0xF8);    // lo | (tl & mask)
+            hi = _mm512_ternarylogic_epi64(hi, th, mask, 0xF8);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(xs + 4 * g));
+          if constexpr (halves)
+            dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, bcast4(xs + 16 + 4 * g));
+          else
+            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, bcast4(xs + 16 + 4 * g));
+        }
+      }
+      __m512 a, a2 = _mm512_setzero_ps();
+      [[maybe_unused]] __m512 c = _mm512_setzero_ps();
+      if constexpr (KIND == kQ4_1) {
+        a = halves16(w + R16<kQ4_1>::d);
+        c = halves16(w + R16<kQ4_1>::m);
+      } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+        a = halves16(w + R16<KIND>::d);
+      } else if constexpr (k_scales<KIND>()) {
+        const int shift = 8 * (j % 4);
+        const __m512i byte = _mm512_set1_epi32(0xFF);
+        a = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[j / 4], shift), byte)));
+        c = _mm512_mul_ps(mk, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[2 + j / 4], shift), byte)));
+      } else {
+        const uint8_t* sc = w + R16<kQ6_K>::scales + 32 * j;
+        a = _mm512_mul_ps(d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+        a2 = _mm512_mul_ps(d6, _mm512_cvtepi32_ps(
+                                   _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m512 dx = _mm512_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
+        __m512i sum = dot[r];
+        if constexpr (halves) {
+          const __m512i lo_sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(K::offset * block_sum(qx, row, b, 0)));
+          const __m512i hi_sum = _mm512_sub_epi32(dot2[r], _mm512_set1_epi32(K::offset * block_sum(qx, row, b, 1)));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum), _mm512_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum), _mm512_mul_ps(a2, dx), acc[r]);
+        } else {
+          if constexpr (K::offset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(K::offset * block_sum(qx, row, b, -1)));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(a, dx), acc[r]);
+          if constexpr (K::mins)
+            acc[r] = _mm512_fmadd_ps(c, _mm512_mul_ps(dx, _mm512_set1_ps(static_cast<float>(block_sum(qx, row, b, -1)))),
+                                     acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+#elif defined(__AVX2__)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define R16_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define R16_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
+inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+// 0x10 in byte i where bit i of m is set.
+inline __m256i bits16(uint32_t m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(m, _mm256_set1_epi8(0x10));
+#else
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+#endif
+}
+
+// acc += u . s per 4 bytes (u unsigned, s signed), exact; Q8_0 without VNNI: u is q + 128 and would
+// saturate maddubs' pairs, so q's sign moves onto s (|q| unsigned) and no offset is taken off after.
+template <int64_t KIND>
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(R16_DPBUSD)
+  return R16_DPBUSD(acc, u, s);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (KIND == kQ8_0) {
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q)), ones));
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+  }
+#endif
+}
+
+// Whether the integer sums still carry the offset (all but Q8_0 without VNNI).
+template <int64_t KIND>
+constexpr int64_t offset_left() {
+#if defined(R16_DPBUSD)
+  return Kind<KIND>::offset;
+#else
+  return KIND == kQ8_0 ? 0 : Kind<KIND>::offset;
+#endif
+}
+
+// Columns 8 half .. 8 half + 7 of the group at w, for R rows from r0.
+template <int64_t KIND, int R>
+void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, float* out, int64_t ldo) {
+  using K = Kind<KIND>;
+  constexpr int64_t bpu = blocks_of<KIND>(), offset = offset_left<KIND>();
+  constexpr bool halves = K::halves;
+  const int64_t units = qx.nb / bpu, k = qx.k, at = 32 * half;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
+    if (half == 0) prefetch_ahead(w, kCols * K::bytes);
+    [[maybe_unused]] __m256 dk, mk;
+    [[maybe_unused]] __m256i words[4];
+    if constexpr (k_scales<KIND>()) {
+      dk = halves8(w + R16<KIND>::d + 16 * half);
+      mk = _mm256_sub_ps(_mm256_setzero_ps(), halves8(w + R16<KIND>::dmin + 16 * half));
+      const __m256i w0 = load32(w + R16<KIND>::planes + at), w1 = load32(w + R16<KIND>::planes + 64 + at),
+                    w2 = load32(w + R16<KIND>::planes + 128 + at);
+      const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f),
+                    low2 = _mm256_set1_epi32(0x03030303);
+      words[0] = _mm256_and_si256(w0, low6);
+      words[1] = _mm256_or_si256(_mm256_and_si256(w2, low4),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), low2), 4));
+      words[2] = _mm256_and_si256(w1, low6);
+      words[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), low2), 4));
+    }
+    [[maybe_unused]] const __m256 d6 = KIND == kQ6_K ? halves8(w + R16<kQ6_K>::d + 16 * half) : _mm256_setzero_ps();
+    for (int j = 0; j < bpu; ++j) {
+      const int64_t b = s * bpu + j;
+      __m256i dot[R], dot2[halves ? R : 1];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      if constexpr (halves)
+        for (int r = 0; r < R; ++r) dot2[r] = _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo, hi;
+        if constexpr (KIND == kQ8_0) {
+          lo = load32(w + 128 * g + at);
+          hi = load32(w + 128 * g + 64 + at);
+        } else {
+          const __m256i v = load32(w + 256 * j + 64 * g + at);
+          lo = _mm256_and_si256(v, low);
+          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (five_bits<KIND>()) {
+            uint32_t m[2];
+            std::memcpy(&m[0], w + R16<KIND>::masks + 64 * j + 16 * g + 4 * half, 4);
+            std::memcpy(&m[1], w + R16<KIND>::masks + 64 * j + 16 * g + 8 + 4 * half, 4);
+            lo = _mm256_or_si256(lo, bits16(m[0]));
+            hi = _mm256_or_si256(hi, bits16(m[1]));
+          }
+          if constexpr (KIND == kQ6_K) {
+            const __m256i mask = _mm256_set1_epi8(0x30);
+            const __m256i t0 = load32(w + R16<kQ6_K>::high + 128 * j + at);
+            const __m256i t1 = load32(w + R16<kQ6_K>::high + 128 * j + 64 + at);
+            const int left = 4 - 2 * g;      // bits 2 g, 2 g + 1 to bits 4, 5
+            const __m256i tl = left >= 0 ? _mm256_slli_epi16(t0, left) : _mm256_srli_epi16(t0, -left);
+            const __m256i th = left >= 0 ? _mm256_slli_epi16(t1, left) : _mm256_srli_epi16(t1, -left);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(tl, mask));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(th, mask));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+          dot[r] = dot4<KIND>(dot[r], lo, bcast4(xs + 4 * g));
+          if constexpr (halves)
+            dot2[r] = dot4<KIND>(dot2[r], hi, bcast4(xs + 16 + 4 * g));
+          else
+            dot[r] = dot4<KIND>(dot[r], hi, bcast4(xs + 16 + 4 * g));
+        }
+      }
+      __m256 a, a2 = _mm256_setzero_ps();
+      [[maybe_unused]] __m256 c = _mm256_setzero_ps();
+      if constexpr (KIND == kQ4_1) {
+        a = halves8(w + R16<kQ4_1>::d + 16 * half);
+        c = halves8(w + R16<kQ4_1>::m + 16 * half);
+      } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+        a = halves8(w + R16<KIND>::d + 16 * half);
+      } else if constexpr (k_scales<KIND>()) {
+        const int shift = 8 * (j % 4);
+        const __m256i byte = _mm256_set1_epi32(0xFF);
+        a = _mm256_mul_ps(dk, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words[j / 4], shift), byte)));
+        c = _mm256_mul_ps(mk, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words[2 + j / 4], shift), byte)));
+      } else {
+        const uint8_t* sc = w + R16<kQ6_K>::scales + 32 * j + 8 * half;
+        a = _mm256_mul_ps(d6, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+        a2 = _mm256_mul_ps(d6, _mm256_cvtepi32_ps(
+                                   _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16)))));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m256 dx = _mm256_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
+        __m256i sum = dot[r];
+        if constexpr (halves) {
+          const __m256i lo_sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offset * block_sum(qx, row, b, 0)));
+          const __m256i hi_sum = _mm256_sub_epi32(dot2[r], _mm256_set1_epi32(offset * block_sum(qx, row, b, 1)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum), _mm256_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_mul_ps(a2, dx), acc[r]);
+        } else {
+          if constexpr (offset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offset * block_sum(qx, row, b, -1)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(a, dx), acc[r]);
+          if constexpr (K::mins)
+            acc[r] = _mm256_fmadd_ps(c, _mm256_mul_ps(dx, _mm256_set1_ps(static_cast<float>(block_sum(qx, row, b, -1)))),
+                                     acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * half, acc[r]);
+}
+
+template <int64_t KIND, int R>
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
+  half_rows<KIND, R>(qx, r0, w, 0, out, ldo);
+  half_rows<KIND, R>(qx, r0, w, 1, out, ldo);
+}
+
+#else   // portable: the layout read weight by weight
+
+template <int64_t KIND, int R>
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
+  using K = Kind<KIND>;
+  constexpr int64_t bpu = blocks_of<KIND>();
+  const int64_t units = qx.nb / bpu, k = qx.k;
+  float acc[R][kCols] = {};
+  for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes)
+    for (int c = 0; c < kCols; ++c) {
+      uint8_t file[Kind<KIND>::bytes];        // the column's scales, as the file has them
+      move_scales<KIND>(const_cast<uint8_t*>(w), c, file, false);
+      uint8_t scale_bytes_[8], min_bytes[8];
+      if constexpr (k_scales<KIND>()) scales_mins_k4(file + 4, scale_bytes_, min_bytes);
+      for (int j = 0; j < bpu; ++j) {
+        const int64_t b = s * bpu + j;
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          const int8_t* xs = qx.q.data() + row * k + b * kBlock;
+          int32_t dot[2] = {0, 0};
+          for (int l = 0; l < kBlock; ++l) dot[l / 16] += (read_u<KIND>(w, c, j, l) - static_cast<int>(K::offset)) * xs[l];
+          const float dx = qx.d[static_cast<size_t>(row * qx.nb + b)];
+          float a[2], cmin = 0.0f;
+          if constexpr (KIND == kQ4_1) {
+            a[0] = a[1] = half_at(file);
+            cmin = half_at(file + 2);
+          } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+            a[0] = a[1] = half_at(file);
+          } else if constexpr (k_scales<KIND>()) {
+            a[0] = a[1] = half_at(file) * static_cast<float>(scale_bytes_[j]);
+            cmin = -half_at(file + 2) * static_cast<float>(min_bytes[j]);
+          } else {
+            const float d = half_at(file + 208);
+            a[0] = d * static_cast<float>(static_cast<int8_t>(file[192 + 2 * j]));
+            a[1] = d * static_cast<float>(static_cast<int8_t>(file[192 + 2 * j + 1]));
+          }
+          if constexpr (K::halves)
+            acc[r][c] += static_cast<float>(dot[0]) * (a[0] * dx) + static_cast<float>(dot[1]) * (a[1] * dx);
+          else
+            acc[r][c] += static_cast<float>(dot[0] + dot[1]) * (a[0] * dx);
+          if constexpr (K::mins) acc[r][c] += cmin * (dx * static_cast<float>(block_sum(qx, row, b, -1)));
+        }
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kCols; ++c) out[r * ldo + c] = acc[r][c];
+}
+
+#endif
+
+// A row count below kRowsAtOnce for the remainder's dispatch (counts at or above it never reach it).
+constexpr int tail(int rows) { return rows < kRowsAtOnce ? rows : 1; }
+
+template <int64_t KIND>
+void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+  const int64_t groups = n / kCols, t = qx.t;
+  const int64_t group_bytes = kCols * (qx.k / Kind<KIND>::weights) * Kind<KIND>::bytes;
+  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, (groups + threads - 1) / threads);
+  torch::stable::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const uint8_t* wg = w + gi * group_bytes;
+      float* o = out + gi * kCols;
+      int64_t r = 0;
+      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n);
+      switch (t - r) {
+        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n); break;
+        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n); break;
+        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n); break;
+        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n); break;
+        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n); break;
+        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n); break;
+        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace infermesh_gguf {
+
+bool r16_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+  switch (kind) {
+    case kQ4_1: linear<kQ4_1>(qx, w, n, out); return true;
+    case kQ5_0: linear<kQ5_0>(qx, w, n, out); return true;
+    case kQ8_0: linear<kQ8_0>(qx, w, n, out); return true;
+    case kQ4_K: linear<kQ4_K>(qx, w, n, out); return true;
+    case kQ5_K: linear<kQ5_K>(qx, w, n, out); return true;
+    case kQ6_K: linear<kQ6_K>(qx, w, n, out); return true;
+    default: return false;
+  }
+}
+
+}  // namespace infermesh_gguf
