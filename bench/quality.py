@@ -9,7 +9,7 @@ bfloat16`) is the bar: `auto` must never pick a mode that does worse than it on 
 
     .venv/bin/python bench/quality.py [--model NAME] [--prompts 16 --tokens 128] [--modes LABEL ...] [--batch N]
 
-`gguf` (the file's own blocks) runs only for a model registered from a GGUF (`infermesh model register`);
+`gguf` (the file's own blocks) and `ggufr` (them repacked) run only for a model registered from a GGUF (`infermesh model register`);
 --modes picks modes by label prefix (`--modes bf16 auto gguf`); float32 always runs, as the reference.
 """
 
@@ -46,7 +46,7 @@ MODES = (("float32 (exact)", "float32", "auto", "auto"), ("bfloat16", "bfloat16"
          ("q4", "float32", "q4", "auto"), ("q4, float32 KV", "float32", "q4", "float32"),
          ("fp16w", "float32", "fp16w", "auto"), ("packed", "float32", "packed", "auto"),
          ("bf16w", "float32", "bf16w", "auto"), ("gguf", "float32", "gguf", "auto"),
-         ("int8 (--dtype int8)", "int8", "auto", "auto"))
+         ("ggufr (repacked)", "float32", "ggufr", "auto"), ("int8 (--dtype int8)", "int8", "auto", "auto"))
 
 
 @dataclass
@@ -106,7 +106,7 @@ def run(folder: Path, n: int = 16, tokens: int = 128, only: tuple[str, ...] = ()
     ref = generate(folder, "float32", "auto", ids, tokens, batch=batch)
     results = []
     for label, dtype, matmul, kv_dtype in MODES:
-        if only and not label.startswith(("float32", *only)) or matmul == "gguf" and not has_gguf(folder):
+        if only and not label.startswith(("float32", *only)) or matmul in ("gguf", "ggufr") and not has_gguf(folder):
             continue
         got = ref if label.startswith("float32") else generate(folder, dtype, matmul, ids, tokens, kv_dtype, batch)
         results.append(compare(label, ref, got))

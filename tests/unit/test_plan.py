@@ -105,6 +105,11 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
     near = {"gguf": [20.0, 25.0, 26.0, 64.0], "bf16w": [36.0, 34.0, 36.0, 53.0]}
     assert choose(near) == Tuned("gguf", "", 0, near)
     assert choose(near | {"bf16w": [36.0, 34.0, 36.0, 42.0]}).large == "bf16w"
+    # ... and only where the small kind's one row pays for it too: 7% faster is not worth a copy, 20% is
+    close = {"gguf": [30.0, 41.6, 310.1, 1193.5], "ggufr": [32.1, 38.6, 87.5, 297.0]}
+    assert choose(close) == Tuned("ggufr", "", 0, close)
+    apart = close | {"ggufr": [36.0, 38.6, 87.5, 297.0]}
+    assert (choose(apart).small, choose(apart).large, choose(apart).rows) == ("gguf", "ggufr", 1)
     if cpu_ops.load():
         p = decide(device="cpu", tuned=tuned)
         assert (p.matmul, p.matmul_large, p.split_rows) == ("q4", "fp16w", 4)

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 ROWS = (1, 4, 16, 64)
 LAYERS = 8              # distinct weights timed: enough that they stream from memory, not cache
 SECOND_COPY = 1.5       # how much faster a second kind's 64-row step must be to be worth its copy
-VERSION = 4             # bump when the candidates or the method change: old answers are then ignored
+ONE_COPY = 1.1          # ... and the small kind's 1-row step than the large kind's: else the large kind serves all
+VERSION = 5             # bump when the candidates or the method change: old answers are then ignored
 BUSY = 0.25             # other processes' CPU (cores, averaged) above which a measurement is provisional
 
 
@@ -177,11 +178,15 @@ def choose(table: dict[str, list[float]]) -> Tuned:
     """The fastest kind at 1 row for small batches, at 64 rows for large ones; the split is the
     largest measured row count where the small kind is still at least as fast as the large one.
     A second kind is a second copy of every weight in memory: it is taken only where it pays for it,
-    a 64-row step at least SECOND_COPY times faster than the small kind's."""
+    a 64-row step at least SECOND_COPY times faster than the small kind's, and the small kind's 1-row step
+    at least ONE_COPY times faster than the large kind's (else the large kind alone: a Qwen 1.5B's file blocks
+    were 7% faster at one row than its repacked blocks, 4x slower at 64)."""
     small = min(table, key=lambda k: table[k][0])
     large = min(table, key=lambda k: table[k][-1])
     if table[small][-1] < SECOND_COPY * table[large][-1]:
         large = small
+    elif table[large][0] < ONE_COPY * table[small][0]:
+        small = large
     rows = max((r for i, r in enumerate(ROWS) if table[small][i] <= table[large][i]), default=0)
     if large == small or rows >= ROWS[-1]:
         return Tuned(small, "", 0, table)
