@@ -9,7 +9,8 @@ bfloat16`) is the bar: `auto` must never pick a mode that does worse than it on 
 
     .venv/bin/python bench/quality.py [--model NAME] [--prompts 16 --tokens 128] [--modes LABEL ...] [--batch N]
 
-`gguf` (the file's own blocks) and `ggufr` (them repacked) run only for a model registered from a GGUF (`infermesh model register`);
+`gguf` (the file's own blocks) and `ggufr` (them repacked) run only for a model registered from a GGUF
+(`infermesh model register`);
 --modes picks modes by label prefix (`--modes bf16 auto gguf`); float32 always runs, as the reference.
 """
 
