@@ -20,14 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import start_http_server
+# grpc's fork support restarts its poller in a child between fork and exec (preexec_fn makes _start a real
+# fork), where close_fds has already closed the poller's epoll fd: the child then aborts before exec ("epoll_wait
+# error: Bad file descriptor", grpc/grpc#43055; seen once starting an edge).  This process forks only to exec,
+# so it needs none (set before grpc starts here); the children get the caller's setting back (_start).
+_FORK_SUPPORT = os.environ.get("GRPC_ENABLE_FORK_SUPPORT")
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "0"
 
-from infermesh.supervise import supervise
-from mesh import credentials
-from mesh.grpcutil import check_health
-from mesh.models import canonical, home, served_model
-from mesh.pki import ensure_mesh_ca
-from services.cache.config import EMBEDDED, redis_address
+from prometheus_client import start_http_server  # noqa: E402
+
+from infermesh.supervise import supervise  # noqa: E402
+from mesh import credentials  # noqa: E402
+from mesh.grpcutil import check_health  # noqa: E402
+from mesh.models import canonical, home, served_model  # noqa: E402
+from mesh.pki import ensure_mesh_ca  # noqa: E402
+from services.cache.config import EMBEDDED, redis_address  # noqa: E402
 
 log = logging.getLogger("launcher")
 
@@ -244,6 +251,10 @@ async def _relay_logs(child: Child) -> None:
 
 async def _start(child: Child) -> None:
     env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
+    if _FORK_SUPPORT is None:
+        env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    else:
+        env["GRPC_ENABLE_FORK_SUPPORT"] = _FORK_SUPPORT
     child.proc = await asyncio.create_subprocess_exec(
         *child.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
         start_new_session=True, preexec_fn=_die_with_parent)

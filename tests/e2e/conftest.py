@@ -52,9 +52,10 @@ class Mesh:
 # A service that dies while starting because the machine would not give it a thread (gRPC's
 # "pthread_create failed", seen on the shared CI machines when several meshes start at once) or its poller a
 # wakeup (gRPC's epoll poller aborting on "Check failed: wakeup_fd_->Wakeup().ok()", seen once in an edge
-# while five meshes started on two cores) says nothing about the mesh: `running_mesh` starts it again, at most
-# twice, and says so on stderr.
-RESOURCE_FAILURES = ("pthread_create failed", "wakeup_fd_->Wakeup().ok()")
+# while five meshes started on two cores; or, before the launcher turned gRPC's fork support off, a child
+# aborting between fork and exec on "epoll_wait error: Bad file descriptor", grpc/grpc#43055) says nothing
+# about the mesh: `running_mesh` starts it again, at most twice, and says so on stderr.
+RESOURCE_FAILURES = ("pthread_create failed", "wakeup_fd_->Wakeup().ok()", "epoll_wait error: Bad file descriptor")
 STARTS = 3
 
 
