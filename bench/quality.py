@@ -31,6 +31,7 @@ from mesh.models import served_model  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.request import SamplingParams  # noqa: E402
 from services.engine.engine import Engine  # noqa: E402
+from services.engine.runtime.execution_plan import GGUF_MATMULS  # noqa: E402
 from services.engine.runtime.model_runner import ModelRunner  # noqa: E402
 from services.engine.runtime.models.gguf_weights import has_gguf  # noqa: E402
 from services.engine.runtime.plan import decide, for_config  # noqa: E402
@@ -107,7 +108,7 @@ def run(folder: Path, n: int = 16, tokens: int = 128, only: tuple[str, ...] = ()
     ref = generate(folder, "float32", "auto", ids, tokens, batch=batch)
     results = []
     for label, dtype, matmul, kv_dtype in MODES:
-        if only and not label.startswith(("float32", *only)) or matmul in ("gguf", "ggufr") and not has_gguf(folder):
+        if only and not label.startswith(("float32", *only)) or matmul in GGUF_MATMULS and not has_gguf(folder):
             continue
         got = ref if label.startswith("float32") else generate(folder, dtype, matmul, ids, tokens, kv_dtype, batch)
         results.append(compare(label, ref, got))

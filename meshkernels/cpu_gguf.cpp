@@ -306,37 +306,31 @@ constexpr KindInfo kKinds[] = {
     {kQ5_K, "Q5_K", 176, 256, 1, &vector_linear<kQ5_K>}, {kQ6_K, "Q6_K", 210, 256, 1, &vector_linear<kQ6_K>},
 };
 
-const KindInfo* kind_info(int64_t kind, const char* op) {
+// The kind's entry (a repacked kind's, kind + kRepacked, where `repacked` allows one), else a precise error.
+static_assert(kRepacked == 256, "kind_info's message names it");
+const KindInfo* kind_info(int64_t kind, bool repacked, const char* op) {
   for (const KindInfo& candidate : kKinds)
-    if (candidate.id == kind % kRepacked) return &candidate;
-  fail(op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), or one of them + ",
-       kRepacked, " (repacked by gguf_repack), got ", kind);
-}
-
-// The blocks' shape checked for x's K: returns their row bytes.
-int64_t check_blocks(const Tensor& blocks, const KindInfo& info, int64_t k, const char* op) {
-  check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
-  check_contiguous(blocks, op, "blocks");
-  CHECK(k % info.weights == 0, op, ": in_features ", k, " is not a multiple of ", info.weights,
-        info.weights == kBlock ? "" : " (a K-quant super-block)");
-  const int64_t nb = k / info.weights;
-  CHECK(blocks.size(1) == nb * info.bytes, op, ": blocks ", str(blocks.sizes()), " do not hold rows of ", nb, " ",
-        info.name, " blocks of ", info.bytes, " bytes (in_features ", k, ")");
-  return nb * info.bytes;
+    if (candidate.id == kind || (repacked && candidate.id + kRepacked == kind)) return &candidate;
+  fail(op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)",
+       repacked ? ", or one of them + 256 (repacked by gguf_repack)" : "", ", got ", kind);
 }
 
 void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
   const char* op = "gguf_linear";
-  CHECK(kind >= 0 && kind < 2 * kRepacked, op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or ",
-        "14 (Q6_K), or one of them + ", kRepacked, " (repacked by gguf_repack), got ", kind);
-  const KindInfo* info = kind_info(kind, op);
+  const KindInfo* info = kind_info(kind, true, op);
   const bool repacked = kind >= kRepacked;
   check_float(x, op, "x", 2);
   check_contiguous(x, op, "x");
+  check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
+  check_contiguous(blocks, op, "blocks");
   check_float(out, op, "out", 2);
   check_contiguous(out, op, "out");
   const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0);
-  check_blocks(blocks, *info, k, op);
+  CHECK(k % info->weights == 0, op, ": in_features ", k, " is not a multiple of ", info->weights,
+        info->weights == kBlock ? "" : " (a K-quant super-block)");
+  const int64_t nb = k / info->weights;
+  CHECK(blocks.size(1) == nb * info->bytes, op, ": blocks ", str(blocks.sizes()), " do not hold rows of ", nb, " ",
+        info->name, " blocks of ", info->bytes, " bytes (in_features ", k, ")");
   CHECK(out.size(0) == t && out.size(1) == n, op, ": out must have shape (", t, ", ", n, "), got ",
         str(out.sizes()));
   if (t == 0 || n == 0) return;
@@ -359,9 +353,7 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
 // repacked blocks back to the file's layout.
 Tensor gguf_repack(const Tensor& blocks, int64_t kind, bool forward) {
   const char* op = "gguf_repack";
-  CHECK(kind >= 0 && kind < kRepacked, op, ": kind must be 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or ",
-        "14 (Q6_K), got ", kind);
-  const KindInfo* info = kind_info(kind, op);
+  const KindInfo* info = kind_info(kind, false, op);
   check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
   check_contiguous(blocks, op, "blocks");
   CHECK(blocks.size(1) % info->bytes == 0, op, ": rows of ", blocks.size(1), " bytes are not whole ", info->name,

@@ -78,8 +78,6 @@ inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define R16_ZMM 1
 constexpr int kRowsAtOnce = 8;
-#elif defined(__AVX2__)
-constexpr int kRowsAtOnce = 4;
 #else
 constexpr int kRowsAtOnce = 4;
 #endif
@@ -399,8 +397,8 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
     for (int c = 0; c < kCols; ++c) {
       uint8_t file[Kind<KIND>::bytes];        // the column's scales, as the file has them
       move_scales<KIND>(const_cast<uint8_t*>(w), c, file, false);
-      uint8_t scale_bytes_[8], min_bytes[8];
-      if constexpr (k_scales<KIND>()) scales_mins_k4(file + 4, scale_bytes_, min_bytes);
+      uint8_t scales[8], min_bytes[8];
+      if constexpr (k_scales<KIND>()) scales_mins_k4(file + 4, scales, min_bytes);
       for (int j = 0; j < bpu; ++j) {
         const int64_t b = s * bpu + j;
         for (int r = 0; r < R; ++r) {
@@ -416,7 +414,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
           } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
             a[0] = a[1] = half_at(file);
           } else if constexpr (k_scales<KIND>()) {
-            a[0] = a[1] = half_at(file) * static_cast<float>(scale_bytes_[j]);
+            a[0] = a[1] = half_at(file) * static_cast<float>(scales[j]);
             cmin = -half_at(file + 2) * static_cast<float>(min_bytes[j]);
           } else {
             const float d = half_at(file + 208);

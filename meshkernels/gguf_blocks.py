@@ -148,6 +148,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizat
 
 
 REPACKED = 256      # gguf_linear's kind + REPACKED: the blocks are repack()'s
+GROUP = 16          # rows repacked together: rows [16 g, 16 g + 16) are group g, the last N % 16 rows as they were
 
 
 def repack(blocks: torch.Tensor, kind: int | GGMLQuantizationType) -> torch.Tensor:

@@ -78,20 +78,22 @@ class RepackedBlocks(Blocks):
     time."""
 
     def dense(self) -> torch.Tensor:
-        return _dequantize(self._unpacked(self.data).numpy(), self.qtype, self.shape[1])
+        from meshkernels.gguf_blocks import unpack
+
+        return _dequantize(unpack(self.data, int(self.qtype)).numpy(), self.qtype, self.shape[1])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        from meshkernels.gguf_blocks import GROUP, unpack
+
         flat = ids.flatten()
-        groups = torch.unique(torch.div(flat, 16, rounding_mode="floor"))
-        # each id's 16-row group un-repacked alone (the last rows past whole groups are stored as they are)
-        unpacked = {int(g): self._unpacked(self.data[int(g) * 16:int(g) * 16 + 16]) for g in groups}
-        raw = torch.stack([unpacked[int(i) // 16][int(i) % 16] for i in flat])
+        raw = self.data[flat]                             # right as they are for the last rows, past whole groups
+        grouped = flat < self.shape[0] // GROUP * GROUP
+        if bool(grouped.any()):
+            # each id's whole group, side by side, un-repacked in one call; then the id's row of its group
+            groups = torch.div(flat[grouped], GROUP, rounding_mode="floor")
+            file = unpack(self.data[(groups[:, None] * GROUP + torch.arange(GROUP)).flatten()], int(self.qtype))
+            raw[grouped] = file.view(-1, GROUP, file.shape[1])[torch.arange(len(groups)), flat[grouped] % GROUP]
         return _dequantize(raw.numpy(), self.qtype, self.shape[1]).reshape(*ids.shape, self.shape[1])
-
-    def _unpacked(self, data: torch.Tensor) -> torch.Tensor:
-        from meshkernels import gguf_blocks
-
-        return gguf_blocks.unpack(data, int(self.qtype))
 
 
 Weight = torch.Tensor | Blocks

@@ -214,7 +214,7 @@ class GgufRepackedLinear(GgufLinear):
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None):
         super().__init__(weight, bias)
-        if self.fallback is None and self.kind is not None:
+        if self.kind is not None:                 # else de-quantized (fallback), as GgufLinear
             from meshkernels import gguf_blocks
 
             self.weight = gguf_blocks.repack(self.weight, self.kind)
