@@ -7,8 +7,9 @@ asking for exactly O tokens (`ignore_eos`).  `--model NAME --gguf FILE` runs a r
 mesh) against the GGUF it was registered from (llama-server); `--temperature T` samples (top_p 0.95,
 a seed per request, the same for both servers); `--prompts varied` (the default) asks everyday
 questions, each under a tag new to the run so no cache of an earlier run answers, `repeated` the
-story prompts that repeat one text (what flatters prompt-lookup drafts).  Failed requests are
-counted.  transformers `generate` can be added as a further baseline (--transformers).  Nothing is
+story prompts that repeat one text (what flatters prompt-lookup drafts); `--draft-model NAME --draft-gguf FILE`
+has the mesh's engine draft with a second model and runs llama-server once more with the same one (`-md`).
+Failed requests are counted.  transformers `generate` can be added as a further baseline (--transformers).  Nothing is
 asserted: the machines are shared and noisy; the numbers and ratios are printed (and optionally saved).
 """
 from __future__ import annotations
@@ -277,6 +278,8 @@ def run_mesh(args: argparse.Namespace, chats: list[list[dict[str, str]]], levels
         command += ["--model", args.model]
     if args.dtype != "auto":
         command += ["--dtype", args.dtype]
+    if args.draft_model:
+        command += ["--draft-model", args.draft_model]
     served = "smollm2-135m" if args.model == "default" else args.model
     command += ["--kv-cache-mb", str(kv_cache_mb(served, CONTEXT))]
     return serve_and_sweep(command, f"http://127.0.0.1:{8000 + args.port_offset}", served, chats, levels,
@@ -320,16 +323,21 @@ def find_llama_server(args: argparse.Namespace) -> str | None:
     return shutil.which("llama-server")
 
 
+PEER, PEER_DRAFT = "llama.cpp server", "llama.cpp server -md"
+
+
 def run_llama_server(args: argparse.Namespace, binary: str, chats: list[list[dict[str, str]]], levels: list[int],
-                     logdir: Path) -> list[Result]:
+                     logdir: Path, draft: str = "") -> list[Result]:
     """llama.cpp's server as a user runs it on this machine: every core, 64 slots, continuous batching
-    (requests beyond 64 queue), a 64k-token f16 KV cache."""
+    (requests beyond 64 queue), a 64k-token f16 KV cache; `draft`: a draft model's GGUF (-md, its defaults)."""
     port = 8090 + args.port_offset
     threads = str(os.cpu_count() or 2)
     command = [binary, "-m", str(find_gguf(args, logdir)), "-t", threads, "-np", "64", "-c", str(CONTEXT),
                "--cont-batching", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    if draft:
+        command += ["-md", draft]
     return serve_and_sweep(command, f"http://127.0.0.1:{port}", "smollm2", chats, levels, args.output_tokens,
-                           "llama.cpp server", logdir / "llama-server.log")
+                           PEER_DRAFT if draft else PEER, logdir / f"llama-server{'-md' if draft else ''}.log")
 
 
 def timed_generate(model: Any, inputs: dict[str, Any], new_tokens: int, pad: int) -> float:
@@ -373,7 +381,7 @@ def report(results: list[Result], limit: float = math.nan) -> list[str]:
                      f"{percentile(r.ttft_ms, 99):>9.0f} {percentile(r.tpot_ms, 50):>9.1f} "
                      f"{percentile(r.tpot_ms, 99):>9.1f} {r.failed:>6} {r.rss_mb:>7.0f} {r.engine_rss_mb:>7.0f}")
     mesh = {r.streams: r for r in results if r.system == "infermesh"}
-    peer = {r.streams: r for r in results if r.system == "llama.cpp server"}
+    peer = {r.streams: r for r in results if r.system == PEER}
     if mesh and peer:
         lines += ["", "| streams | llama-server tok/s | infermesh tok/s | ratio | of the bandwidth limit (llama / "
                       "infermesh) | TTFT p50 ms (llama / infermesh) | failed (llama / infermesh) "
@@ -386,11 +394,17 @@ def report(results: list[Result], limit: float = math.nan) -> list[str]:
             lines.append(f"| {n} | {p.tokens_per_s:.1f} | {m.tokens_per_s:.1f} | {ratio:.2f}x | {bound} | "
                          f"{percentile(p.ttft_ms, 50):.0f} / {percentile(m.ttft_ms, 50):.0f} | "
                          f"{p.failed} / {m.failed} | {p.rss_mb:.0f} / {m.engine_rss_mb:.0f} / {m.rss_mb:.0f} |")
+    drafted = {r.streams: r for r in results if r.system == PEER_DRAFT}
+    for n in sorted(set(mesh) & set(drafted)):
+        m, p = mesh[n], drafted[n]
+        lines.append(f"{n} streams: llama-server with the same draft (-md) {p.tokens_per_s:.1f} tok/s, infermesh "
+                     f"{m.tokens_per_s:.1f}: {m.tokens_per_s / p.tokens_per_s:.2f}x; RSS {p.rss_mb:.0f} MB; "
+                     f"{p.failed} failed")
     ones = [r for r in results if r.streams == 1 and r.system in ("infermesh", "llama.cpp server")]
     if ones and limit > 0:
         lines.append(f"one stream's bandwidth limit {limit:.1f} tok/s: " + ", ".join(
             f"{r.system} {r.tokens_per_s / limit:.2f} of it" for r in ones))
-    by_name = {r.system: r for r in results if r.system not in ("infermesh", "llama.cpp server")}
+    by_name = {r.system: r for r in results if r.system not in ("infermesh", PEER, PEER_DRAFT)}
     if mesh and by_name:
         first = mesh[min(mesh)]
         for other in by_name.values():
@@ -431,6 +445,9 @@ def main() -> int:
                                        + GGUF_WHEEL + ")")
     parser.add_argument("--model", default="default", help="a registered model (infermesh model register NAME "
                                                           "FILE.gguf); give its GGUF with --gguf for llama-server")
+    parser.add_argument("--draft-model", default="", help="the mesh's engine drafts with this registered model "
+                                                          "(infermesh up --draft-model)")
+    parser.add_argument("--draft-gguf", default="", help="its GGUF: llama-server runs once more with it (-md)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy; above: sampled with top_p 0.95 and a seed per request, on both servers")
     parser.add_argument("--prompts", choices=["varied", "repeated"], default="varied",
@@ -470,6 +487,8 @@ def main() -> int:
         binary = None if args.no_peer else find_llama_server(args)
         if binary:
             results += run_llama_server(args, binary, chats, levels, logdir)
+            if args.draft_gguf:
+                results += run_llama_server(args, binary, chats, levels, logdir, draft=args.draft_gguf)
         elif not args.no_peer:
             print("llama.cpp server skipped: none found (build it as docs/llama-peer.md says, "
                   "or pass --llama-server PATH [--gguf FILE])")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 def _cmd_up(a: argparse.Namespace) -> int:
     from infermesh.launcher import MeshConfig, run
+    from mesh import models
 
     try:
         config = MeshConfig(engines=a.engines, models=tuple(a.model or ["default"]), dtype=a.dtype,
@@ -20,8 +21,10 @@ def _cmd_up(a: argparse.Namespace) -> int:
                             engine_threads=a.engine_threads, fallback_engines=a.fallback_engines,
                             mesh_tls=not a.insecure_mesh,
                             restart=not a.no_restart, routers=a.routers, tokenizers=a.tokenizers,
-                            cache_dir=a.cache_dir, session_store=a.session_store)
-    except ValueError as exc:
+                            cache_dir=a.cache_dir, session_store=a.session_store, draft_model=a.draft_model)
+        if a.draft_model:
+            models.served_model(a.draft_model)   # a model that is not there: said now, not by an engine that exits
+    except (ValueError, models.ModelError) as exc:
         print(f"infermesh up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(run(config))
@@ -250,6 +253,10 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--model", action="append",
                     help="model NAME; repeat to serve several, the engines dealt out over them "
                          "(default: the default model)")
+    up.add_argument("--draft-model", default="", metavar="NAME",
+                    help="a smaller model with the same tokenizer (e.g. qwen2.5-coder-0.5b for the 1.5b) that drafts "
+                         "speculative tokens in the first model's engines, verified by speculative sampling (the "
+                         "output's distribution unchanged); default: drafts by prompt lookup")
     up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto",
                     help="engines' compute: auto = the matmul kinds measured fastest on this machine, none less "
                          "precise than bf16 (`infermesh tune`); float32 = transformers' bits; int8 = int8 weights "

@@ -71,6 +71,7 @@ class MeshConfig:
     tokenizers: int = 1                # tokenizer replicas: each router balances over them
     cache_dir: str = ""                # the cache service's disk tier and sessions; "": under home; "none": memory
     session_store: str = EMBEDDED      # the cache service's --session-store: embedded (in cache_dir) or redis://...
+    draft_model: str = ""              # the first model's engines draft with it (--draft-model); "": prompt lookup
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -165,12 +166,15 @@ def plan(config: MeshConfig) -> list[list[Child]]:
         rid, port = f"engine-{i}", config.port(ENGINE_BASE_PORT + i)
         version, _, folder = config.versions[i % len(config.versions)].partition("=")
         model = f"{served_name(config.models[0])}={folder}" if folder else config.models[i % len(config.models)]
+        # The draft shares the first model's tokenizer: only that model's engines take it.
+        draft = ["--draft-model", config.draft_model] if config.draft_model and model in (
+            config.models[0], f"{served_name(config.models[0])}={folder}") else []
         engines.append(Child(rid, [*py, "services.engine", "--replica-id", rid, "--port", str(port),
                                    "--model", model, "--model-version", version, "--dtype", config.dtype, "--region",
                                    config.region, "--threads", str(threads), "--kv-cache-mb",
                                    str(config.kv_cache_mb), "--metrics-port",
                                    str(config.port(ENGINE_METRICS_BASE_PORT + i)), "--cache", cache, *discovery,
-                                   *config.tls("engine")],
+                                   *draft, *config.tls("engine")],
                              f"127.0.0.1:{port}"))
     for j in range(config.fallback_engines):
         i = config.engines + j

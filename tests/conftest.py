@@ -11,10 +11,10 @@ import pytest
 
 from mesh import models
 
-# The end-to-end meshes listen on 50051 + offset (offsets up to ~3,100): inside Linux's ephemeral
+# The end-to-end meshes listen on 50051 + offset (offsets up to ~3,200): inside Linux's ephemeral
 # range (32768-60999), so any outgoing connection that happens to take one of them as its local
 # port makes a later mesh fail to bind it ("Address already in use").
-MESH_PORTS = (50000, 53199)
+MESH_PORTS = (50000, 53299)
 # Under pytest-xdist the end-to-end modules run in two groups side by side, each group on one worker in file
 # order (MeshGroups below): the modules on the session-long mesh (tests/e2e/conftest.py `mesh`) plus
 # BESIDE_THE_SESSION_MESH, and every other module (each with a mesh of its own): about 5 minutes each on 2

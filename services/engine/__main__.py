@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from services.engine.engine import Engine
 from services.engine.rpcs.remote_cache import RemoteCache, kv_version
 from services.engine.rpcs.server import EngineServicer, add_to
 from services.engine.runtime import kv_transfer, plan
+from services.engine.runtime.draft_model import DraftModel, check_compatible
 from services.engine.runtime.grammar_limits import GrammarLimits
 from services.engine.runtime.kv_transfer import Outbox
 from services.engine.runtime.model_runner import ModelRunner
@@ -64,11 +66,15 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                    help="requests queued beyond the running batch before refusing (RESOURCE_EXHAUSTED); the "
                         "router sheds this replica only when its queue is here (default %(default)s)")
     p.add_argument("--speculate", type=int, default=EngineConfig.speculate, metavar="N",
-                   help="prompt-lookup speculative decoding: up to N draft tokens per request and step, verified "
-                        "in the step (output unchanged); -1 auto: 3 on the CPU, off on a GPU; 0 off")
+                   help="speculative decoding: up to N draft tokens per request and step, verified in the step "
+                        "(output unchanged); -1 auto: 3 on the CPU (4 with --draft-model), off on a GPU; 0 off")
     p.add_argument("--speculate-rows", type=int, default=0, metavar="ROWS",
                    help="draft only while a step's rows (decode rows + drafts) stay within ROWS; 0 auto: the "
-                        "plan's small-batch range")
+                        "plan's small-batch range (16 with --draft-model, where the speed-up is measured)")
+    p.add_argument("--draft-model", default="", metavar="NAME[=FOLDER]",
+                   help="a smaller model with the same tokenizer that drafts the speculative tokens in this engine "
+                        "(speculative sampling: the output's distribution unchanged), instead of prompt lookup; "
+                        "drafting stops at the batch sizes where it is measured not to pay")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="auto",
                    help="auto: on a GPU, capture pure-decode steps as CUDA graphs for batch sizes up to "
                         "--max-running (cuda), else off; off: launch every kernel from Python; eager: the "
@@ -97,6 +103,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
     apply_env(p, "INFERMESH_ENGINE")
     a = p.parse_args(argv)
     name, folder = served_model(a.model)
+    draft_name, draft_folder = served_model(a.draft_model) if a.draft_model else ("", "")
     try:
         compile_rate = parse_rate(a.grammar_compile_rate, default_unit="m")
         return EngineConfig(model_path=folder, model=name, model_version=a.model_version,
@@ -107,6 +114,7 @@ def parse(argv: list[str] | None = None) -> EngineConfig:
                             max_running=a.max_running, max_waiting=a.max_waiting, cuda_graphs=a.cuda_graphs,
                             fair_scheduling=a.fair_scheduling == "on", fair_slowdown=a.fair_slowdown,
                             speculate=a.speculate, speculate_rows=a.speculate_rows,
+                            draft_model_path=draft_folder, draft_model=draft_name,
                             metrics_port=a.metrics_port, lora_roots=tuple(r for r in a.lora_roots.split(",") if r),
                             discovery=a.discovery, advertise=a.advertise, tls_dir=a.tls_dir, cache=a.cache,
                             cache_tenant=a.cache_tenant, cache_timeout_s=a.cache_timeout,
@@ -122,12 +130,13 @@ async def serve(config: EngineConfig) -> None:
     # loaded here, stepped there) made decode steps ~2x slower on 2 cores: the teams compete.
     step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
     runner = await asyncio.get_running_loop().run_in_executor(step_thread, load, config)
+    draft = await asyncio.get_running_loop().run_in_executor(step_thread, load_draft, config, runner)
     remote, outbox = shared_cache(config, runner)
     limits = SchedulerConfig(max_batched_tokens=config.max_batched_tokens, max_running=config.max_running,
                              fair=config.fair_scheduling, fair_slowdown=config.fair_slowdown)
-    speculation = speculate.for_plan(runner.plan, config.speculate, config.speculate_rows)
+    speculation = speculate.for_plan(runner.plan, config.speculate, config.speculate_rows, draft=draft is not None)
     engine = Engine(runner, config.max_waiting, limits, outbox, speculation, version=config.model_version,
-                    grammar_limits=grammar_limits(config))
+                    grammar_limits=grammar_limits(config), draft=draft)
     servicer = EngineServicer(engine, config, remote, step_thread)
     service = Service("meshpb.v1.Engine", config.host, config.port)
     add_to(service, servicer)
@@ -135,8 +144,9 @@ async def serve(config: EngineConfig) -> None:
     servicer.start()
     log.info("engine %s serving %s (%d KV blocks of %d tokens%s) at %s%s", config.replica_id, config.model,
              runner.num_blocks, runner.block_size,
-             f"; up to {speculation.max_draft} draft tokens while steps have at most {speculation.max_rows} rows"
-             if speculation.max_draft else "", service.address,
+             f"; up to {speculation.max_draft} draft tokens "
+             f"{'from ' + config.draft_model if draft is not None else 'by prompt lookup'} while steps have at most "
+             f"{speculation.max_rows} rows" if speculation.max_draft else "", service.address,
              f"; shared KV cache {remote.address} as {config.model}@{remote.version}" if remote is not None else "")
     await serve_grpc("engine", config, service, metrics_port=config.metrics_port,
                      on_stop=servicer.close, advertised=Advertised(config.model, config.model_version, config.region),
@@ -156,6 +166,19 @@ def load(config: EngineConfig) -> ModelRunner:
     log.info("engine %s runs %s", config.replica_id, execution)
     return ModelRunner(config.model_path, execution, kv_cache_bytes=config.kv_cache_mb << 20,
                        block_size=config.block_size, max_batch=config.max_running)
+
+
+def load_draft(config: EngineConfig, runner: ModelRunner) -> DraftModel | None:
+    """The draft model (--draft-model), on the step thread: its own plan (measured for it here) and a KV
+    budget of the engine's size; None without one.  ValueError when its tokenizer is not the model's."""
+    if not config.draft_model_path:
+        return None
+    execution = plan.for_config(dataclasses.replace(config, model_path=config.draft_model_path))
+    log.info("engine %s drafts with %s: %s", config.replica_id, config.draft_model, execution)
+    draft = ModelRunner(config.draft_model_path, execution, kv_cache_bytes=config.kv_cache_mb << 20,
+                        block_size=config.block_size, max_batch=config.max_running)
+    check_compatible(runner, draft)
+    return DraftModel(draft, runner.vocab_size)
 
 
 def shared_cache(config: EngineConfig, runner: ModelRunner) -> tuple[RemoteCache | None, Outbox | None]:

@@ -41,6 +41,8 @@ class EngineConfig:
     fair_slowdown: float = 1.5         # a light tenant's steps at most this x its share's (scheduler.py); 0: off
     speculate: int = -1                # prompt-lookup draft tokens per request and step; -1 auto, 0 off
     speculate_rows: int = 0            # draft while a step's rows stay within this; 0 auto (speculate.py)
+    draft_model_path: str = ""         # a draft model's folder (the same tokenizer): it proposes the drafts; "": lookup
+    draft_model: str = ""              # its name (logs)
     cuda_graphs: str = "auto"          # GRAPH_MODES; auto: pure-decode steps replay CUDA graphs on a GPU
     metrics_port: int = 0              # Prometheus /metrics; 0: off
     lora_roots: tuple[str, ...] = ()   # LoadAdapter reads adapters under these folders only; (): from anywhere

@@ -18,7 +18,10 @@ requests of the batch that step was running with FinishReason.ERROR; the request
 (waiting for admission, or left out of the batch) go on.
 
 With speculation on (services/engine/core/speculate.py), a step may verify draft tokens of its decode
-rows: a request's step output then carries every token the step accepted, in order.
+rows: a request's step output then carries every token the step accepted, in order.  The drafts come from
+each request's own text (prompt lookup), or from a draft model (runtime/draft_model.py: `draft`), whose
+sampled tokens are kept or replaced by speculative sampling's rule (runtime/draft_verify.py); a drafted
+step's speed-up against a plain one is measured, and drafting stops where it does not pay (DraftGain).
 
 A step of batch-class rows only gives way to an interactive request that arrives while it runs: the model
 stops between layers and the step counts as not run (models/interrupt.py).
@@ -48,8 +51,9 @@ from services.engine.core.request import (
 from services.engine.core.scheduler import Batch, Scheduler, SchedulerConfig
 from services.engine.core.speculate import SpeculationConfig
 from services.engine.core.update import Rules, update_from_output
-from services.engine.runtime import grammar, kv_transfer, sampler
+from services.engine.runtime import draft_verify, grammar, kv_transfer, sampler
 from services.engine.runtime.adapters import AdapterPool, factor_dtype, shape_of
+from services.engine.runtime.draft_model import DraftModel
 from services.engine.runtime.grammar_limits import GrammarLimits
 from services.engine.runtime.kv_transfer import Outbox
 from services.engine.runtime.model_runner import ModelRunner
@@ -61,15 +65,17 @@ from services.engine.stats import EngineStats, Timing
 class Engine:
     def __init__(self, runner: ModelRunner, max_waiting: int = 256, scheduler: SchedulerConfig | None = None,
                  outbox: Outbox | None = None, speculation: SpeculationConfig | None = None, version: str = "1",
-                 grammar_limits: GrammarLimits | None = None):
+                 grammar_limits: GrammarLimits | None = None, draft: DraftModel | None = None):
         self.runner = runner
+        self.draft = draft              # a draft model proposing the speculation's tokens; None: prompt lookup
         self.versions = Versions(runner, version)      # hot swaps (services/engine/runtime/versions.py)
         self.adapters = AdapterPool(shape_of(runner), factor_dtype(runner))   # LoRA (runtime/adapters.py)
         self.speculation = speculation or SpeculationConfig(max_draft=0)   # default: no drafts
         self.max_waiting = max_waiting
         self.outbox = outbox            # computed prompt blocks for the shared cache; None: no shared cache
         self.blocks = BlockManager(runner.num_blocks, runner.block_size)
-        self.scheduler = Scheduler(self.blocks, scheduler, self.speculation, runner.max_context)
+        self.scheduler = Scheduler(self.blocks, scheduler, self.speculation, runner.max_context,
+                                   proposer=draft.propose if draft is not None else None)
         self.rules = Rules(runner.eos_token_ids, runner.max_context, self.speculation.max_draft)   # update.py
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -151,9 +157,11 @@ class Engine:
         self._switch_version()
         self._pending = self._drain()           # arrivals in the scheduler, aborts ended: their outputs
         self._batch = batch = self.scheduler.schedule(arriving=bool(self._inbox))
+        drafted, accepted = self.stats.draft_tokens, self.stats.accepted_tokens
         with self._giving_way(batch), self.stats.step(batch):
             if batch.chunks:
                 self._pending += self._update(batch, self._run(batch))
+        self._measure_draft(batch, self.stats.draft_tokens - drafted, self.stats.accepted_tokens - accepted)
         return self._end_step()
 
     def fail_step(self) -> list[StepOutput]:
@@ -250,9 +258,21 @@ class Engine:
         1 + draft rows (Batch.rows).  The rows sampled in one call, the tokens taken into the requests
         (update.py); a request that ends ends in _finish."""
         tokens = sampler.sample_rows(logits, batch.rows, self.rules.eos_token_ids)
+        if self.draft is not None and logits.dim() == 2:
+            _verify_drafts(batch, logits, tokens)
         step = update_from_output(batch, tokens, logits, self.rules, self.blocks, self._finish)
         self.stats.drafted(step.drafted, step.accepted)
         return step.outputs
+
+    def _measure_draft(self, batch: Batch, drafted: int, accepted: int) -> None:
+        """A step that verified a draft model's tokens: its speed-up against a plain step of its size, the
+        draft's passes included (DraftGain: where drafting goes on)."""
+        if self.draft is None or not drafted:
+            return
+        sampled = sum(c.sample for c in batch.chunks)
+        gain = self.scheduler.gain
+        gain.record(sampled, self.draft.seconds + self.stats.last_step_s, sampled + accepted)
+        self.stats.draft_speedup = gain.last
 
     def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...] = (),
                 logprobs: tuple[EngineTokenLogprob, ...] = (), prompt: tuple[EngineTokenLogprob, ...] = ()
@@ -261,9 +281,30 @@ class Engine:
         and the engine, its last output with its totals."""
         self.scheduler.finish(req)
         self._requests.pop(req.request_id, None)
+        if self.draft is not None:
+            self.draft.release(req.request_id)
         req.finish_reason = reason
         self.stats.finished(req.request_id)
         return StepOutput(req.request_id, tokens, logprobs, reason,
                           prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_generated,
                           cached_tokens=req.num_cached_tokens, prompt_logprobs=prompt,
                           embedding=req.embedding() if reason is not FinishReason.ERROR else ())
+
+
+def _verify_drafts(batch: Batch, logits: torch.Tensor, tokens: list[int]) -> None:
+    """A draft model's sampled drafts, kept or replaced by speculative sampling's rule (draft_verify.verify) in
+    `tokens` (sample_rows' plain draws for their rows are dropped): the kept drafts, then the residual's or
+    the bonus token, so that update_from_output, which takes tokens while they equal the drafts, takes
+    exactly those.  A greedy request's drafts need no rule: its argmax equals a draft or it does not."""
+    row = 0
+    for chunk in batch.chunks:
+        if not chunk.sample:
+            continue
+        req = chunk.request
+        if chunk.draft and req.draft_q is not None:
+            rows = 1 + chunk.draft
+            p = sampler.distributions(logits[row:row + rows], [req.sampling] * rows)
+            kept = draft_verify.verify(req.draft[:chunk.draft], req.draft_q[:chunk.draft], p, req.sampling.seed,
+                                       req.num_generated)
+            tokens[row:row + len(kept)] = kept
+        row += 1 + chunk.draft

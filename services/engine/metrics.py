@@ -30,9 +30,13 @@ PREFIX_QUERIED = Counter("infermesh_engine_prefix_query_tokens_total", "Prompt t
                          LABELS)
 PREFIX_HIT = Counter("infermesh_engine_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", LABELS)
 PREEMPTIONS = Counter("infermesh_engine_preemptions_total", "Requests preempted for lack of KV blocks", LABELS)
-DRAFTED = Counter("infermesh_engine_draft_tokens_total", "Speculative draft tokens verified (prompt lookup)", LABELS)
+DRAFTED = Counter("infermesh_engine_draft_tokens_total",
+                  "Speculative draft tokens verified (prompt lookup or the draft model)", LABELS)
 ACCEPTED = Counter("infermesh_engine_draft_accepted_tokens_total", "Of the draft tokens verified, those accepted",
                    LABELS)
+SPEEDUP = Gauge("infermesh_engine_draft_speedup",
+                "The draft model's last drafted step: its tokens a second (drafting included) over a plain decode "
+                "step's of the same size; drafting stops at sizes where this stays below 1", LABELS)
 # A constrained request's grammar: cached (compiled before), compiled, or why it was refused
 # (services/engine/runtime/grammar_limits.py REFUSALS).  Refusals are values of this label, not a metric of their
 # own, so the dashboard's structured-output panel shows them beside the compiles they limit.
@@ -165,6 +169,7 @@ class ReplicaMetrics:
         self.queried, self.hit = PREFIX_QUERIED.labels(replica), PREFIX_HIT.labels(replica)
         self.preemptions = PREEMPTIONS.labels(replica)
         self.drafted, self.accepted = DRAFTED.labels(replica), ACCEPTED.labels(replica)
+        self.speedup = SPEEDUP.labels(replica)
         self.step, self.step_tokens = STEP.labels(replica), STEP_TOKENS.labels(replica)
         self.generated = GENERATED.labels(replica)
         self.ttft, self.tpot = TTFT.labels(replica), TPOT.labels(replica)
@@ -187,7 +192,7 @@ class ReplicaMetrics:
     # One argument per series it sets (the scheduler's and block manager's numbers after a step): flat on purpose.
     def observe_step(self, running: int, waiting: int, used: int, free: int, queries: int, hits: int,  # noqa: PLR0913
                      preemptions: int, step_s: float, step_tokens: int, batch_size: int = 0, drafted: int = 0,
-                     accepted: int = 0) -> None:
+                     accepted: int = 0, speedup: float = 0.0) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(used)
@@ -199,6 +204,8 @@ class ReplicaMetrics:
         self.drafted.inc(drafted - seen_d)
         self.accepted.inc(accepted - seen_a)
         self._seen = (queries, hits, preemptions, drafted, accepted)
+        if speedup:
+            self.speedup.set(speedup)
         if step_tokens:
             self.step.observe(step_s)
             self.step_tokens.inc(step_tokens)

@@ -60,6 +60,7 @@ class EngineStats:
         self.preemptions = 0            # since start
         self.draft_tokens = 0           # speculation, since start: draft tokens verified,
         self.accepted_tokens = 0        # and of them, accepted
+        self.draft_speedup = 0.0        # a draft model's last drafted step: its tokens a second over a plain step's
         self.paused = 0                 # running requests left out of a step by fair scheduling, since start
         self.interrupted = 0            # steps of batch-class rows given up for an interactive arrival
         self.tenant_tokens: dict[str, int] = {}     # tokens computed per tenant since start (MAX_TENANTS names)

@@ -148,6 +148,25 @@ def test_several_models_are_dealt_out_to_engines_and_all_reach_the_tokenizer() -
     assert [tokenizer.argv[i + 1] for i, a in enumerate(tokenizer.argv) if a == "--model"] == ["a", "b", "c"]
 
 
+def test_a_draft_model_goes_to_the_first_models_engines_only() -> None:
+    stages = plan(MeshConfig(engines=3, models=("big", "other"), draft_model="small"))
+    drafts = [e.argv[e.argv.index("--draft-model") + 1] if "--draft-model" in e.argv else "" for e in stages[0][2:]]
+    assert drafts == ["small", "", "small"]
+    assert all("--draft-model" not in c.argv for stage in plan(MeshConfig()) for c in stage)
+
+
+def test_engine_draft_model_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.engine.__main__ import parse
+
+    for name in ("big", "small"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"model_type": "llama"}')
+        (tmp_path / name / "tokenizer.json").write_text("{}")
+    config = parse(["--model", f"big={tmp_path / 'big'}", "--draft-model", f"small={tmp_path / 'small'}"])
+    assert (config.draft_model, config.draft_model_path) == ("small", str(tmp_path / "small"))
+    assert parse(["--model", f"big={tmp_path / 'big'}"]).draft_model_path == ""
+
+
 def test_admin_keys_are_read_from_their_own_variables() -> None:
     admin = ApiKeys(load_keys({"INFERMESH_API_KEYS": "user", "INFERMESH_ADMIN_KEYS": "boss"},
                               variable="INFERMESH_ADMIN_KEYS"))

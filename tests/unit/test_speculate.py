@@ -50,3 +50,30 @@ def test_config_and_the_plans_default() -> None:
     assert for_plan(cpu, 0).max_draft == 0 and for_plan(cpu, 5, 8) == SpeculationConfig(max_draft=5, max_rows=8)
     gpu = ExecutionPlan("cuda", "bfloat16", "fused", "triton", "triton", "cuda")
     assert for_plan(gpu).max_draft == 0
+
+
+def test_draft_gain_measures_a_plain_step_first_then_drafts_while_it_pays() -> None:
+    from services.engine.core.fairness import StepTimes
+    from services.engine.core.speculate import DraftGain
+
+    times = StepTimes()
+    gain = DraftGain(times)
+    assert not gain.allowed(1)                  # no plain step of 1 row measured yet: this one is plain
+    times.record(1, 0.040)
+    assert gain.allowed(1)                      # measured plain, drafting not yet: try it
+    gain.record(1, 0.080, 3)                    # 3 tokens in 80 ms against 1 in 40 ms: 1.5x
+    assert gain.speedup[1] == pytest.approx(1.5) and gain.last == pytest.approx(1.5)
+    assert gain.allowed(1)
+    for _ in range(30):
+        gain.record(1, 0.100, 2)                # 0.8x, again and again: the average falls below 1
+    assert gain.speedup[1] < 1
+    decisions = [gain.allowed(1) for _ in range(2 * DraftGain.PROBE)]
+    assert decisions.count(True) == 2           # off, but every PROBE-th decision tries drafting again
+    gain.record(2, 0.1, 4)                      # a size never measured plain: nothing recorded
+    assert 2 not in gain.speedup
+
+
+def test_for_plan_with_a_draft_model() -> None:
+    plan = ExecutionPlan("cpu", "float32", "gguf", "fused", "cpu", "off")
+    assert (for_plan(plan, draft=True).max_draft, for_plan(plan, draft=True).max_rows) == (4, 16)
+    assert for_plan(plan, 2, 6, draft=True) == SpeculationConfig(max_draft=2, max_rows=6)

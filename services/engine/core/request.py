@@ -107,9 +107,12 @@ class Request:
     num_preemptions: int = 0
     table: BlockTable = field(default_factory=BlockTable)
     staged: list[StagedBlock] = field(default_factory=list)   # in position order; emptied at admission
-    # Speculation (services/engine/core/speculate.py): this step's draft tokens, and the n-gram index they come from.
+    # Speculation (services/engine/core/speculate.py): this step's draft tokens, the n-gram index they come from
+    # (and the adaptive draft length), and with a draft model the probabilities they were drawn with ((k, V);
+    # None: a greedy request's, or prompt lookup's: one token, probability 1).
     draft: list[int] = field(default_factory=list)
     lookup: Lookup | None = None
+    draft_q: torch.Tensor | None = None
     matcher: Matcher | None = None        # the grammar's state when sampling.constraint is set (set by the server)
     # With sampling.prompt_logprobs: entry k is prompt token k's (entry 0's logprob is NaN), filled by the runner.
     prompt_logprobs: list[EngineTokenLogprob] = field(default_factory=list)

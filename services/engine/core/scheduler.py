@@ -32,13 +32,17 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from services.engine.core.block_manager import BlockManager, BlockTable
 from services.engine.core.fairness import StepTimes, TenantClocks, check_slowdown, row_cap
 from services.engine.core.request import Request, RequestStatus, StagedBlock
-from services.engine.core.speculate import Lookup, SpeculationConfig
+from services.engine.core.speculate import DraftGain, Lookup, SpeculationConfig
+
+# A draft model's proposals (runtime/draft_model.py): (request, up to k tokens) -> each request's drafts.
+Proposer = Callable[[Sequence[tuple[Request, int]]], list[list[int]]]
 
 if TYPE_CHECKING:
     import torch
@@ -105,10 +109,11 @@ class Batch(NamedTuple):
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None,
-                 speculation: SpeculationConfig | None = None, max_context: int = 0):
+                 speculation: SpeculationConfig | None = None, max_context: int = 0, proposer: Proposer | None = None):
         self.blocks = blocks
         self.config = config or SchedulerConfig()
         self.speculation = speculation or SpeculationConfig(max_draft=0)     # default: no drafts
+        self.proposer = proposer                 # a draft model's (runtime/draft_model.py); None: prompt lookup
         self.max_context = max_context           # the model's: drafts stay within it
         self._drafted: list[Request] = []        # requests given a draft for the step scheduled last
         # One queue per priority class; index 0 (interactive) is served first.
@@ -116,6 +121,7 @@ class Scheduler:
         self.running: list[Request] = []       # requests holding KV blocks (a step takes some or all)
         self.clocks = TenantClocks()
         self.step_times = StepTimes()            # the engine records its decode steps' times (row_cap reads them)
+        self.gain = DraftGain(self.step_times)   # with a draft model: where drafting pays, as measured
         self.steps = 0                           # schedule() calls so far
         self._arrivals = 0
 
@@ -187,14 +193,16 @@ class Scheduler:
         return Batch(chunks, preempted, imports, len(untaken), capped)
 
     def _propose(self, arriving: bool) -> None:
-        """Drafts (Request.draft, from each request's speculate.Lookup) for this step's decode rows, interactive
-        then batch class, oldest first, while the step stays within the row budget (`max_rows`).
+        """Drafts (Request.draft) for this step's decode rows, interactive then batch class, oldest first, while
+        the step stays within the row budget (`max_rows`): each request's speculate.Lookup, or with a draft
+        model (`proposer`) its tokens for all of them in one call, each request asking for its adaptive length.
 
         Only when every running request is decoding and none waits: a step that admits or prefills is not
         bound by reading the weights, and a waiting request's first token matters more.  A row whose logits
-        are processed (penalties, a grammar) gets none: it needs its own history at every position."""
+        are processed (penalties, a grammar) gets none: it needs its own history at every position.  With a
+        draft model, only at the batch sizes where drafting was measured to pay (`gain`)."""
         for req in self._drafted:
-            req.draft = []
+            req.draft, req.draft_q = [], None
         self._drafted = []
         spec = self.speculation
         spare = spec.max_rows - len(self.running)
@@ -202,6 +210,9 @@ class Scheduler:
             return
         if any(r.num_computed != len(r.all_ids) - 1 for r in self.running):
             return
+        if self.proposer is not None and spec.measure and not self.gain.allowed(len(self.running)):
+            return
+        asked: list[tuple[Request, int]] = []
         for req in sorted(self.running, key=lambda r: (r.priority, r.arrival)):
             if req.lookup is None:
                 req.lookup = Lookup(spec.min_ngram, spec.max_ngram, draft_len=spec.max_draft)
@@ -210,12 +221,20 @@ class Scheduler:
             k = min(req.lookup.draft_len, spare, room) if not req.sampling.processed else 0
             if k <= 0:
                 continue
-            req.draft = req.lookup.propose(req.all_ids, k)
-            if req.draft:
+            if self.proposer is not None:
+                asked.append((req, k))
+                spare -= k
+            else:
+                req.draft = req.lookup.propose(req.all_ids, k)
+                if req.draft:
+                    self._drafted.append(req)
+                    spare -= len(req.draft)
+            if spare <= 0:
+                break
+        if asked and self.proposer is not None:
+            for (req, _), draft in zip(asked, self.proposer(asked), strict=True):
+                req.draft = draft
                 self._drafted.append(req)
-                spare -= len(req.draft)
-                if spare <= 0:
-                    return
 
     def _candidates(self) -> dict[tuple[int, str], deque[Request]]:
         """(class, tenant) -> its running requests, least recently served first (so a tenant's streams take

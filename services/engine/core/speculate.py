@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.engine.core.fairness import StepTimes
+
 if TYPE_CHECKING:
     from services.engine.runtime.plan import ExecutionPlan
 
@@ -33,6 +35,7 @@ class SpeculationConfig:
     max_rows: int = 4         # draft only while the step's rows (decode rows + drafts) stay within this
     max_ngram: int = 3        # the longest suffix looked up; shorter ones are tried after it
     min_ngram: int = 2
+    measure: bool = True      # a draft model drafts only where DraftGain measured it to pay; False: always
 
     def __post_init__(self) -> None:
         if self.max_draft < 0 or self.max_rows < 1 or not 1 <= self.min_ngram <= self.max_ngram:
@@ -71,12 +74,47 @@ class Lookup:
             self.draft_len = max(1, self.draft_len - 1)
 
 
-def for_plan(plan: ExecutionPlan, max_draft: int = -1, max_rows: int = 0) -> SpeculationConfig:
-    """The engine's speculation: max_draft -1 (auto) drafts up to 3 tokens on the CPU and none on a GPU
-    (its pure-decode steps replay CUDA graphs, which a step with drafts would leave); max_rows 0 (auto):
-    the plan's small-batch range (the rows its weight-read-bound kind serves), else 4."""
+class DraftGain:
+    """Where a draft model's speculation pays, by batch size (running requests), as measured: a drafted step's
+    tokens a second (the draft's passes and the verifying step together) against a plain decode step's at the
+    same size (StepTimes, which records only those).  A size drafts while its smoothed speed-up is at least 1;
+    the first decision at a size is a plain step (the other side's measure), and every PROBE-th one tries the
+    other side again, so a size turned off by a slow stretch comes back when drafting pays again."""
+
+    SMOOTHING = 0.2        # a drafted step's weight in its size's speed-up
+    PROBE = 32
+
+    def __init__(self, times: StepTimes | None = None):
+        self.times = times or StepTimes()
+        self.speedup: dict[int, float] = {}      # requests -> smoothed speed-up of its drafted steps
+        self._asked: dict[int, int] = {}
+        self.last = 0.0                          # the last drafted step's speed-up (a metric)
+
+    def allowed(self, requests: int) -> bool:
+        asked = self._asked[requests] = self._asked.get(requests, 0) + 1
+        if requests not in self.times.seconds:
+            return False                         # no plain step of this size measured yet
+        measured = self.speedup.get(requests)
+        pays = measured is None or measured >= 1.0
+        return pays != (asked % self.PROBE == 0)
+
+    def record(self, requests: int, seconds: float, tokens: int) -> None:
+        """A drafted step of `requests` rows took `seconds` (drafting included) and yielded `tokens`."""
+        plain = self.times.seconds.get(requests)
+        if plain is None or seconds <= 0:
+            return
+        self.last = ratio = (tokens / seconds) / (requests / plain)
+        old = self.speedup.get(requests)
+        self.speedup[requests] = ratio if old is None else old + self.SMOOTHING * (ratio - old)
+
+
+def for_plan(plan: ExecutionPlan, max_draft: int = -1, max_rows: int = 0, draft: bool = False) -> SpeculationConfig:
+    """The engine's speculation: max_draft -1 (auto) drafts up to 3 tokens on the CPU (4 from a draft model) and
+    none on a GPU (its pure-decode steps replay CUDA graphs, which a step with drafts would leave); max_rows 0
+    (auto): the plan's small-batch range (the rows its weight-read-bound kind serves), else 4; with a draft
+    model 16, since DraftGain measures where drafting pays."""
     if max_draft < 0:
-        max_draft = 3 if plan.device == "cpu" else 0
+        max_draft = 0 if plan.device != "cpu" else 4 if draft else 3
     if max_rows <= 0:
-        max_rows = plan.split_rows if plan.matmul_large else 4
+        max_rows = 16 if draft else plan.split_rows if plan.matmul_large else 4
     return SpeculationConfig(max_draft=max_draft, max_rows=max_rows)

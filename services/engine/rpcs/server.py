@@ -125,7 +125,7 @@ class EngineServicer(Lifecycle, AdapterRPCs, engine_pb2_grpc.EngineServicer):
         self.metrics.observe_step(engine.num_running, engine.num_waiting, blocks.num_used_blocks,
                                   blocks.num_free_blocks, blocks.queries, blocks.hits, stats.preemptions,
                                   stats.last_step_s, stats.last_step_tokens, stats.last_batch_size,
-                                  stats.draft_tokens, stats.accepted_tokens)
+                                  stats.draft_tokens, stats.accepted_tokens, stats.draft_speedup)
 
     async def _match(self, req: Request, constraint: Constraint, tenant: bytes) -> None:
         """`req`'s grammar matcher, counted by outcome; a cache hit on the loop: no thread, so compiles

@@ -6,7 +6,7 @@ p_i being the target's distribution at that position; at the first rejection the
 residual max(p_i - q_i, 0), normalized, and the rest of the draft is dropped; when every draft is kept, one more
 token comes from the target's next distribution.  For prompt-lookup drafts (services/engine/core/scheduler.py:
 q is one token with probability 1) this is the engine's rule today: keep a draft while it equals what the target
-samples.  The building block for issue 51's draft model (`--draft-model`, not wired yet).
+samples.  The engine's rule for a draft model's tokens (runtime/draft_model.py, `--draft-model`).
 
 The uniforms come from the request's seeded streams (runtime/sampler.py: step_generator) at each position, one
 stream per use, so a seeded request draws the same tokens wherever it runs.  Pure torch, no model.
@@ -20,13 +20,19 @@ import torch
 
 from services.engine.runtime.sampler import inverse_cdf, step_generator
 
-# Which draw at a position: keeping a draft, the residual's token, the bonus token after every draft was kept.
-KEEP, RESIDUAL, BONUS = 1, 2, 3
+# Which draw at a position: the draft model's own token, keeping a draft, the residual's token, the bonus token
+# after every draft was kept.
+DRAFT, KEEP, RESIDUAL, BONUS = 0, 1, 2, 3
 
 
 def _uniform(seed: int | None, position: int, use: int) -> float:
     stream = None if seed is None else step_generator((seed * 4 + use) % (1 << 64), position)
     return float(torch.rand((), generator=stream))
+
+
+def draft_uniform(seed: int | None, position: int) -> float:
+    """The draft model's draw for its token at `position` (its own seeded stream)."""
+    return _uniform(seed, position, DRAFT)
 
 
 def verify(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, seed: int | None = None,

@@ -188,11 +188,12 @@ def candidates_reference(logits: torch.Tensor, temps: torch.Tensor, k: int
     return raw / t, ids, torch.logsumexp(logits / t, dim=-1)
 
 
-def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[float],
-           count: int = 0) -> list[int]:
-    """Each row's token drawn among its most likely candidates, all rows at once, or -1 for a row whose
-    nucleus may reach past them.  The same filters as filter_logits, in order: top_k, then top_p over what
-    top_k kept (renormalized), then min_p against the most likely.  logits: (R, V)."""
+def _kept(logits: torch.Tensor, params: Sequence[SamplingParams], count: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's filtered candidates, all rows at once: (ids (R, k) in token-id order, their unnormalized
+    weights (0: filtered out), decided (R,): False for a row whose nucleus may reach past them).  The same
+    filters as filter_logits, in order: top_k, then top_p over what top_k kept (renormalized), then min_p
+    against the most likely.  logits: (R, V)."""
     vocab = logits.shape[-1]
     k = min(vocab, max(count or CANDIDATES, *(p.top_k for p in params)))
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
@@ -211,14 +212,22 @@ def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequen
     keep = in_k & in_p & in_min
     # A row is decided among its candidates when they hold the whole vocabulary, top_k cut within them,
     # top_p's mass was reached within them, or min_p's threshold fell within them (with no top_p): the last
-    # candidate found is already out.  Else the nucleus may reach past them (-1: the caller sorts).
+    # candidate found is already out.  Else the nucleus may reach past them (the caller widens or sorts).
     last = (found.sum(dim=-1) - 1).clamp(min=0).unsqueeze(1)
     has_p = top_p <= 1.0
     decided = (cut_k | (k >= vocab) | (has_p & ~in_p.gather(1, last).squeeze(1))
                | (~has_p & (min_p > -math.inf) & ~in_min.gather(1, last).squeeze(1)))
     weights = torch.exp(values - values[:, :1]).masked_fill(~keep, 0.0)
     order = torch.argsort(ids.masked_fill(~found, vocab), dim=-1)  # token-id order: the reference's CDF order
-    ids, weights = ids.gather(1, order), weights.gather(1, order)
+    return ids.gather(1, order), weights.gather(1, order), decided
+
+
+def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[float],
+           count: int = 0) -> list[int]:
+    """Each row's token drawn among its most likely candidates (_kept), all rows at once, or -1 for a row
+    whose nucleus may reach past them.  logits: (R, V)."""
+    ids, weights, decided = _kept(logits, params, count)
+    k = ids.shape[1]
     cdf = weights.cumsum(dim=-1)
     u = torch.tensor(draws, dtype=cdf.dtype).unsqueeze(1)
     pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
@@ -226,6 +235,34 @@ def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequen
     pick = torch.where(pick >= k, final, pick)
     tokens = ids.gather(1, pick.unsqueeze(1)).squeeze(1)
     return torch.where(decided, tokens, -1).tolist()
+
+
+def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """(R, V) float32: each row's sampling distribution, what sample_batch draws from (its filters, its
+    temperature; a greedy row's argmax with probability 1), for speculative sampling's rule (draft_verify.py).
+    The candidates' path where it decides a row, else filter_logits' sort.  logits: (R, V) float32."""
+    rows, vocab = logits.shape
+    out = torch.zeros(rows, vocab, dtype=torch.float32)
+    narrowed: list[int] = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            out[i, int(torch.argmax(logits[i]))] = 1.0
+        elif (0.0 < p.top_p < 1.0) or (0 < p.top_k < vocab) or p.min_p > 0:
+            narrowed.append(i)
+        else:
+            out[i] = torch.softmax(logits[i].float() / p.temperature, dim=-1)
+    for count in (CANDIDATES, WIDEST):          # as _draw_rows: the candidates, 16x as many, then the sort
+        if not narrowed or count >= vocab:
+            break
+        ids, weights, decided = _kept(logits[narrowed], [params[i] for i in narrowed], count)
+        for row, i in enumerate(narrowed):
+            if bool(decided[row]):
+                out[i].index_add_(0, ids[row].clamp(min=0), weights[row])
+                out[i] /= out[i].sum()
+        narrowed = [i for row, i in enumerate(narrowed) if not bool(decided[row])]
+    for i in narrowed:
+        out[i] = torch.softmax(filter_logits(logits[i].float(), params[i]), dim=-1)
+    return out
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> EngineTokenLogprob:
