@@ -25,6 +25,8 @@ struct QuantizedX {
   std::vector<int8_t> q;                // (T, K)
   std::vector<float> d;                 // (T, nb) dx
   std::vector<int32_t> s16;             // (T, 2 nb) the sum of qx over each 16 elements
+  std::vector<int32_t> s32;             // (T, nb) the sum of qx over each block
+  std::vector<float> ds;                // (T, nb) dx * that sum (float), for the mins of Q4_1 / Q4_K / Q5_K
 };
 
 // x for cpu_gguf_amx.cpp's tiles (cpu_gguf_x.cpp builds it), per tile of W rows (T rounded up to 1, 2, 4, 8

@@ -58,13 +58,6 @@ namespace {
 
 // ------------------------------------------------------------------------------------------ the products
 
-// Per 32-weight block b of a row: the offset's correction (-offset * sum(qx) over the block, or per 16 for
-// Q6_K's halves) and dx * sum(qx) for the mins.
-inline int32_t block_sum(const QuantizedX& qx, int64_t row, int64_t b, int half) {
-  const size_t at = static_cast<size_t>(2 * (row * qx.nb + b));
-  return half < 0 ? qx.s16[at] + qx.s16[at + 1] : qx.s16[at + static_cast<size_t>(half)];
-}
-
 #if defined(__AVX2__)
 // The unit 1 KB after this one's lines asked for now: the stream runs ahead of the hardware prefetcher
 // (measured on a Sapphire Rapids, AMX off, 300-400 MB of weights: Q4_1 / Q5_0 / Q6_K 1.1-1.4x faster at one
@@ -92,9 +85,14 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another).
+// The offset the integer sums carry (u = q + offset), taken off by starting them at -offset * sum(qx).
+template <int64_t KIND>
+constexpr int64_t offset_left() { return Kind<KIND>::offset; }
+
+// out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another); start:
+// each block's (each half's) -offset * sum(qx), where the kind has an offset (offset_starts).
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   constexpr bool halves = K::halves;
@@ -124,9 +122,16 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
     for (int j = 0; j < bpu; ++j) {
       const int64_t b = s * bpu + j;
       __m512i dot[R], dot2[halves ? R : 1];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-      if constexpr (halves)
-        for (int r = 0; r < R; ++r) dot2[r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        if constexpr (halves) {
+          dot[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b)]);
+          dot2[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b) + 1]);
+        } else if constexpr (offset_left<KIND>() != 0) {
+          dot[r] = _mm512_set1_epi32(start[(r0 + r) * qx.nb + b]);
+        } else {
+          dot[r] = _mm512_setzero_si512();
+        }
+      }
       [[maybe_unused]] __m512i top[2];
       if constexpr (KIND == kQ6_K) {
         top[0] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j);
@@ -194,18 +199,13 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const __m512 dx = _mm512_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
-        __m512i sum = dot[r];
         if constexpr (halves) {
-          const __m512i lo_sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(K::offset * block_sum(qx, row, b, 0)));
-          const __m512i hi_sum = _mm512_sub_epi32(dot2[r], _mm512_set1_epi32(K::offset * block_sum(qx, row, b, 1)));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum), _mm512_mul_ps(a, dx), acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum), _mm512_mul_ps(a2, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), _mm512_mul_ps(a2, dx), acc[r]);
         } else {
-          if constexpr (K::offset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(K::offset * block_sum(qx, row, b, -1)));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(a, dx), acc[r]);
           if constexpr (K::mins)
-            acc[r] = _mm512_fmadd_ps(c, _mm512_mul_ps(dx, _mm512_set1_ps(static_cast<float>(block_sum(qx, row, b, -1)))),
-                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
         }
       }
     }
@@ -258,7 +258,8 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// Whether the integer sums still carry the offset (all but Q8_0 without VNNI).
+// The offset the integer sums still carry (all but Q8_0 without VNNI), taken off by starting them at
+// -offset * sum(qx).
 template <int64_t KIND>
 constexpr int64_t offset_left() {
 #if defined(R16_DPBUSD)
@@ -270,7 +271,8 @@ constexpr int64_t offset_left() {
 
 // Columns 8 half .. 8 half + 7 of the group at w, for R rows from r0.
 template <int64_t KIND, int R>
-void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, float* out, int64_t ldo) {
+void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, float* out, int64_t ldo,
+               const int32_t* start) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>(), offset = offset_left<KIND>();
   constexpr bool halves = K::halves;
@@ -300,9 +302,16 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
     for (int j = 0; j < bpu; ++j) {
       const int64_t b = s * bpu + j;
       __m256i dot[R], dot2[halves ? R : 1];
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-      if constexpr (halves)
-        for (int r = 0; r < R; ++r) dot2[r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) {
+        if constexpr (halves) {
+          dot[r] = _mm256_set1_epi32(start[2 * ((r0 + r) * qx.nb + b)]);
+          dot2[r] = _mm256_set1_epi32(start[2 * ((r0 + r) * qx.nb + b) + 1]);
+        } else if constexpr (offset != 0) {
+          dot[r] = _mm256_set1_epi32(start[(r0 + r) * qx.nb + b]);
+        } else {
+          dot[r] = _mm256_setzero_si256();
+        }
+      }
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
         if constexpr (KIND == kQ8_0) {
@@ -360,18 +369,13 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
         const __m256 dx = _mm256_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
-        __m256i sum = dot[r];
         if constexpr (halves) {
-          const __m256i lo_sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offset * block_sum(qx, row, b, 0)));
-          const __m256i hi_sum = _mm256_sub_epi32(dot2[r], _mm256_set1_epi32(offset * block_sum(qx, row, b, 1)));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_sum), _mm256_mul_ps(a, dx), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_sum), _mm256_mul_ps(a2, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2[r]), _mm256_mul_ps(a2, dx), acc[r]);
         } else {
-          if constexpr (offset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offset * block_sum(qx, row, b, -1)));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(a, dx), acc[r]);
           if constexpr (K::mins)
-            acc[r] = _mm256_fmadd_ps(c, _mm256_mul_ps(dx, _mm256_set1_ps(static_cast<float>(block_sum(qx, row, b, -1)))),
-                                     acc[r]);
+            acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
         }
       }
     }
@@ -380,15 +384,18 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
 }
 
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
-  half_rows<KIND, R>(qx, r0, w, 0, out, ldo);
-  half_rows<KIND, R>(qx, r0, w, 1, out, ldo);
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
+  half_rows<KIND, R>(qx, r0, w, 0, out, ldo, start);
+  half_rows<KIND, R>(qx, r0, w, 1, out, ldo, start);
 }
 
 #else   // portable: the layout read weight by weight
 
+template <int64_t KIND>
+constexpr int64_t offset_left() { return 0; }      // the loop below takes the offset off each weight
+
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t*) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu, k = qx.k;
@@ -425,7 +432,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
             acc[r][c] += static_cast<float>(dot[0]) * (a[0] * dx) + static_cast<float>(dot[1]) * (a[1] * dx);
           else
             acc[r][c] += static_cast<float>(dot[0] + dot[1]) * (a[0] * dx);
-          if constexpr (K::mins) acc[r][c] += cmin * (dx * static_cast<float>(block_sum(qx, row, b, -1)));
+          if constexpr (K::mins) acc[r][c] += cmin * qx.ds[static_cast<size_t>(row * qx.nb + b)];
         }
       }
     }
@@ -438,8 +445,23 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
 // A row count below kRowsAtOnce for the remainder's dispatch (counts at or above it never reach it).
 constexpr int tail(int rows) { return rows < kRowsAtOnce ? rows : 1; }
 
+// Each block's (each Q6_K half's) -offset * sum(qx), where the products' integer sums carry an offset.
+template <int64_t KIND>
+std::vector<int32_t> offset_starts(const QuantizedX& qx) {
+  std::vector<int32_t> start;
+  if constexpr (offset_left<KIND>() != 0) {
+    const bool halves = Kind<KIND>::halves;
+    const std::vector<int32_t>& sums = halves ? qx.s16 : qx.s32;
+    start.resize(sums.size());
+    for (size_t i = 0; i < sums.size(); ++i) start[i] = -static_cast<int32_t>(offset_left<KIND>()) * sums[i];
+  }
+  return start;
+}
+
 template <int64_t KIND>
 void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+  const std::vector<int32_t> starts = offset_starts<KIND>(qx);
+  const int32_t* start = starts.data();
   const int64_t groups = n / kCols, t = qx.t;
   const int64_t group_bytes = kCols * (qx.k / Kind<KIND>::weights) * Kind<KIND>::bytes;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
@@ -449,15 +471,15 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
       const uint8_t* wg = w + gi * group_bytes;
       float* o = out + gi * kCols;
       int64_t r = 0;
-      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n);
+      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start);
       switch (t - r) {
-        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n); break;
-        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n); break;
-        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n); break;
-        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n); break;
-        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n); break;
-        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n); break;
-        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n); break;
+        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start); break;
+        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, start); break;
+        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, start); break;
+        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, start); break;
+        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, start); break;
+        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, start); break;
+        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, start); break;
         default: break;
       }
     }

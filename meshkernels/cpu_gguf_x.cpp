@@ -32,6 +32,8 @@ void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out) {
   out.q.resize(static_cast<size_t>(t * k));
   out.d.resize(static_cast<size_t>(t * nb));
   out.s16.resize(static_cast<size_t>(t * nb * 2));
+  out.s32.resize(static_cast<size_t>(t * nb));
+  out.ds.resize(static_cast<size_t>(t * nb));
   for (int64_t i = 0; i < t * nb; ++i) {
     const float* xb = x + i * kBlock;
     int8_t* qb = out.q.data() + i * kBlock;
@@ -74,6 +76,8 @@ void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out) {
     out.d[static_cast<size_t>(i)] = d;
     out.s16[static_cast<size_t>(2 * i)] = sum[0];
     out.s16[static_cast<size_t>(2 * i + 1)] = sum[1];
+    out.s32[static_cast<size_t>(i)] = sum[0] + sum[1];
+    out.ds[static_cast<size_t>(i)] = d * static_cast<float>(sum[0] + sum[1]);
   }
 }
 
