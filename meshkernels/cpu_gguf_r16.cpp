@@ -89,127 +89,188 @@ inline __m512i bcast4(const int8_t* p) {
 template <int64_t KIND>
 constexpr int64_t offset_left() { return Kind<KIND>::offset; }
 
-// out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another); start:
-// each block's (each half's) -offset * sum(qx), where the kind has an offset (offset_starts).
+// One 32-weight block of a group decoded: for each g, the unsigned weights 4 g .. 4 g + 3 (lo) and 16 + 4 g ..
+// (hi) of all 16 columns, and the block's scales (a; a2 for Q6_K's second half; c for the mins).
+struct Block16 {
+  __m512i lo[4], hi[4];
+  __m512 a, a2, c;
+};
+
+// What a unit's blocks share: a K-quant's super-block scales (Q4_K / Q5_K: d, -dmin and the 6-bit scales
+// and mins as bytes; Q6_K: d).
+struct UnitScales {
+  __m512 dk, mk, d6;
+  __m512i words[4];
+};
+
+template <int64_t KIND>
+inline UnitScales unit_scales(const uint8_t* w) {
+  UnitScales u;
+  if constexpr (k_scales<KIND>()) {
+    u.dk = halves16(w + R16<KIND>::d);
+    u.mk = _mm512_sub_ps(_mm512_setzero_ps(), halves16(w + R16<KIND>::dmin));
+    const __m512i w0 = _mm512_loadu_si512(w + R16<KIND>::planes), w1 = _mm512_loadu_si512(w + R16<KIND>::planes + 64),
+                  w2 = _mm512_loadu_si512(w + R16<KIND>::planes + 128);
+    const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
+                  low2 = _mm512_set1_epi32(0x03030303);
+    u.words[0] = _mm512_and_si512(w0, low6);
+    u.words[1] = _mm512_or_si512(_mm512_and_si512(w2, low4),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), low2), 4));
+    u.words[2] = _mm512_and_si512(w1, low6);
+    u.words[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low4),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), low2), 4));
+  }
+  if constexpr (KIND == kQ6_K) u.d6 = halves16(w + R16<kQ6_K>::d);
+  return u;
+}
+
+// Block j of the unit at w.
+template <int64_t KIND>
+inline void decode(const uint8_t* w, int j, const UnitScales& u, Block16& out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  [[maybe_unused]] __m512i top[2];
+  if constexpr (KIND == kQ6_K) {
+    top[0] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j);
+    top[1] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j + 64);
+  }
+  for (int g = 0; g < 4; ++g) {
+    __m512i lo, hi;
+    if constexpr (KIND == kQ8_0) {
+      lo = _mm512_loadu_si512(w + 128 * g);
+      hi = _mm512_loadu_si512(w + 128 * g + 64);
+    } else {
+      const __m512i v = _mm512_loadu_si512(w + 256 * j + 64 * g);
+      lo = _mm512_and_si512(v, low);
+      hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      if constexpr (five_bits<KIND>()) {
+        uint64_t m[2];
+        std::memcpy(m, w + R16<KIND>::masks + 64 * j + 16 * g, 16);
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        lo = _mm512_mask_add_epi8(lo, m[0], lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, m[1], hi, sixteen);
+      }
+      if constexpr (KIND == kQ6_K) {
+        const __m512i mask = _mm512_set1_epi8(0x30);
+        __m512i tl, th;
+        if (g == 0) {
+          tl = _mm512_slli_epi16(top[0], 4), th = _mm512_slli_epi16(top[1], 4);
+        } else if (g == 1) {
+          tl = _mm512_slli_epi16(top[0], 2), th = _mm512_slli_epi16(top[1], 2);
+        } else if (g == 2) {
+          tl = top[0], th = top[1];
+        } else {
+          tl = _mm512_srli_epi16(top[0], 2), th = _mm512_srli_epi16(top[1], 2);
+        }
+        lo = _mm512_ternarylogic_epi64(lo, tl, mask, 0xF8);    // lo | (tl & mask)
+        hi = _mm512_ternarylogic_epi64(hi, th, mask, 0xF8);
+      }
+    }
+    out.lo[g] = lo;
+    out.hi[g] = hi;
+  }
+  out.a2 = out.c = _mm512_setzero_ps();
+  if constexpr (KIND == kQ4_1) {
+    out.a = halves16(w + R16<kQ4_1>::d);
+    out.c = halves16(w + R16<kQ4_1>::m);
+  } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+    out.a = halves16(w + R16<KIND>::d);
+  } else if constexpr (k_scales<KIND>()) {
+    const int shift = 8 * (j % 4);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    out.a = _mm512_mul_ps(u.dk, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u.words[j / 4], shift), byte)));
+    out.c = _mm512_mul_ps(u.mk, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u.words[2 + j / 4], shift), byte)));
+  } else {
+    const uint8_t* sc = w + R16<kQ6_K>::scales + 32 * j;
+    out.a = _mm512_mul_ps(u.d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+    out.a2 = _mm512_mul_ps(u.d6, _mm512_cvtepi32_ps(
+                                     _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+  }
+}
+
+// acc[r] += row r0 + r's products with block b of the group (decoded); start: each block's (each half's)
+// -offset * sum(qx), where the kind has an offset (offset_starts).
+template <int64_t KIND, int R>
+inline void rows_block(const QuantizedX& qx, int64_t r0, int64_t b, const Block16& blk, const int32_t* start,
+                       __m512* acc) {
+  constexpr bool halves = Kind<KIND>::halves;
+  const int64_t k = qx.k;
+  __m512i dot[R], dot2[halves ? R : 1];
+  for (int r = 0; r < R; ++r) {
+    if constexpr (halves) {
+      dot[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b)]);
+      dot2[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b) + 1]);
+    } else if constexpr (offset_left<KIND>() != 0) {
+      dot[r] = _mm512_set1_epi32(start[(r0 + r) * qx.nb + b]);
+    } else {
+      dot[r] = _mm512_setzero_si512();
+    }
+  }
+  for (int g = 0; g < 4; ++g)
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+      dot[r] = _mm512_dpbusd_epi32(dot[r], blk.lo[g], bcast4(xs + 4 * g));
+      if constexpr (halves)
+        dot2[r] = _mm512_dpbusd_epi32(dot2[r], blk.hi[g], bcast4(xs + 16 + 4 * g));
+      else
+        dot[r] = _mm512_dpbusd_epi32(dot[r], blk.hi[g], bcast4(xs + 16 + 4 * g));
+    }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const __m512 dx = _mm512_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(blk.a, dx), acc[r]);
+    if constexpr (halves) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), _mm512_mul_ps(blk.a2, dx), acc[r]);
+    if constexpr (Kind<KIND>::mins)
+      acc[r] = _mm512_fmadd_ps(blk.c, _mm512_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
+  }
+}
+
+// out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another), each
+// block decoded in registers as it is reached.
 template <int64_t KIND, int R>
 void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
-  constexpr bool halves = K::halves;
-  const int64_t units = qx.nb / bpu, k = qx.k;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t units = qx.nb / bpu;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
     prefetch_ahead(w, kCols * K::bytes);
-    [[maybe_unused]] __m512 dk, mk;
-    [[maybe_unused]] __m512i words[4];
-    if constexpr (k_scales<KIND>()) {
-      dk = halves16(w + R16<KIND>::d);
-      mk = _mm512_sub_ps(_mm512_setzero_ps(), halves16(w + R16<KIND>::dmin));
-      const __m512i w0 = _mm512_loadu_si512(w + R16<KIND>::planes), w1 = _mm512_loadu_si512(w + R16<KIND>::planes + 64),
-                    w2 = _mm512_loadu_si512(w + R16<KIND>::planes + 128);
-      const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),
-                    low2 = _mm512_set1_epi32(0x03030303);
-      words[0] = _mm512_and_si512(w0, low6);
-      words[1] = _mm512_or_si512(_mm512_and_si512(w2, low4),
-                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), low2), 4));
-      words[2] = _mm512_and_si512(w1, low6);
-      words[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low4),
-                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), low2), 4));
-    }
-    [[maybe_unused]] const __m512 d6 = KIND == kQ6_K ? halves16(w + R16<kQ6_K>::d) : _mm512_setzero_ps();
+    const UnitScales u = unit_scales<KIND>(w);
     for (int j = 0; j < bpu; ++j) {
-      const int64_t b = s * bpu + j;
-      __m512i dot[R], dot2[halves ? R : 1];
-      for (int r = 0; r < R; ++r) {
-        if constexpr (halves) {
-          dot[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b)]);
-          dot2[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b) + 1]);
-        } else if constexpr (offset_left<KIND>() != 0) {
-          dot[r] = _mm512_set1_epi32(start[(r0 + r) * qx.nb + b]);
-        } else {
-          dot[r] = _mm512_setzero_si512();
-        }
-      }
-      [[maybe_unused]] __m512i top[2];
-      if constexpr (KIND == kQ6_K) {
-        top[0] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j);
-        top[1] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j + 64);
-      }
-      for (int g = 0; g < 4; ++g) {
-        __m512i lo, hi;
-        if constexpr (KIND == kQ8_0) {
-          lo = _mm512_loadu_si512(w + 128 * g);
-          hi = _mm512_loadu_si512(w + 128 * g + 64);
-        } else {
-          const __m512i v = _mm512_loadu_si512(w + 256 * j + 64 * g);
-          lo = _mm512_and_si512(v, low);
-          hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          if constexpr (five_bits<KIND>()) {
-            uint64_t m[2];
-            std::memcpy(m, w + R16<KIND>::masks + 64 * j + 16 * g, 16);
-            const __m512i sixteen = _mm512_set1_epi8(16);
-            lo = _mm512_mask_add_epi8(lo, m[0], lo, sixteen);
-            hi = _mm512_mask_add_epi8(hi, m[1], hi, sixteen);
-          }
-          if constexpr (KIND == kQ6_K) {
-            const __m512i mask = _mm512_set1_epi8(0x30);
-            __m512i tl, th;
-            if (g == 0) {
-              tl = _mm512_slli_epi16(top[0], 4), th = _mm512_slli_epi16(top[1], 4);
-            } else if (g == 1) {
-              tl = _mm512_slli_epi16(top[0], 2), th = _mm512_slli_epi16(top[1], 2);
-            } else if (g == 2) {
-              tl = top[0], th = top[1];
-            } else {
-              tl = _mm512_srli_epi16(top[0], 2), th = _mm512_srli_epi16(top[1], 2);
-            }
-            lo = _mm512_ternarylogic_epi64(lo, tl, mask, 0xF8);    // lo | (tl & mask)
-            hi = _mm512_ternarylogic_epi64(hi, th, mask, 0xF8);
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
-          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(xs + 4 * g));
-          if constexpr (halves)
-            dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, bcast4(xs + 16 + 4 * g));
-          else
-            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, bcast4(xs + 16 + 4 * g));
-        }
-      }
-      __m512 a, a2 = _mm512_setzero_ps();
-      [[maybe_unused]] __m512 c = _mm512_setzero_ps();
-      if constexpr (KIND == kQ4_1) {
-        a = halves16(w + R16<kQ4_1>::d);
-        c = halves16(w + R16<kQ4_1>::m);
-      } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
-        a = halves16(w + R16<KIND>::d);
-      } else if constexpr (k_scales<KIND>()) {
-        const int shift = 8 * (j % 4);
-        const __m512i byte = _mm512_set1_epi32(0xFF);
-        a = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[j / 4], shift), byte)));
-        c = _mm512_mul_ps(mk, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(words[2 + j / 4], shift), byte)));
-      } else {
-        const uint8_t* sc = w + R16<kQ6_K>::scales + 32 * j;
-        a = _mm512_mul_ps(d6, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
-        a2 = _mm512_mul_ps(d6, _mm512_cvtepi32_ps(
-                                   _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
-        const __m512 dx = _mm512_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
-        if constexpr (halves) {
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(a, dx), acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), _mm512_mul_ps(a2, dx), acc[r]);
-        } else {
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(a, dx), acc[r]);
-          if constexpr (K::mins)
-            acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
-        }
-      }
+      Block16 blk;
+      decode<KIND>(w, j, u, blk);
+      rows_block<KIND, R>(qx, r0, s * bpu + j, blk, start, acc);
     }
   }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// More rows than decoded_above: the group's blocks decoded once into `blocks` (qx.nb of them), then each
+// kRowsAtOnce rows multiplied from there: decoding is shared by every row, not redone per 8, for the price of
+// writing the decoded blocks (704 bytes each) and reading them back.  Measured on a Sapphire Rapids, AMX off,
+// against decoding in registers: Qwen2.5-0.5B's Q4_K / Q5_0 / Q6_K / Q8_0 GEMMs 0.96x at 32 rows and 0.89x at
+// 64 (1.07x at 16: not there); SmolLM2's Q4_1, cheaper to decode, 1.05x at 16 and 0.98x at 64.
+#define R16_DECODED 1
+template <int64_t KIND>
+constexpr int64_t decoded_above() { return KIND == kQ4_1 ? 32 : 16; }
+template <int64_t KIND>
+void decode_group(const QuantizedX& qx, const uint8_t* w, Block16* blocks) {
+  using K = Kind<KIND>;
+  constexpr int64_t bpu = blocks_of<KIND>();
+  const int64_t units = qx.nb / bpu;
+  for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
+    prefetch_ahead(w, kCols * K::bytes);
+    const UnitScales u = unit_scales<KIND>(w);
+    for (int j = 0; j < bpu; ++j) decode<KIND>(w, j, u, blocks[s * bpu + j]);
+  }
+}
+
+template <int64_t KIND, int R>
+void decoded_rows(const QuantizedX& qx, int64_t r0, const Block16* blocks, float* out, int64_t ldo,
+                  const int32_t* start) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < qx.nb; ++b) rows_block<KIND, R>(qx, r0, b, blocks[b], start, acc);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
@@ -471,6 +532,26 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
       const uint8_t* wg = w + gi * group_bytes;
       float* o = out + gi * kCols;
       int64_t r = 0;
+#if defined(R16_DECODED)
+      if (t > decoded_above<KIND>()) {
+        thread_local std::vector<Block16> blocks;
+        if (blocks.size() < static_cast<size_t>(qx.nb)) blocks.resize(static_cast<size_t>(qx.nb));
+        decode_group<KIND>(qx, wg, blocks.data());
+        for (; r + kRowsAtOnce <= t; r += kRowsAtOnce)
+          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, start);
+        switch (t - r) {
+          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, start); break;
+          default: break;
+        }
+        continue;
+      }
+#endif
       for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start);
       switch (t - r) {
         case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start); break;
