@@ -177,3 +177,20 @@ def test_a_draft_of_another_vocabulary_is_refused(runner: ModelRunner) -> None:
         folder = runner.folder
     with pytest.raises(ValueError, match="vocabulary"):
         check_compatible(runner, Other())  # type: ignore[arg-type]
+
+
+def test_a_failing_draft_model_leaves_the_requests_running(runner: ModelRunner, draft_runner: ModelRunner,
+                                                           prompts: list[list[int]],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(max_tokens=24)
+    plain, _ = generate(runner, None, prompts[:1], params)
+    engine = Engine(runner, speculation=ALWAYS, draft=DraftModel(draft_runner, runner.vocab_size))
+    assert engine.draft is not None
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the draft's kernel failed")
+    monkeypatch.setattr(engine.draft.runner, "run", broken)
+    engine.add(engine.make_request("a", prompts[0], params))
+    outs = engine.run_until_idle()["a"]
+    assert [t for o in outs for t in o.new_ids] == plain["0"] and outs[-1].finish_reason is FinishReason.LENGTH
+    assert engine.stats.draft_tokens == 0 and engine.draft.blocks.num_used_blocks == 0

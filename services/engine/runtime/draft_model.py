@@ -20,6 +20,7 @@ Plain torch on top of ModelRunner; the scheduler decides who drafts and how many
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from services.engine.core.scheduler import Chunk
 from services.engine.runtime import draft_verify, sampler
 from services.engine.runtime.model_runner import ModelRunner
 
+log = logging.getLogger(__name__)
 PLAIN = SamplingParams()      # what the draft's runner reads of a request's sampling: no prompt logprobs, no pooling
 
 
@@ -105,7 +107,19 @@ class DraftModel:
     def propose(self, pairs: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Up to k drafted tokens for each (request, k), in order; their draft probabilities in each request's
         draft_q ((k, width), None for a greedy request: its drafts are the draft's argmax).  A request whose
-        draft blocks are not there gets none."""
+        draft blocks are not there gets none.  A draft model that fails proposes nothing this step (logged,
+        its state of these requests dropped): the requests go on without drafts, none of them fails."""
+        try:
+            return self._propose(pairs)
+        except Exception:              # any failure of the draft's forward: speculation is an optimization
+            log.exception("the draft model failed; this step runs without drafts")
+            for req, _ in pairs:
+                req.draft_q = None
+                self.release(req.request_id)
+            self.seconds = 0.0
+            return [[] for _ in pairs]
+
+    def _propose(self, pairs: Sequence[tuple[Request, int]]) -> list[list[int]]:
         started = time.perf_counter()
         live: list[tuple[Request, int, _View]] = []
         out: dict[int, list[int]] = {}
