@@ -9,8 +9,9 @@ a seed per request, the same for both servers); `--prompts varied` (the default)
 questions, each under a tag new to the run so no cache of an earlier run answers, `repeated` the
 story prompts that repeat one text (what flatters prompt-lookup drafts); `--draft-model NAME --draft-gguf FILE`
 has the mesh's engine draft with a second model and runs llama-server once more with the same one (`-md`).
-Failed requests are counted.  transformers `generate` can be added as a further baseline (--transformers).  Nothing is
-asserted: the machines are shared and noisy; the numbers and ratios are printed (and optionally saved).
+One stream is 4 chats one after another (ONE_STREAM_RUNS).  Failed requests are counted.  transformers
+`generate` can be added as a further baseline (--transformers).  Nothing is asserted: the machines are
+shared and noisy; the numbers and ratios are printed (and optionally saved).
 """
 from __future__ import annotations
 
@@ -188,6 +189,21 @@ async def drive(base: str, model: str, chats: list[list[dict[str, str]]], out: i
                   failed=len(errors), errors=errors[:3])
 
 
+ONE_STREAM_RUNS = 4     # one stream is a single request's ~1 s: its chats run one after another, so one
+                        # noisy second does not decide the level
+
+
+def one_stream(base: str, model: str, chats: list[list[dict[str, str]]], out: int, name: str,
+               warm_up: bool) -> Result:
+    """The 1-stream level: ONE_STREAM_RUNS chats one after another; tokens/s over their total time (each asks
+    for `out` tokens: the harmonic mean of theirs)."""
+    runs = [asyncio.run(drive(base, model, [chat], out, name, warm_up=warm_up and j == 0))
+            for j, chat in enumerate(chats[:ONE_STREAM_RUNS])]
+    rate = len(runs) / sum(1 / r.tokens_per_s if r.tokens_per_s else math.inf for r in runs)
+    return Result(name, 1, rate, [t for r in runs for t in r.ttft_ms], [t for r in runs for t in r.tpot_ms],
+                  failed=sum(r.failed for r in runs), errors=[e for r in runs for e in r.errors][:3])
+
+
 def tree_rss_mb(pid: int, only: str = "") -> float:
     """Resident memory of `pid` and all its descendants (from /proc), in MB; with `only`, of those whose
     command line holds it."""
@@ -257,7 +273,8 @@ def serve_and_sweep(command: list[str], base: str, model: str, chats: list[list[
         try:
             wait_http(name, f"{base}/health", proc, 300, log)
             for i, n in enumerate(levels):
-                result = asyncio.run(drive(base, model, chats[:n], out, name, warm_up=i == 0))
+                result = one_stream(base, model, chats, out, name, warm_up=i == 0) if n == 1 else \
+                    asyncio.run(drive(base, model, chats[:n], out, name, warm_up=i == 0))
                 result.rss_mb = tree_rss_mb(proc.pid)
                 result.engine_rss_mb = tree_rss_mb(proc.pid, engine) if engine else result.rss_mb
                 print(f"  {name}: {n} streams: {result.tokens_per_s:.1f} tok/s, TTFT p50 "
@@ -466,10 +483,11 @@ def main() -> int:
     folder = subprocess.run([str(INFERMESH), "model", "path", args.model], capture_output=True, text=True,
                             check=True).stdout.strip()
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    count = max(*levels, ONE_STREAM_RUNS)
     if args.prompts == "varied":
-        chats, lengths = varied_workload(tokenizer, max(levels), f"{random.randrange(1 << 32):08x}")
+        chats, lengths = varied_workload(tokenizer, count, f"{random.randrange(1 << 32):08x}")
     else:
-        chats, lengths = workload(tokenizer, max(levels), args.prompt_tokens)
+        chats, lengths = workload(tokenizer, count, args.prompt_tokens)
     gbs = read_gbs()            # before any server runs: the machine's own read bandwidth
     served = Path(folder) / "model.gguf"
     weights = model_bytes(served if served.exists() else args.gguf) if served.exists() or args.gguf else None
