@@ -107,7 +107,7 @@ def _peaked(vocab: int, seed: int) -> torch.Tensor:
 ])
 def test_the_fast_path_draws_what_the_reference_draws(params: SamplingParams) -> None:
     """Candidates instead of a sort of the vocabulary: the same token for the same seed and position, on
-    peaked and flat rows of a 32,000-token vocabulary (the flat one takes the reference's own path)."""
+    peaked and flat rows of a 32,000-token vocabulary (the flat one past every candidate: flat_filter)."""
     import dataclasses
     same = total = 0
     for seed in range(40):
@@ -227,3 +227,23 @@ def test_sample_rows_processes_masks_and_samples_every_row_in_one_call() -> None
 
 def test_sample_rows_takes_the_models_ids_when_every_row_was_greedy() -> None:
     assert sampler.sample_rows(torch.tensor([5, 2, 9]), [], frozenset()) == [5, 2, 9]
+
+
+@pytest.mark.parametrize("scale,temperature,top_p,min_p", [(0.3, 0.7, 0.95, 0.0), (1.0, 1.0, 0.9, 0.0),
+                                                           (3.0, 0.5, 0.99, 0.0), (1.0, 1.5, 0.5, 0.01),
+                                                           (8.0, 0.7, 0.95, 0.0)])
+def test_a_flat_rows_cut_without_the_sort_keeps_the_sorts_tokens(scale: float, temperature: float, top_p: float,
+                                                                  min_p: float) -> None:
+    """flat_filter (binning, then a sort of the band at the cut) against filter_logits' sort of the whole row:
+    the same tokens but a few at the edge, where the two float sums of the mass round apart."""
+    row = torch.randn(151_936, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
+    want, got = torch.isfinite(sampler.filter_logits(row, params)), torch.isfinite(sampler.flat_filter(row, params))
+    probs = torch.softmax(row / temperature, dim=-1)
+    differ = want ^ got
+    assert int(differ.sum()) <= 10 and float(probs[differ].sum()) < 1e-4, (int(want.sum()), int(got.sum()))
+
+
+def test_a_flat_row_of_ties_is_cut_at_once() -> None:
+    uniform = sampler.flat_filter(torch.zeros(151_936), SamplingParams(temperature=1.0, top_p=0.5))
+    assert bool(torch.isfinite(uniform).all())          # every token is tied at the cut: all stay, equally likely
