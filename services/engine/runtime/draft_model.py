@@ -94,10 +94,6 @@ class DraftModel:
         self._states: dict[str, _State] = {}
         self.seconds = 0.0            # the last proposal's time (the engine's speed-up measurement)
 
-    @property
-    def name(self) -> str:
-        return self.runner.folder.name
-
     def release(self, request_id: str) -> None:
         """The request ended: its draft blocks go back."""
         state = self._states.pop(request_id, None)

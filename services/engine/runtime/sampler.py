@@ -162,7 +162,12 @@ def reference_sample(logits: torch.Tensor, params: SamplingParams, position: int
     inverse CDF over it.  The tests hold the fast path to it."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return _draw_filtered(filter_logits(logits, params), params, position)
+
+
+def _draw_filtered(filtered: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token of a filtered row (-inf: out) by inverse CDF in token-id order, with the position's draw."""
+    probs = torch.softmax(filtered, dim=-1)
     return inverse_cdf(torch.arange(probs.numel()), probs, _draw(params, position))
 
 
@@ -187,8 +192,7 @@ def _draw_rows(logits: torch.Tensor, params: Sequence[SamplingParams], positions
         wider *= 16
         if wider > WIDEST or wider >= vocab:
             for i in narrowed:
-                probs = torch.softmax(flat_filter(logits[i], params[i]), dim=-1)
-                out[i] = inverse_cdf(torch.arange(probs.numel()), probs, _draw(params[i], positions[i]))
+                out[i] = _draw_filtered(flat_filter(logits[i], params[i]), params[i], positions[i])
             break
     return out
 
@@ -284,7 +288,7 @@ def _among(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequen
 def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """(R, V) float32: each row's sampling distribution, what sample_batch draws from (its filters, its
     temperature; a greedy row's argmax with probability 1), for speculative sampling's rule (draft_verify.py).
-    The candidates' path where it decides a row, else filter_logits' sort.  logits: (R, V) float32."""
+    The candidates' path where it decides a row, else flat_filter's cut.  logits: (R, V) float32."""
     rows, vocab = logits.shape
     out = torch.zeros(rows, vocab, dtype=torch.float32)
     narrowed: list[int] = []
@@ -295,7 +299,7 @@ def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             narrowed.append(i)
         else:
             out[i] = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-    for count in (CANDIDATES, WIDEST):          # as _draw_rows: the candidates, 16x as many, then the sort
+    for count in (CANDIDATES, WIDEST):          # as _draw_rows: the candidates, 16x as many, then flat_filter
         if not narrowed or count >= vocab:
             break
         ids, weights, decided = _kept(logits[narrowed], [params[i] for i in narrowed], count)
