@@ -317,8 +317,12 @@ const KindInfo* kind_info(int64_t kind, bool repacked, const char* op) {
 
 void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tensor& out) {
   const char* op = "gguf_linear";
+  const bool outliers = kind >= kOutliers;      // repacked blocks, the coarse blocks' outliers kept as floats
+  if (outliers) kind -= kOutliers;
   const KindInfo* info = kind_info(kind, true, op);
   const bool repacked = kind >= kRepacked;
+  CHECK(repacked || !outliers, op, ": kind + 512 (outliers kept as floats) needs repacked blocks (kind + 256 + 512), got ",
+        kind + kOutliers);
   check_float(x, op, "x", 2);
   check_contiguous(x, op, "x");
   check_tensor(blocks, ScalarType::Byte, "uint8", op, "blocks", 2);
@@ -338,10 +342,20 @@ void gguf_linear(const Tensor& x, const Tensor& blocks, int64_t kind, const Tens
   float* o = out.mutable_data_ptr<float>();
   if (!repacked && q8k_linear(kind, x.const_data_ptr<float>(), t, k, w, n, o)) return;
   QuantizedX qx;
-  quantize_rows(x.const_data_ptr<float>(), t, k, qx);
+  quantize_rows(x.const_data_ptr<float>(), t, k, qx, outliers);
   if (repacked) {     // the groups of 16 rows, then the last n % 16 as the file has them
     r16_linear(info->id, qx, w, n, o);
-    if (n % kCols) info->linear(qx, w, n, o, n - n % kCols);
+    if (const int64_t last = n % kCols) {
+      const int64_t first = n - last;
+      info->linear(qx, w, n, o, first);
+      if (qx.words) {   // and the coarse blocks' outliers (zeros elsewhere) over those rows alone
+        const int64_t row_bytes = nb * info->bytes;
+        std::vector<float> rest(static_cast<size_t>(t * last));
+        info->linear(outlier_blocks(qx), w + first * row_bytes, last, rest.data(), 0);
+        for (int64_t r = 0; r < t; ++r)
+          for (int64_t c = 0; c < last; ++c) o[r * n + first + c] += rest[static_cast<size_t>(r * last + c)];
+      }
+    }
   } else if (t >= info->amx_rows && amx_usable()) {
     amx_linear(kind, qx, w, n, o);
   } else {

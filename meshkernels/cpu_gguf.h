@@ -27,7 +27,17 @@ struct QuantizedX {
   std::vector<int32_t> s16;             // (T, 2 nb) the sum of qx over each 16 elements
   std::vector<int32_t> s32;             // (T, nb) the sum of qx over each block
   std::vector<float> ds;                // (T, nb) dx * that sum (float), for the mins of Q4_1 / Q4_K / Q5_K
+  // The coarse blocks (quantize_rows(..., fine = true); repacked products asked for them take them): where a block's
+  // largest |x| is above kCoarse times its row's root mean square (an outlier channel, which leaves the
+  // block's other elements a dx too coarse for them), that element is taken out of the block (the block's
+  // qx and dx are the other 31's) and kept as a float: outlier (T, nb) its value, outlier_at (T, nb) its
+  // index in the block, and bit r % 64 of fine_rows[b * words + r / 64] set.  words = 0: no coarse block.
+  std::vector<float> outlier;
+  std::vector<uint8_t> outlier_at;
+  std::vector<uint64_t> fine_rows;      // (nb, words)
+  int64_t words = 0;
 };
+constexpr double kCoarse = 5.0;
 
 // x for cpu_gguf_amx.cpp's tiles (cpu_gguf_x.cpp builds it), per tile of W rows (T rounded up to 1, 2, 4, 8
 // or 16: a C tile row's 16 int32 then hold 16 / W units' sums, so a few rows do not pay for 16) and group of
@@ -44,8 +54,11 @@ struct TiledX {
 constexpr int64_t group_of(int64_t uk, int64_t w) { return std::min<int64_t>(64 / uk, kTile / w); }
 TiledX tile_x(const QuantizedX& qx, int64_t uk, bool mins);
 
-// Fills `out` from x (T, K) (cpu_gguf_x.cpp).
-void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out);
+// Fills `out` from x (T, K) (cpu_gguf_x.cpp); `fine`: with the coarse blocks' outliers taken out.
+void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out, bool fine = false);
+// qx's outliers as activations of their own (each +-127 with dx = |value| / 127, zeros elsewhere), for a
+// product that does not take them (the last N % 16 rows of a repacked weight, multiplied as the file has them).
+QuantizedX outlier_blocks(const QuantizedX& qx);
 // Whether this build has the AMX path and the OS lets this process use AMX tiles (asked once).
 bool amx_usable();
 // out (T, N) = x W^T by AMX-INT8 tiles; w is N rows of K / 32 blocks of `kind`.
@@ -58,6 +71,8 @@ constexpr int64_t kQ8KRows = 4;
 bool q8k_linear(int64_t kind, const float* x, int64_t t, int64_t k, const uint8_t* w, int64_t n, float* out);
 // Weights repacked 16 columns at a time (cpu_gguf_r16.cpp): gguf_linear's kind + kRepacked names them.
 constexpr int64_t kCols = 16, kRepacked = 256;
+// kind + kRepacked + kOutliers: the same, with the coarse blocks' outliers kept as floats (QuantizedX::outlier).
+constexpr int64_t kOutliers = 512;
 // out (T, N) = x W^T over W's first 16 * (N / 16) rows, repacked; false for a kind it lacks.
 bool r16_linear(int64_t kind, const QuantizedX& qx, const uint8_t* w, int64_t n, float* out);
 // N rows of `row_bytes` at src, the file's layout, repacked into dst (forward), or back; false for a kind it lacks.

@@ -26,7 +26,11 @@
 //
 // The products are gguf_linear's (cpu_gguf.cpp): activations quantized per row and 32 elements (dx, qx),
 // every block's integer dot product exact, scale * dx * dot (and the mins' c * dx * sum(qx)) summed in
-// float32; only the order of the float sums differs.  Rows go 8 (AVX-512) or 4 at a time over each group's
+// float32, but for the coarse blocks (cpu_gguf.h): a block whose largest |x| is an outlier channel's
+// (above 5x its row's root mean square) has that element taken out, multiplied as a float by its 16
+// columns' weights (decoded once for the rows that share the channel), and the other 31 quantized alone.
+// SmolLM2's hidden states have such channels in 8-17% of a row's blocks; int8 of the whole block left
+// its mean |d logprob| against float32 at 0.034, this 0.015 (bench/quality.py).  Rows go 8 (AVX-512) or 4 at a time over each group's
 // decoded weights; threads split the groups.
 
 #include <torch/csrc/stable/library.h>
@@ -55,6 +59,17 @@ namespace {
 #include "cpu_gguf_r16.h"
 
 namespace {
+
+// The coarse blocks' outliers (cpu_gguf.h's QuantizedX::outlier): each is one weight column's worth of
+// float products, x * w(l) for the 16 columns, added beside the block's integer product of the other 31.
+struct Fine {
+  const QuantizedX* qx = nullptr;     // null: no coarse block in this call
+  // Bit r: row r0 + r of block b has an outlier (r0 a multiple of the rows done at once, so one word holds them).
+  uint32_t bits(int64_t b, int64_t r0, int count) const {
+    return static_cast<uint32_t>((qx->fine_rows[static_cast<size_t>(b * qx->words + r0 / 64)] >> (r0 % 64)) &
+                                 ((uint64_t{1} << count) - 1));
+  }
+};
 
 // ------------------------------------------------------------------------------------------ the products
 
@@ -124,50 +139,57 @@ inline UnitScales unit_scales(const uint8_t* w) {
   return u;
 }
 
-// Block j of the unit at w.
+// Q6_K's top bits of block j (the two registers decode_g takes).
 template <int64_t KIND>
-inline void decode(const uint8_t* w, int j, const UnitScales& u, Block16& out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  [[maybe_unused]] __m512i top[2];
+inline void top_bits(const uint8_t* w, int j, __m512i* top) {
   if constexpr (KIND == kQ6_K) {
     top[0] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j);
     top[1] = _mm512_loadu_si512(w + R16<kQ6_K>::high + 128 * j + 64);
   }
-  for (int g = 0; g < 4; ++g) {
-    __m512i lo, hi;
-    if constexpr (KIND == kQ8_0) {
-      lo = _mm512_loadu_si512(w + 128 * g);
-      hi = _mm512_loadu_si512(w + 128 * g + 64);
-    } else {
-      const __m512i v = _mm512_loadu_si512(w + 256 * j + 64 * g);
-      lo = _mm512_and_si512(v, low);
-      hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      if constexpr (five_bits<KIND>()) {
-        uint64_t m[2];
-        std::memcpy(m, w + R16<KIND>::masks + 64 * j + 16 * g, 16);
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        lo = _mm512_mask_add_epi8(lo, m[0], lo, sixteen);
-        hi = _mm512_mask_add_epi8(hi, m[1], hi, sixteen);
-      }
-      if constexpr (KIND == kQ6_K) {
-        const __m512i mask = _mm512_set1_epi8(0x30);
-        __m512i tl, th;
-        if (g == 0) {
-          tl = _mm512_slli_epi16(top[0], 4), th = _mm512_slli_epi16(top[1], 4);
-        } else if (g == 1) {
-          tl = _mm512_slli_epi16(top[0], 2), th = _mm512_slli_epi16(top[1], 2);
-        } else if (g == 2) {
-          tl = top[0], th = top[1];
-        } else {
-          tl = _mm512_srli_epi16(top[0], 2), th = _mm512_srli_epi16(top[1], 2);
-        }
-        lo = _mm512_ternarylogic_epi64(lo, tl, mask, 0xF8);    // lo | (tl & mask)
-        hi = _mm512_ternarylogic_epi64(hi, th, mask, 0xF8);
-      }
+}
+
+// The unsigned weights 4 g .. 4 g + 3 (lo) and 16 + 4 g .. (hi) of block j of the unit at w, all 16 columns.
+template <int64_t KIND>
+inline void decode_g(const uint8_t* w, int j, int g, [[maybe_unused]] const __m512i* top, __m512i& lo, __m512i& hi) {
+  if constexpr (KIND == kQ8_0) {
+    lo = _mm512_loadu_si512(w + 128 * g);
+    hi = _mm512_loadu_si512(w + 128 * g + 64);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512(w + 256 * j + 64 * g);
+    lo = _mm512_and_si512(v, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (five_bits<KIND>()) {
+      uint64_t m[2];
+      std::memcpy(m, w + R16<KIND>::masks + 64 * j + 16 * g, 16);
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      lo = _mm512_mask_add_epi8(lo, m[0], lo, sixteen);
+      hi = _mm512_mask_add_epi8(hi, m[1], hi, sixteen);
     }
-    out.lo[g] = lo;
-    out.hi[g] = hi;
+    if constexpr (KIND == kQ6_K) {
+      const __m512i mask = _mm512_set1_epi8(0x30);
+      __m512i tl, th;
+      if (g == 0) {
+        tl = _mm512_slli_epi16(top[0], 4), th = _mm512_slli_epi16(top[1], 4);
+      } else if (g == 1) {
+        tl = _mm512_slli_epi16(top[0], 2), th = _mm512_slli_epi16(top[1], 2);
+      } else if (g == 2) {
+        tl = top[0], th = top[1];
+      } else {
+        tl = _mm512_srli_epi16(top[0], 2), th = _mm512_srli_epi16(top[1], 2);
+      }
+      lo = _mm512_ternarylogic_epi64(lo, tl, mask, 0xF8);    // lo | (tl & mask)
+      hi = _mm512_ternarylogic_epi64(hi, th, mask, 0xF8);
+    }
   }
+}
+
+// Block j of the unit at w.
+template <int64_t KIND>
+inline void decode(const uint8_t* w, int j, const UnitScales& u, Block16& out) {
+  __m512i top[2];
+  top_bits<KIND>(w, j, top);
+  for (int g = 0; g < 4; ++g) decode_g<KIND>(w, j, g, top, out.lo[g], out.hi[g]);
   out.a2 = out.c = _mm512_setzero_ps();
   if constexpr (KIND == kQ4_1) {
     out.a = halves16(w + R16<kQ4_1>::d);
@@ -224,15 +246,49 @@ inline void rows_block(const QuantizedX& qx, int64_t r0, int64_t b, const Block1
   }
 }
 
+// second[r] += row r0 + r's outlier in block b (decoded) times its weights, for the rows in `bits`: an outlier
+// channel is the same element in most rows, whose weights are then decoded once.
+// w null: the weights are blk's (decoded in memory); else decoded again from the unit at w (block j of it),
+// not read from blk's registers (which an index would move to memory).
+template <int64_t KIND>
+__attribute__((always_inline)) inline void fine_rows(const Fine& fine, int64_t r0, uint32_t bits, int64_t b,
+                                                     const uint8_t* w, int j, const Block16& blk, float* second) {
+  int last = -1;
+  __m512 wl = _mm512_setzero_ps();
+  for (; bits; bits &= bits - 1) {
+    const int r = __builtin_ctz(bits);
+    const size_t i = static_cast<size_t>((r0 + r) * fine.qx->nb + b);
+    if (const int l = fine.qx->outlier_at[i]; l != last) {
+      last = l;
+      const bool high = l >= 16;
+      __m512i top[2], lo, hi;
+      if (w) {
+        top_bits<KIND>(w, j, top);
+        decode_g<KIND>(w, j, (l % 16) / 4, top, lo, hi);
+      } else {
+        lo = blk.lo[(l % 16) / 4], hi = blk.hi[(l % 16) / 4];
+      }
+      const __m512i bytes = _mm512_srl_epi32(high ? hi : lo, _mm_cvtsi32_si128(8 * (l % 4)));
+      const __m512 q = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xFF))),
+                                     _mm512_set1_ps(static_cast<float>(Kind<KIND>::offset)));
+      wl = _mm512_fmadd_ps(Kind<KIND>::halves && high ? blk.a2 : blk.a, q, blk.c);
+    }
+    _mm512_store_ps(second + kCols * r,
+                    _mm512_fmadd_ps(_mm512_set1_ps(fine.qx->outlier[i]), wl, _mm512_load_ps(second + kCols * r)));
+  }
+}
+
 // out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another), each
-// block decoded in registers as it is reached.
+// block decoded in registers as it is reached; with the coarse blocks' second terms where rows have them.
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start,
+                const Fine& fine) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) float second[R * kCols] = {};     // in memory: the rows' outlier products (few)
   for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
     prefetch_ahead(w, kCols * K::bytes);
     const UnitScales u = unit_scales<KIND>(w);
@@ -240,9 +296,12 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
       Block16 blk;
       decode<KIND>(w, j, u, blk);
       rows_block<KIND, R>(qx, r0, s * bpu + j, blk, start, acc);
+      if (fine.qx)
+        if (const uint32_t bits = fine.bits(s * bpu + j, r0, R))
+          fine_rows<KIND>(fine, r0, bits, s * bpu + j, w, j, blk, second);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_load_ps(second + kCols * r)));
 }
 
 // More rows than decoded_above: the group's blocks decoded once into `blocks` (qx.nb of them), then each
@@ -267,11 +326,16 @@ void decode_group(const QuantizedX& qx, const uint8_t* w, Block16* blocks) {
 
 template <int64_t KIND, int R>
 void decoded_rows(const QuantizedX& qx, int64_t r0, const Block16* blocks, float* out, int64_t ldo,
-                  const int32_t* start) {
+                  const int32_t* start, const Fine& fine) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < qx.nb; ++b) rows_block<KIND, R>(qx, r0, b, blocks[b], start, acc);
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+  alignas(64) float second[R * kCols] = {};
+  for (int64_t b = 0; b < qx.nb; ++b) {
+    rows_block<KIND, R>(qx, r0, b, blocks[b], start, acc);
+    if (fine.qx)
+      if (const uint32_t bits = fine.bits(b, r0, R)) fine_rows<KIND>(fine, r0, bits, b, nullptr, 0, blocks[b], second);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_load_ps(second + kCols * r)));
 }
 
 #elif defined(__AVX2__)
@@ -330,17 +394,48 @@ constexpr int64_t offset_left() {
 #endif
 }
 
+// Weights 4 g .. 4 g + 3 (lo) and 16 + 4 g .. (hi) of block j of the unit at w, columns 8 half .. 8 half + 7.
+template <int64_t KIND>
+inline void decode8(const uint8_t* w, int j, int g, int half, __m256i& lo, __m256i& hi) {
+  const int64_t at = 32 * half;
+  if constexpr (KIND == kQ8_0) {
+    lo = load32(w + 128 * g + at);
+    hi = load32(w + 128 * g + 64 + at);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = load32(w + 256 * j + 64 * g + at);
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (five_bits<KIND>()) {
+      uint32_t m[2];
+      std::memcpy(&m[0], w + R16<KIND>::masks + 64 * j + 16 * g + 4 * half, 4);
+      std::memcpy(&m[1], w + R16<KIND>::masks + 64 * j + 16 * g + 8 + 4 * half, 4);
+      lo = _mm256_or_si256(lo, bits16(m[0]));
+      hi = _mm256_or_si256(hi, bits16(m[1]));
+    }
+    if constexpr (KIND == kQ6_K) {
+      const __m256i mask = _mm256_set1_epi8(0x30);
+      const __m256i t0 = load32(w + R16<kQ6_K>::high + 128 * j + at);
+      const __m256i t1 = load32(w + R16<kQ6_K>::high + 128 * j + 64 + at);
+      const int left = 4 - 2 * g;      // bits 2 g, 2 g + 1 to bits 4, 5
+      const __m256i tl = left >= 0 ? _mm256_slli_epi16(t0, left) : _mm256_srli_epi16(t0, -left);
+      const __m256i th = left >= 0 ? _mm256_slli_epi16(t1, left) : _mm256_srli_epi16(t1, -left);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(tl, mask));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(th, mask));
+    }
+  }
+}
+
 // Columns 8 half .. 8 half + 7 of the group at w, for R rows from r0.
 template <int64_t KIND, int R>
 void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, float* out, int64_t ldo,
-               const int32_t* start) {
+               const int32_t* start, const Fine& fine) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>(), offset = offset_left<KIND>();
   constexpr bool halves = K::halves;
   const int64_t units = qx.nb / bpu, k = qx.k, at = 32 * half;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R], second[R];
+  for (int r = 0; r < R; ++r) acc[r] = second[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
     if (half == 0) prefetch_ahead(w, kCols * K::bytes);
     [[maybe_unused]] __m256 dk, mk;
@@ -375,31 +470,7 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
       }
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
-        if constexpr (KIND == kQ8_0) {
-          lo = load32(w + 128 * g + at);
-          hi = load32(w + 128 * g + 64 + at);
-        } else {
-          const __m256i v = load32(w + 256 * j + 64 * g + at);
-          lo = _mm256_and_si256(v, low);
-          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (five_bits<KIND>()) {
-            uint32_t m[2];
-            std::memcpy(&m[0], w + R16<KIND>::masks + 64 * j + 16 * g + 4 * half, 4);
-            std::memcpy(&m[1], w + R16<KIND>::masks + 64 * j + 16 * g + 8 + 4 * half, 4);
-            lo = _mm256_or_si256(lo, bits16(m[0]));
-            hi = _mm256_or_si256(hi, bits16(m[1]));
-          }
-          if constexpr (KIND == kQ6_K) {
-            const __m256i mask = _mm256_set1_epi8(0x30);
-            const __m256i t0 = load32(w + R16<kQ6_K>::high + 128 * j + at);
-            const __m256i t1 = load32(w + R16<kQ6_K>::high + 128 * j + 64 + at);
-            const int left = 4 - 2 * g;      // bits 2 g, 2 g + 1 to bits 4, 5
-            const __m256i tl = left >= 0 ? _mm256_slli_epi16(t0, left) : _mm256_srli_epi16(t0, -left);
-            const __m256i th = left >= 0 ? _mm256_slli_epi16(t1, left) : _mm256_srli_epi16(t1, -left);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(tl, mask));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(th, mask));
-          }
-        }
+        decode8<KIND>(w, j, g, half, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
           dot[r] = dot4<KIND>(dot[r], lo, bcast4(xs + 4 * g));
@@ -439,15 +510,29 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
             acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
         }
       }
+      if (!fine.qx) continue;
+      for (uint32_t bits = fine.bits(b, r0, R); bits; bits &= bits - 1) {   // the outliers' weights decoded again
+        const int r = __builtin_ctz(bits);
+        const size_t i = static_cast<size_t>((r0 + r) * qx.nb + b);
+        const int l = fine.qx->outlier_at[i], high = l >= 16;
+        __m256i lo, hi;
+        decode8<KIND>(w, j, (l % 16) / 4, half, lo, hi);
+        const __m256i bytes = _mm256_srl_epi32(high ? hi : lo, _mm_cvtsi32_si128(8 * (l % 4)));
+        const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xFF))),
+                                       _mm256_set1_ps(static_cast<float>(K::offset)));
+        const __m256 wl = _mm256_fmadd_ps(halves && high ? a2 : a, q, c);
+        second[r] = _mm256_fmadd_ps(_mm256_set1_ps(fine.qx->outlier[i]), wl, second[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * half, acc[r]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * half, _mm256_add_ps(acc[r], second[r]));
 }
 
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
-  half_rows<KIND, R>(qx, r0, w, 0, out, ldo, start);
-  half_rows<KIND, R>(qx, r0, w, 1, out, ldo, start);
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start,
+                const Fine& fine) {
+  half_rows<KIND, R>(qx, r0, w, 0, out, ldo, start, fine);
+  half_rows<KIND, R>(qx, r0, w, 1, out, ldo, start, fine);
 }
 
 #else   // portable: the layout read weight by weight
@@ -456,11 +541,12 @@ template <int64_t KIND>
 constexpr int64_t offset_left() { return 0; }      // the loop below takes the offset off each weight
 
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t*) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t*,
+                const Fine& fine) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu, k = qx.k;
-  float acc[R][kCols] = {};
+  float acc[R][kCols] = {}, second[R][kCols] = {};
   for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes)
     for (int c = 0; c < kCols; ++c) {
       uint8_t file[Kind<KIND>::bytes];        // the column's scales, as the file has them
@@ -469,6 +555,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
       if constexpr (k_scales<KIND>()) scales_mins_k4(file + 4, scales, min_bytes);
       for (int j = 0; j < bpu; ++j) {
         const int64_t b = s * bpu + j;
+        const uint32_t bits = fine.qx ? fine.bits(b, r0, R) : 0;
         for (int r = 0; r < R; ++r) {
           const int64_t row = r0 + r;
           const int8_t* xs = qx.q.data() + row * k + b * kBlock;
@@ -494,11 +581,17 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
           else
             acc[r][c] += static_cast<float>(dot[0] + dot[1]) * (a[0] * dx);
           if constexpr (K::mins) acc[r][c] += cmin * qx.ds[static_cast<size_t>(row * qx.nb + b)];
+          if ((bits >> r) & 1) {          // the outlier: x * w(l), w(l) = a * (u - offset) + c
+            const size_t i = static_cast<size_t>(row * qx.nb + b);
+            const int l = qx.outlier_at[i];
+            const float q = static_cast<float>(read_u<KIND>(w, c, j, l) - static_cast<int>(K::offset));
+            second[r][c] += qx.outlier[i] * std::fma(a[K::halves ? l / 16 : 0], q, cmin);
+          }
         }
       }
     }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kCols; ++c) out[r * ldo + c] = acc[r][c];
+    for (int c = 0; c < kCols; ++c) out[r * ldo + c] = acc[r][c] + second[r][c];
 }
 
 #endif
@@ -523,6 +616,7 @@ template <int64_t KIND>
 void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
   const std::vector<int32_t> starts = offset_starts<KIND>(qx);
   const int32_t* start = starts.data();
+  const Fine fine{qx.words ? &qx : nullptr};
   const int64_t groups = n / kCols, t = qx.t;
   const int64_t group_bytes = kCols * (qx.k / Kind<KIND>::weights) * Kind<KIND>::bytes;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
@@ -538,29 +632,29 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
         if (blocks.size() < static_cast<size_t>(qx.nb)) blocks.resize(static_cast<size_t>(qx.nb));
         decode_group<KIND>(qx, wg, blocks.data());
         for (; r + kRowsAtOnce <= t; r += kRowsAtOnce)
-          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, start);
+          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, start, fine);
         switch (t - r) {
-          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
           default: break;
         }
         continue;
       }
 #endif
-      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start);
+      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start, fine);
       switch (t - r) {
-        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start); break;
-        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, start); break;
-        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, start); break;
-        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, start); break;
-        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, start); break;
-        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, start); break;
-        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, start); break;
+        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, start, fine); break;
         default: break;
       }
     }

@@ -1,6 +1,7 @@
 // gguf_linear's activations (cpu_gguf.h's QuantizedX): x (T, K) float32 quantized per row and 32-element
 // block as llama.cpp's Q8_0 activations are: dx = max|x| / 127, qx = round(x * (1 / dx)) to nearest even
-// (MXCSR's default rounding, as torch.round), with the sums of qx over each 16 elements.
+// (MXCSR's default rounding, as torch.round), with the sums of qx over each 16 elements; with `fine`, the
+// coarse blocks' outliers taken out and kept as floats (cpu_gguf.h).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -26,7 +27,93 @@ namespace {
 
 namespace infermesh_gguf {
 
-void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out) {
+namespace {
+
+// One 32-element block: qb, its dx (returned) and the sums of qb over each 16; amax: the largest |x|.
+float quantize_block(const float* xb, int8_t* qb, int32_t sum[2], float& amax) {
+  sum[0] = sum[1] = 0;
+#if defined(__AVX2__)
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int h = 0; h < 4; ++h) {
+    v[h] = _mm256_loadu_ps(xb + 8 * h);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[h]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  const float d = amax / 127.0f;
+  const __m256 idv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  __m256i r[4];
+  for (int h = 0; h < 4; ++h)     // cvtps_epi32 rounds to nearest even (MXCSR's default)
+    r[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], idv));
+  // packs interleave 128-bit lanes: (0,1) -> 0 2 1 3 order in 32-bit groups; permute back.
+  __m256i w8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), w8);
+  // sums of q + 128 over each 8 bytes; each half of 16 is two of them
+  const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(w8, _mm256_set1_epi8(static_cast<char>(0x80))),
+                                      _mm256_setzero_si256());
+  alignas(32) int64_t part[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(part), sad);
+  sum[0] = static_cast<int32_t>(part[0] + part[1]) - 16 * 128;
+  sum[1] = static_cast<int32_t>(part[2] + part[3]) - 16 * 128;
+#else
+  amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int j = 0; j < kBlock; ++j) {
+    qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+    sum[j / 16] += qb[j];
+  }
+#endif
+  return d;
+}
+
+void store_block(QuantizedX& out, int64_t i, float d, const int32_t sum[2]) {
+  out.d[static_cast<size_t>(i)] = d;
+  out.s16[static_cast<size_t>(2 * i)] = sum[0];
+  out.s16[static_cast<size_t>(2 * i + 1)] = sum[1];
+  out.s32[static_cast<size_t>(i)] = sum[0] + sum[1];
+  out.ds[static_cast<size_t>(i)] = d * static_cast<float>(sum[0] + sum[1]);
+}
+
+void size_for(QuantizedX& out, int64_t t, int64_t k) {
+  const int64_t nb = k / kBlock;
+  out.t = t, out.k = k, out.nb = nb;
+  out.q.assign(static_cast<size_t>(t * k), 0);
+  out.d.assign(static_cast<size_t>(t * nb), 0.0f);
+  out.s16.assign(static_cast<size_t>(t * nb * 2), 0);
+  out.s32.assign(static_cast<size_t>(t * nb), 0);
+  out.ds.assign(static_cast<size_t>(t * nb), 0.0f);
+}
+
+// The sum of a row's squares, in double (each square exact; the order of the sums no matter at this precision).
+double square_sum(const float* x, int64_t k) {
+  double sum = 0.0;
+#if defined(__AVX2__)
+  __m256d acc[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);
+    acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
+  }
+  alignas(32) double part[4];
+  _mm256_store_pd(part, _mm256_add_pd(acc[0], acc[1]));
+  sum = (part[0] + part[1]) + (part[2] + part[3]);
+  for (; j < k; ++j) sum += static_cast<double>(x[j]) * x[j];
+#else
+  for (int64_t j = 0; j < k; ++j) sum += static_cast<double>(x[j]) * x[j];
+#endif
+  return sum;
+}
+
+}  // namespace
+
+void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out, bool fine) {
   const int64_t nb = k / kBlock;
   out.t = t, out.k = k, out.nb = nb;
   out.q.resize(static_cast<size_t>(t * k));
@@ -34,51 +121,64 @@ void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out) {
   out.s16.resize(static_cast<size_t>(t * nb * 2));
   out.s32.resize(static_cast<size_t>(t * nb));
   out.ds.resize(static_cast<size_t>(t * nb));
-  for (int64_t i = 0; i < t * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    int8_t* qb = out.q.data() + i * kBlock;
-    int32_t sum[2] = {0, 0};
-#if defined(__AVX2__)
-    __m256 v[4], amax8 = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int h = 0; h < 4; ++h) {
-      v[h] = _mm256_loadu_ps(xb + 8 * h);
-      amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[h]));
+  out.outlier.clear();
+  out.outlier_at.clear();
+  out.fine_rows.clear();
+  out.words = 0;
+  std::vector<float> amax(fine ? static_cast<size_t>(nb) : 0);
+  for (int64_t row = 0; row < t; ++row) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = row * nb + b;
+      int32_t sum[2];
+      float top;
+      const float d = quantize_block(x + i * kBlock, out.q.data() + i * kBlock, sum, top);
+      store_block(out, i, d, sum);
+      if (fine) amax[static_cast<size_t>(b)] = top;
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1))) / 127.0f;
-    const __m256 idv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-    __m256i r[4];
-    for (int h = 0; h < 4; ++h)     // cvtps_epi32 rounds to nearest even (MXCSR's default)
-      r[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], idv));
-    // packs interleave 128-bit lanes: (0,1) -> 0 2 1 3 order in 32-bit groups; permute back.
-    __m256i w8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-    w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), w8);
-    // sums of q + 128 over each 8 bytes; each half of 16 is two of them
-    const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(w8, _mm256_set1_epi8(static_cast<char>(0x80))),
-                                        _mm256_setzero_si256());
-    alignas(32) int64_t part[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(part), sad);
-    sum[0] = static_cast<int32_t>(part[0] + part[1]) - 16 * 128;
-    sum[1] = static_cast<int32_t>(part[2] + part[3]) - 16 * 128;
-#else
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int j = 0; j < kBlock; ++j) {
-      qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-      sum[j / 16] += qb[j];
+    if (!fine) continue;
+    // coarse: amax^2 > kCoarse^2 * (the row's mean square), as amax^2 * K > kCoarse^2 * (the sum of squares)
+    const double bar = kCoarse * kCoarse * square_sum(x + row * k, k);
+    for (int64_t b = 0; b < nb; ++b) {
+      const float top = amax[static_cast<size_t>(b)];
+      if (!(static_cast<double>(top) * top * static_cast<double>(k) > bar)) continue;
+      if (!out.words) {
+        out.words = (t + 63) / 64;
+        out.fine_rows.assign(static_cast<size_t>(nb * out.words), 0);
+        out.outlier.assign(static_cast<size_t>(t * nb), 0.0f);
+        out.outlier_at.assign(static_cast<size_t>(t * nb), 0);
+      }
+      const int64_t i = row * nb + b;
+      float rest[kBlock];
+      std::memcpy(rest, x + i * kBlock, sizeof rest);
+      int at = 0;                                   // the first element of the largest |x|
+      while (std::fabs(rest[at]) != top) ++at;
+      out.outlier[static_cast<size_t>(i)] = rest[at];
+      out.outlier_at[static_cast<size_t>(i)] = static_cast<uint8_t>(at);
+      rest[at] = 0.0f;
+      int32_t sum[2];
+      float ignored;
+      const float d = quantize_block(rest, out.q.data() + i * kBlock, sum, ignored);
+      store_block(out, i, d, sum);
+      out.fine_rows[static_cast<size_t>(b * out.words + row / 64)] |= uint64_t{1} << (row % 64);
     }
-#endif
-    out.d[static_cast<size_t>(i)] = d;
-    out.s16[static_cast<size_t>(2 * i)] = sum[0];
-    out.s16[static_cast<size_t>(2 * i + 1)] = sum[1];
-    out.s32[static_cast<size_t>(i)] = sum[0] + sum[1];
-    out.ds[static_cast<size_t>(i)] = d * static_cast<float>(sum[0] + sum[1]);
   }
+}
+
+QuantizedX outlier_blocks(const QuantizedX& qx) {
+  QuantizedX out;
+  size_for(out, qx.t, qx.k);
+  for (int64_t row = 0; row < qx.t && qx.words; ++row)
+    for (int64_t b = 0; b < qx.nb; ++b) {
+      if (!((qx.fine_rows[static_cast<size_t>(b * qx.words + row / 64)] >> (row % 64)) & 1)) continue;
+      const int64_t i = row * qx.nb + b;
+      const float value = qx.outlier[static_cast<size_t>(i)];
+      const int8_t q = value < 0.0f ? -127 : 127;
+      const int at = qx.outlier_at[static_cast<size_t>(i)];
+      out.q[static_cast<size_t>(i * kBlock + at)] = q;
+      const int32_t sum[2] = {at < 16 ? q : 0, at < 16 ? 0 : q};
+      store_block(out, i, std::fabs(value) / 127.0f, sum);
+    }
+  return out;
 }
 
 // x (quantized) in AMX B-tile layout (cpu_gguf.h's TiledX); rows past T are zeros.

@@ -125,12 +125,39 @@ def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Ten
     return q.to(torch.int8).reshape(t, k), d
 
 
+COARSE = 5.0        # meshkernels/cpu_gguf.h's kCoarse
+
+
+def fine_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (T, K) as the repacked products with OUTLIERS take it (float64): int8 per 32 elements, except in a
+    coarse block, one whose largest |x| is above COARSE times its row's root mean square (an outlier channel),
+    whose first element of that |x| stays a float and whose other 31 are quantized without it."""
+    q, d = quantize_activations(x, BLOCK)
+    t, k = x.shape
+    xb = x.float().reshape(t, k // BLOCK, BLOCK)
+    xq = q.double().reshape(t, -1, BLOCK) * d.double().unsqueeze(-1)
+    top = xb.abs().amax(-1)
+    coarse = top.double() ** 2 * k > COARSE ** 2 * (x.double() ** 2).sum(1, keepdim=True)
+    if bool(coarse.any()):
+        at = xb.abs().argmax(-1, keepdim=True)                     # the first of the largest
+        rest = xb.scatter(-1, at, 0.0)
+        rq, rd = quantize_activations(rest.reshape(t, k), BLOCK)
+        alone = (rq.double().reshape(t, -1, BLOCK) * rd.double().unsqueeze(-1)).scatter(
+            -1, at, xb.gather(-1, at).double())
+        xq = torch.where(coarse.unsqueeze(-1), alone, xq)
+    return xq.reshape(t, k)
+
+
 def gguf_linear_reference(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizationType,
-                          block: int = BLOCK) -> torch.Tensor:
-    """x (T, K) -> (T, N): the kernel's product (int8 activations per `block` elements), in float64."""
-    q, d = quantize_activations(x, block)
-    t, k = q.shape
-    xq = (q.double().reshape(t, k // block, block) * d.double().unsqueeze(-1)).reshape(t, k)
+                          block: int = BLOCK, fine: bool = False) -> torch.Tensor:
+    """x (T, K) -> (T, N): the kernel's product (int8 activations per `block` elements; `fine`: the coarse
+    blocks as fine_activations gives them, as repacked products with OUTLIERS take them), in float64."""
+    if fine:
+        xq = fine_activations(x)
+    else:
+        q, d = quantize_activations(x, block)
+        t, k = q.shape
+        xq = (q.double().reshape(t, k // block, block) * d.double().unsqueeze(-1)).reshape(t, k)
     return (xq @ dequantize(blocks, kind).double().T).float()
 
 
@@ -148,6 +175,7 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLQuantizat
 
 
 REPACKED = 256      # gguf_linear's kind + REPACKED: the blocks are repack()'s
+OUTLIERS = 512      # kind + REPACKED + OUTLIERS: with the coarse blocks' outliers kept as floats (fine_activations)
 GROUP = 16          # rows repacked together: rows [16 g, 16 g + 16) are group g, the last N % 16 rows as they were
 
 

@@ -154,22 +154,26 @@ def activation_block(kind: int, rows: int) -> int:
     return 256 if q8k and kind in (gguf_blocks.Q4_K, gguf_blocks.Q6_K) and 1 <= rows <= 4 else 32
 
 
-def check_against_references(x: torch.Tensor, blocks: torch.Tensor, kind: int, repacked: bool = False) -> None:
-    """The op's product against the references; `repacked`: by the blocks repack()ed (activations per 32 there)."""
+def check_against_references(x: torch.Tensor, blocks: torch.Tensor, kind: int, repacked: bool = False,
+                             outliers: bool = False) -> None:
+    """The op's product against the references; `repacked`: by the blocks repack()ed (activations per 32 there),
+    with `outliers` kept as floats."""
     if repacked:
         out = torch.empty(x.shape[0], blocks.shape[0])
-        ops.gguf_linear(x, gguf_blocks.repack(blocks, kind), kind + gguf_blocks.REPACKED, out)
+        ops.gguf_linear(x, gguf_blocks.repack(blocks, kind),
+                        kind + gguf_blocks.REPACKED + (gguf_blocks.OUTLIERS if outliers else 0), out)
     else:
         out = gguf_blocks.gguf_linear(x, blocks, kind)
     w = gguf_blocks.dequantize(blocks, kind)
     t, k = x.shape
     block = 32 if repacked else activation_block(kind, t)
     q, d = gguf_blocks.quantize_activations(x, block)
-    xq = (q.double().reshape(t, -1, block) * d.double().unsqueeze(-1)).reshape(t, k)
+    xq = (gguf_blocks.fine_activations(x) if outliers
+          else (q.double().reshape(t, -1, block) * d.double().unsqueeze(-1)).reshape(t, k))
     # against the int8-activation product: float32 rounding of the block sums only
     rounding = 2e-6 * (xq.abs() @ w.double().abs().T) + 1e-6
-    assert bool(((out.double() - gguf_blocks.gguf_linear_reference(x, blocks, kind, block).double()).abs()
-                 <= rounding).all())
+    reference = gguf_blocks.gguf_linear_reference(x, blocks, kind, block, fine=outliers)
+    assert bool(((out.double() - reference.double()).abs() <= rounding).all())
     # against x @ W^T: within the activations' quantization error (<= dx / 2 per element)
     half_step = (d.double() / 2).repeat_interleave(block, dim=1)
     quantization = half_step @ w.double().abs().T
@@ -204,6 +208,39 @@ def test_repacked_kernel_matches_references(rows: int, shape: int, kind: int) ->
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n))
     x[0, :32] = 0.0
     check_against_references(x, blocks, kind, repacked=True)
+
+
+def with_outliers(x: torch.Tensor) -> torch.Tensor:
+    """x with outlier channels, as an LLM's hidden state has them: a few elements 12-40x the rest, in some
+    rows only, one channel twice in a block, and a tie for the largest |x| (the first is the outlier)."""
+    x = x.clone()
+    k = x.shape[1]
+    x[:, 5] = 40.0
+    x[::2, k // 2 + 3] = -12.0
+    x[-1, k - 2] = x[-1, k - 1] = 30.0
+    if k >= 96:
+        x[0, 64] = -25.0
+        x[0, 70] = 25.0
+    return x
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 33])
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
+def test_repacked_products_keep_outliers_as_floats(rows: int, kind: int) -> None:
+    """A block with an outlier channel: the repacked products with OUTLIERS take the element out and multiply it
+    as a float, the other 31 quantized alone (the last N % 16 rows too), closer to x W^T than int8 of the whole
+    block."""
+    k = 512 if gguf_blocks.KINDS[kind].weights == 256 else 192
+    blocks = gguf_blocks.blocks_from_array(random_blocks(50, k, kind, seed=rows * 3 + kind), kind)
+    x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)))
+    check_against_references(x, blocks, kind, repacked=True, outliers=True)
+    check_against_references(x, blocks, kind, repacked=True)            # asked for plain int8: plain int8
+    q, d = gguf_blocks.quantize_activations(x)
+    plain = (q.double().reshape(rows, -1, 32) * d.double().unsqueeze(-1)).reshape(rows, k)
+    fine = gguf_blocks.fine_activations(x)
+    assert bool((fine[:, 5] == 40.0).all())                        # the outlier itself, exactly
+    error = lambda xq: float((xq - x.double())[:, :32].abs().sum())   # noqa: E731 - the outlier's block
+    assert error(fine) < 0.2 * error(plain)
 
 
 @pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
@@ -254,6 +291,8 @@ def test_bad_arguments_get_precise_errors() -> None:
         ops.gguf_linear(torch.randn(2, 64), blocks, 5, out)
     with pytest.raises(RuntimeError, match=r"got 261"):
         ops.gguf_linear(torch.randn(2, 64), blocks, 261, out)
+    with pytest.raises(RuntimeError, match=r"kind \+ 512 \(outliers kept as floats\) needs repacked blocks .*got 520"):
+        ops.gguf_linear(torch.randn(2, 64), blocks, 520, out)
     with pytest.raises(RuntimeError, match=r"gguf_repack: rows of 50 bytes are not whole Q8_0 blocks of 34 bytes"):
         ops.gguf_repack(torch.zeros(4, 50, dtype=torch.uint8), 8, True)
     with pytest.raises(RuntimeError, match=r"out must have shape \(3, 8\)"):
@@ -289,10 +328,11 @@ def test_the_other_instruction_set_paths_agree(isa: str) -> None:
         " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind)"
         " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
         " for t in (1, 3, 6, 9, 16)];"
-        "[check_against_references(torch.randn(t, k, generator=torch.Generator().manual_seed(t)),"
-        " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind, True)"
+        "from tests.unit.test_gguf_blocks import with_outliers;"
+        "[check_against_references(with_outliers(torch.randn(t, k, generator=torch.Generator().manual_seed(t))),"
+        " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind, True, o)"
         " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
-        " for t in (1, 3, 6, 9, 16)];"
+        " for t in (1, 3, 6, 9, 16) for o in (False, True)];"
         "from tests.unit.test_cpu_lora import check_against_reference;"
         "[check_against_reference(rows, dtype) for rows in (1, 5, 16) for dtype in (torch.float32, torch.float16)];"
         "print('ok')")

@@ -25,7 +25,7 @@ from mesh.models import eos_token_ids, task_of
 from meshkernels import paged_attention
 from services.engine.core.request import Request
 from services.engine.core.scheduler import Chunk
-from services.engine.runtime import kv_transfer
+from services.engine.runtime import kv_transfer, outliers
 from services.engine.runtime.decode_graphs import DecodeGraphs, padded_tables
 from services.engine.runtime.lora import Adapter
 from services.engine.runtime.lora import grouped as lora_rows
@@ -158,10 +158,13 @@ class ModelRunner:
                 # Slower, still right: serve with every kernel launched from Python rather than not at all.
                 log.warning("CUDA graph capture failed (%s); decode steps launch their kernels one by one", exc)
                 torch.cuda.synchronize(self.device)
+        # ggufr's outlier channels as floats where measuring this model says they matter (runtime/outliers.py)
+        self.outliers = outliers.decide(self)
 
     def use_model(self, model: Any) -> None:
         """Run `model` from now on (a hot swap: services/engine/runtime/versions.py); decode graphs follow it."""
         self.model = model
+        outliers.keep(model, self.outliers)     # the model's decision, not measured again: requests hold KV blocks
         if self.graphs is not None:
             self.graphs = DecodeGraphs(model, self.kv, self.block_size, self.max_context, self.scratch_block,
                                        self.graphs.max_batch, self.device, capture=self.plan.graphs == "cuda")

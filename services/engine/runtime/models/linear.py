@@ -220,6 +220,20 @@ class GgufRepackedLinear(GgufLinear):
             self.weight = gguf_blocks.repack(self.weight, self.kind)
             self.kind += gguf_blocks.REPACKED
 
+    @property
+    def outliers(self) -> bool:
+        """Whether the coarse blocks' outliers are kept as floats (services/engine/runtime/outliers.py decides)."""
+        from meshkernels import gguf_blocks
+
+        return self.kind is not None and self.kind >= gguf_blocks.OUTLIERS
+
+    @outliers.setter
+    def outliers(self, on: bool) -> None:
+        from meshkernels import gguf_blocks
+
+        if self.kind is not None and on != self.outliers:
+            self.kind += gguf_blocks.OUTLIERS if on else -gguf_blocks.OUTLIERS
+
 
 def gguf_kind(weight: Weight) -> int | None:
     """The gguf_linear kind of a weight's blocks, or None (a float weight, or a type the kernel lacks)."""

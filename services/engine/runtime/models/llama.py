@@ -236,6 +236,11 @@ class LlamaModel:
                              _fused_q4_layers(self.layers)) if fusable else None
         self.fused_rows = plan.split_rows if plan.matmul_large else 1 << 30
 
+    def refresh_fused(self) -> None:
+        """Take the layers' gguf kinds into the one-call decode layers again (after outliers.py changed them)."""
+        if self.fused_layers is not None and self.fused_op == "decode_layer_gguf":
+            self.fused_layers = _fused_gguf_layers(self.layers)
+
     @property
     def needs_decode_mask(self) -> bool:
         """Whether decode attention wants paged_attention.decode_mask(); the kernels mask by length."""

@@ -1,0 +1,162 @@
+"""Whether a GGUF model's repacked products (the `ggufr` matmul kind) keep the coarse blocks' outliers as floats,
+decided by measuring the model itself when its runner is built.
+
+The repacked products quantize activations to int8 per 32 elements, as llama.cpp does.  Where a hidden state
+has outlier channels (SmolLM2's do: one element of a block 5-40x its row's root mean square), that element
+sets the block's scale and the other 31 lose most of their bits; kept as a float (meshkernels/cpu_gguf_r16.cpp,
+kind + OUTLIERS), SmolLM2's mean |d logprob| against float32 goes from 0.034 to 0.015.  It costs 5-12% of a
+step's time (the outliers' products and the rows' statistics), so it is on only where it matters: the runner
+scores the token greedy decoding would take at every position of three fixed texts with it off and on (one
+prefill each) and keeps it on where their log-probs differ by more than THRESHOLD on average, the plain
+products' error being most of that difference.  Qwen2.5-0.5B's plain error is 0.014 (under the quality bar
+of 0.02): off; SmolLM2's (0.034): on.
+INFERMESH_GGUF_OUTLIERS=on|off overrides the measurement (auto, the default, measures).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.engine.core.block_manager import BlockTable
+from services.engine.core.request import SamplingParams
+from services.engine.core.scheduler import Chunk
+from services.engine.runtime.models.linear import GgufRepackedLinear
+
+if TYPE_CHECKING:
+    from services.engine.runtime.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+THRESHOLD = 0.02        # the quality bar (mean |d logprob| against float32): above it, the outliers stay floats
+SETTINGS = ("auto", "on", "off")
+TEXTS = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a screw press adapted from wine making. Within fifty years, "
+    "presses were running in more than two hundred European cities, and the price of books fell sharply.",
+    "To make a simple tomato sauce, warm olive oil in a wide pan, add sliced garlic and cook it until it "
+    "smells sweet but has not browned. Pour in crushed tomatoes, season with salt, and let the sauce "
+    "simmer gently for twenty minutes, stirring now and then, before tearing in a few basil leaves.",
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+    "            out.append(b[j])\n            j += 1\n    return out + a[i:] + b[j:]\n",
+)
+
+
+@dataclass
+class _Text:
+    """What ModelRunner reads of a request, for one scored prefix."""
+
+    all_ids: list[int]
+    prompt_ids: list[int]
+    table: BlockTable
+    draft: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(prompt_logprobs=True, top_logprobs=5))
+    adapter: None = None
+    prompt_logprobs: list[Any] = field(default_factory=list)
+
+
+def _switch(model: Any, linears: list[GgufRepackedLinear], on: bool) -> None:
+    for linear in linears:
+        linear.outliers = on
+    if hasattr(model, "refresh_fused"):      # the one-call decode layers hold the kinds too
+        model.refresh_fused()
+
+
+def repacked_linears(model: Any) -> list[GgufRepackedLinear]:
+    """Every GgufRepackedLinear the model's object graph holds (fused ones, split ones, the head)."""
+    found: dict[int, GgufRepackedLinear] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> Iterator[Any]:
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, GgufRepackedLinear):
+            found[id(obj)] = obj
+        children: Any = ()
+        if isinstance(obj, dict):
+            children = obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = obj
+        elif not isinstance(obj, type) and type(obj).__module__.startswith("services.engine.runtime.models"):
+            children = vars(obj).values() if hasattr(obj, "__dict__") else ()   # the model's own objects only
+        for child in children:
+            yield from walk(child)
+        yield obj
+
+    for _ in walk(model):
+        pass
+    return [linear for linear in found.values() if linear.kind is not None]
+
+
+def _tokens(runner: ModelRunner) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(runner.folder / "tokenizer.json"))
+    return [tokenizer.encode(text).ids for text in TEXTS]
+
+
+def difference(runner: ModelRunner, linears: list[GgufRepackedLinear]) -> float | None:
+    """Mean |d logprob| of the token greedy decoding would take at each position of the texts, between the
+    outliers off and on (one prefill of the texts each); None where the runner cannot score them here (too few
+    KV blocks, no tokenizer it can read)."""
+    try:
+        texts = _tokens(runner)
+    except Exception as exc:       # no tokenizer.json, or one the tokenizers package cannot read
+        log.info("outlier probe skipped: %s", exc)
+        return None
+    texts = [ids[:runner.max_context] for ids in texts if len(ids) > 1]
+    needed = sum(-(-len(ids) // runner.block_size) for ids in texts)
+    if not texts or needed > runner.num_blocks:
+        return None
+    scored: list[list[dict[int, float]]] = []
+    for on in (False, True):
+        _switch(runner.model, linears, on)
+        chunks, block, probes = [], 0, []
+        for ids in texts:
+            blocks = -(-len(ids) // runner.block_size)
+            probe = _Text(ids, ids, BlockTable(list(range(block, block + blocks))))
+            block += blocks
+            probes.append(probe)
+            chunks.append(Chunk(probe, 0, len(ids), True))     # type: ignore[arg-type]
+        runner.run(chunks)
+        scored.append([dict(entry.top) for probe in probes for entry in probe.prompt_logprobs])
+    gaps = []
+    for off, on in zip(*scored, strict=True):
+        token, logprob = max(on.items(), key=lambda item: item[1])     # greedy's token, as bench/quality.py scores
+        if token in off:
+            gaps.append(abs(off[token] - logprob))
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def decide(runner: ModelRunner) -> bool | None:
+    """Set the runner's model's repacked products' outliers on or off (INFERMESH_GGUF_OUTLIERS, else measured);
+    the choice, or None for a model without repacked products."""
+    linears = repacked_linears(runner.model)
+    if not linears:
+        return None
+    setting = os.environ.get("INFERMESH_GGUF_OUTLIERS", "auto").strip().lower() or "auto"
+    if setting not in SETTINGS:
+        raise ValueError(f"INFERMESH_GGUF_OUTLIERS must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    if setting == "auto":
+        measured = difference(runner, linears)
+        on = measured is not None and measured > THRESHOLD
+        log.info("%s: repacked products' outliers %s (mean |d logprob| between off and on %s, threshold %.3f)",
+                 runner.folder.name, "kept as floats" if on else "quantized with their blocks",
+                 "not measured" if measured is None else f"{measured:.4f}", THRESHOLD)
+    else:
+        on = setting == "on"
+    _switch(runner.model, linears, on)
+    return on
+
+
+def keep(model: Any, on: bool | None) -> None:
+    """A swapped-in model's repacked products follow the runner's decision (measuring again would write KV
+    blocks that running requests hold)."""
+    _switch(model, repacked_linears(model), bool(on))
