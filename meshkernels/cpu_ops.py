@@ -62,7 +62,8 @@ SOURCES = (SOURCE, Path(__file__).with_name("cpu_gemm.cpp"), Path(__file__).with
            Path(__file__).with_name("cpu_gguf_r16_pack.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_common.h"), Path(__file__).with_name("cpu_api.h"),
            Path(__file__).with_name("cpu_gguf.h"), Path(__file__).with_name("cpu_gguf_amx.h"),
-           Path(__file__).with_name("cpu_gguf_r16.h"))
+           Path(__file__).with_name("cpu_gguf_r16.h"),
+           Path(__file__).with_name("cpu_gguf_r16_narrow.h"))
 LIBRARY = "libinfermesh_cpu_ops.so"
 
 _lock = threading.Lock()

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,8 +28,7 @@ from services.engine.core.request import SamplingParams
 from services.engine.core.scheduler import Chunk
 from services.engine.runtime.models.linear import GgufRepackedLinear
 
-if TYPE_CHECKING:
-    from services.engine.runtime.model_runner import ModelRunner
+ModelRunner = Any       # services/engine/runtime/model_runner.py's, which imports this module
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,263 @@
+// cpu_gguf_r16.cpp's products for builds without AVX-512 VNNI: AVX2 (with AVX-VNNI or AVX512-VNNI on 256 bits
+// where the build has it, else maddubs) 8 columns at a time, and the portable loop that reads the layout weight
+// by weight.  Included by cpu_gguf_r16.cpp alone, inside its anonymous namespace (its Fine, prefetch_ahead,
+// kRowsAtOnce and the layout of cpu_gguf_r16.h come before).
+#pragma once
+
+#if defined(__AVX2__)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define R16_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define R16_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+
+inline __m256 halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+// 0x10 in byte i where bit i of m is set.
+inline __m256i bits16(uint32_t m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(m, _mm256_set1_epi8(0x10));
+#else
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+#endif
+}
+
+// acc += u . s per 4 bytes (u unsigned, s signed), exact; Q8_0 without VNNI: u is q + 128 and would
+// saturate maddubs' pairs, so q's sign moves onto s (|q| unsigned) and no offset is taken off after.
+template <int64_t KIND>
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(R16_DPBUSD)
+  return R16_DPBUSD(acc, u, s);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (KIND == kQ8_0) {
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q)), ones));
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+  }
+#endif
+}
+
+// The offset the integer sums still carry (all but Q8_0 without VNNI), taken off by starting them at
+// -offset * sum(qx).
+template <int64_t KIND>
+constexpr int64_t offset_left() {
+#if defined(R16_DPBUSD)
+  return Kind<KIND>::offset;
+#else
+  return KIND == kQ8_0 ? 0 : Kind<KIND>::offset;
+#endif
+}
+
+// Weights 4 g .. 4 g + 3 (lo) and 16 + 4 g .. (hi) of block j of the unit at w, columns 8 half .. 8 half + 7.
+template <int64_t KIND>
+inline void decode8(const uint8_t* w, int j, int g, int half, __m256i& lo, __m256i& hi) {
+  const int64_t at = 32 * half;
+  if constexpr (KIND == kQ8_0) {
+    lo = load32(w + 128 * g + at);
+    hi = load32(w + 128 * g + 64 + at);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = load32(w + 256 * j + 64 * g + at);
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (five_bits<KIND>()) {
+      uint32_t m[2];
+      std::memcpy(&m[0], w + R16<KIND>::masks + 64 * j + 16 * g + 4 * half, 4);
+      std::memcpy(&m[1], w + R16<KIND>::masks + 64 * j + 16 * g + 8 + 4 * half, 4);
+      lo = _mm256_or_si256(lo, bits16(m[0]));
+      hi = _mm256_or_si256(hi, bits16(m[1]));
+    }
+    if constexpr (KIND == kQ6_K) {
+      const __m256i mask = _mm256_set1_epi8(0x30);
+      const __m256i t0 = load32(w + R16<kQ6_K>::high + 128 * j + at);
+      const __m256i t1 = load32(w + R16<kQ6_K>::high + 128 * j + 64 + at);
+      const int left = 4 - 2 * g;      // bits 2 g, 2 g + 1 to bits 4, 5
+      const __m256i tl = left >= 0 ? _mm256_slli_epi16(t0, left) : _mm256_srli_epi16(t0, -left);
+      const __m256i th = left >= 0 ? _mm256_slli_epi16(t1, left) : _mm256_srli_epi16(t1, -left);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(tl, mask));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(th, mask));
+    }
+  }
+}
+
+// Columns 8 half .. 8 half + 7 of the group at w, for R rows from r0.
+template <int64_t KIND, int R>
+void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, float* out, int64_t ldo,
+               const int32_t* start, const Fine& fine) {
+  using K = Kind<KIND>;
+  constexpr int64_t bpu = blocks_of<KIND>(), offset = offset_left<KIND>();
+  constexpr bool halves = K::halves;
+  const int64_t units = qx.nb / bpu, k = qx.k, at = 32 * half;
+  __m256 acc[R], second[R];
+  for (int r = 0; r < R; ++r) acc[r] = second[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
+    if (half == 0) prefetch_ahead(w, kCols * K::bytes);
+    [[maybe_unused]] __m256 dk, mk;
+    [[maybe_unused]] __m256i words[4];
+    if constexpr (k_scales<KIND>()) {
+      dk = halves8(w + R16<KIND>::d + 16 * half);
+      mk = _mm256_sub_ps(_mm256_setzero_ps(), halves8(w + R16<KIND>::dmin + 16 * half));
+      const __m256i w0 = load32(w + R16<KIND>::planes + at), w1 = load32(w + R16<KIND>::planes + 64 + at),
+                    w2 = load32(w + R16<KIND>::planes + 128 + at);
+      const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f),
+                    low2 = _mm256_set1_epi32(0x03030303);
+      words[0] = _mm256_and_si256(w0, low6);
+      words[1] = _mm256_or_si256(_mm256_and_si256(w2, low4),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), low2), 4));
+      words[2] = _mm256_and_si256(w1, low6);
+      words[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), low2), 4));
+    }
+    [[maybe_unused]] const __m256 d6 = KIND == kQ6_K ? halves8(w + R16<kQ6_K>::d + 16 * half) : _mm256_setzero_ps();
+    for (int j = 0; j < bpu; ++j) {
+      const int64_t b = s * bpu + j;
+      __m256i dot[R], dot2[halves ? R : 1];
+      for (int r = 0; r < R; ++r) {
+        if constexpr (halves) {
+          dot[r] = _mm256_set1_epi32(start[2 * ((r0 + r) * qx.nb + b)]);
+          dot2[r] = _mm256_set1_epi32(start[2 * ((r0 + r) * qx.nb + b) + 1]);
+        } else if constexpr (offset != 0) {
+          dot[r] = _mm256_set1_epi32(start[(r0 + r) * qx.nb + b]);
+        } else {
+          dot[r] = _mm256_setzero_si256();
+        }
+      }
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo, hi;
+        decode8<KIND>(w, j, g, half, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+          dot[r] = dot4<KIND>(dot[r], lo, bcast4(xs + 4 * g));
+          if constexpr (halves)
+            dot2[r] = dot4<KIND>(dot2[r], hi, bcast4(xs + 16 + 4 * g));
+          else
+            dot[r] = dot4<KIND>(dot[r], hi, bcast4(xs + 16 + 4 * g));
+        }
+      }
+      __m256 a, a2 = _mm256_setzero_ps();
+      [[maybe_unused]] __m256 c = _mm256_setzero_ps();
+      if constexpr (KIND == kQ4_1) {
+        a = halves8(w + R16<kQ4_1>::d + 16 * half);
+        c = halves8(w + R16<kQ4_1>::m + 16 * half);
+      } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+        a = halves8(w + R16<KIND>::d + 16 * half);
+      } else if constexpr (k_scales<KIND>()) {
+        const int shift = 8 * (j % 4);
+        const __m256i byte = _mm256_set1_epi32(0xFF);
+        a = _mm256_mul_ps(dk, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words[j / 4], shift), byte)));
+        c = _mm256_mul_ps(mk, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words[2 + j / 4], shift), byte)));
+      } else {
+        const uint8_t* sc = w + R16<kQ6_K>::scales + 32 * j + 8 * half;
+        a = _mm256_mul_ps(d6, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+        a2 = _mm256_mul_ps(d6, _mm256_cvtepi32_ps(
+                                   _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 16)))));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m256 dx = _mm256_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
+        if constexpr (halves) {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(a, dx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2[r]), _mm256_mul_ps(a2, dx), acc[r]);
+        } else {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(a, dx), acc[r]);
+          if constexpr (K::mins)
+            acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
+        }
+      }
+      if (!fine.qx) continue;
+      for (uint32_t bits = fine.bits(b, r0, R); bits; bits &= bits - 1) {   // the outliers' weights decoded again
+        const int r = __builtin_ctz(bits);
+        const size_t i = static_cast<size_t>((r0 + r) * qx.nb + b);
+        const int l = fine.qx->outlier_at[i], high = l >= 16;
+        __m256i lo, hi;
+        decode8<KIND>(w, j, (l % 16) / 4, half, lo, hi);
+        const __m256i bytes = _mm256_srl_epi32(high ? hi : lo, _mm_cvtsi32_si128(8 * (l % 4)));
+        const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xFF))),
+                                       _mm256_set1_ps(static_cast<float>(K::offset)));
+        const __m256 wl = _mm256_fmadd_ps(halves && high ? a2 : a, q, c);
+        second[r] = _mm256_fmadd_ps(_mm256_set1_ps(fine.qx->outlier[i]), wl, second[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + 8 * half, _mm256_add_ps(acc[r], second[r]));
+}
+
+template <int64_t KIND, int R>
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start,
+                const Fine& fine) {
+  half_rows<KIND, R>(qx, r0, w, 0, out, ldo, start, fine);
+  half_rows<KIND, R>(qx, r0, w, 1, out, ldo, start, fine);
+}
+
+#else   // portable: the layout read weight by weight
+
+template <int64_t KIND>
+constexpr int64_t offset_left() { return 0; }      // the loop below takes the offset off each weight
+
+template <int64_t KIND, int R>
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t*,
+                const Fine& fine) {
+  using K = Kind<KIND>;
+  constexpr int64_t bpu = blocks_of<KIND>();
+  const int64_t units = qx.nb / bpu, k = qx.k;
+  float acc[R][kCols] = {}, second[R][kCols] = {};
+  for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes)
+    for (int c = 0; c < kCols; ++c) {
+      uint8_t file[Kind<KIND>::bytes];        // the column's scales, as the file has them
+      move_scales<KIND>(const_cast<uint8_t*>(w), c, file, false);
+      uint8_t scales[8], min_bytes[8];
+      if constexpr (k_scales<KIND>()) scales_mins_k4(file + 4, scales, min_bytes);
+      for (int j = 0; j < bpu; ++j) {
+        const int64_t b = s * bpu + j;
+        const uint32_t bits = fine.qx ? fine.bits(b, r0, R) : 0;
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          const int8_t* xs = qx.q.data() + row * k + b * kBlock;
+          int32_t dot[2] = {0, 0};
+          for (int l = 0; l < kBlock; ++l) dot[l / 16] += (read_u<KIND>(w, c, j, l) - static_cast<int>(K::offset)) * xs[l];
+          const float dx = qx.d[static_cast<size_t>(row * qx.nb + b)];
+          float a[2], cmin = 0.0f;
+          if constexpr (KIND == kQ4_1) {
+            a[0] = a[1] = half_at(file);
+            cmin = half_at(file + 2);
+          } else if constexpr (KIND == kQ5_0 || KIND == kQ8_0) {
+            a[0] = a[1] = half_at(file);
+          } else if constexpr (k_scales<KIND>()) {
+            a[0] = a[1] = half_at(file) * static_cast<float>(scales[j]);
+            cmin = -half_at(file + 2) * static_cast<float>(min_bytes[j]);
+          } else {
+            const float d = half_at(file + 208);
+            a[0] = d * static_cast<float>(static_cast<int8_t>(file[192 + 2 * j]));
+            a[1] = d * static_cast<float>(static_cast<int8_t>(file[192 + 2 * j + 1]));
+          }
+          if constexpr (K::halves)
+            acc[r][c] += static_cast<float>(dot[0]) * (a[0] * dx) + static_cast<float>(dot[1]) * (a[1] * dx);
+          else
+            acc[r][c] += static_cast<float>(dot[0] + dot[1]) * (a[0] * dx);
+          if constexpr (K::mins) acc[r][c] += cmin * qx.ds[static_cast<size_t>(row * qx.nb + b)];
+          if ((bits >> r) & 1) {          // the outlier: x * w(l), w(l) = a * (u - offset) + c
+            const size_t i = static_cast<size_t>(row * qx.nb + b);
+            const int l = qx.outlier_at[i];
+            const float q = static_cast<float>(read_u<KIND>(w, c, j, l) - static_cast<int>(K::offset));
+            second[r][c] += qx.outlier[i] * std::fma(a[K::halves ? l / 16 : 0], q, cmin);
+          }
+        }
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kCols; ++c) out[r * ldo + c] = acc[r][c] + second[r][c];
+}
+
+#endif
