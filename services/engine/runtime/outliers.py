@@ -6,10 +6,10 @@ has outlier channels (SmolLM2's do: one element of a block 5-40x its row's root 
 sets the block's scale and the other 31 lose most of their bits; kept as a float (meshkernels/cpu_gguf_r16.cpp,
 kind + OUTLIERS), SmolLM2's mean |d logprob| against float32 goes from 0.034 to 0.015.  It costs 5-12% of a
 step's time (the outliers' products and the rows' statistics), so it is on only where it matters: the runner
-scores the token greedy decoding would take at every position of three fixed texts with it off and on (one
+continues the openings of three fixed texts greedily (with it on), scores those tokens with it off and on (one
 prefill each) and keeps it on where their log-probs differ by more than THRESHOLD on average, the plain
-products' error being most of that difference.  Qwen2.5-0.5B's plain error is 0.014 (under the quality bar
-of 0.02): off; SmolLM2's (0.034): on.
+products' error being most of that difference (measured 0.031 / 0.017 / 0.011 for SmolLM2 / Qwen2.5-0.5B /
+1.5B, whose plain errors against float32 are 0.034 / 0.014 / 0.010: on, off, off).
 INFERMESH_GGUF_OUTLIERS=on|off overrides the measurement (auto, the default, measures).
 """
 
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 THRESHOLD = 0.02        # the quality bar (mean |d logprob| against float32): above it, the outliers stay floats
 SETTINGS = ("auto", "on", "off")
+OPENING = 24            # tokens of each text the model continues
+GENERATE = 32           # greedy tokens it continues them with
 TEXTS = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
     "movable metal type, oil-based ink and a screw press adapted from wine making. Within fifty years, "
@@ -49,7 +51,7 @@ TEXTS = (
 
 @dataclass
 class _Text:
-    """What ModelRunner reads of a request, for one scored prefix."""
+    """What ModelRunner reads of a request, for one probe text."""
 
     all_ids: list[int]
     prompt_ids: list[int]
@@ -101,36 +103,44 @@ def _tokens(runner: ModelRunner) -> list[list[int]]:
     return [tokenizer.encode(text).ids for text in TEXTS]
 
 
+def _continue(runner: ModelRunner, prompts: list[list[int]], tables: list[BlockTable]) -> list[list[int]]:
+    """Each prompt and its greedy continuation of GENERATE tokens (one prefill, then a decode step a token)."""
+    texts = [_Text(list(ids), list(ids), table, sampling=SamplingParams()) for ids, table in zip(prompts, tables,
+                                                                                                strict=True)]
+    chunks = [Chunk(text, 0, len(text.all_ids), True) for text in texts]     # type: ignore[arg-type]
+    for _ in range(GENERATE):
+        out = runner.run(chunks, greedy=True)       # token ids, or logits where the model has no greedy shortcut
+        for text, token in zip(texts, (out.argmax(-1) if out.dim() == 2 else out).tolist(), strict=True):
+            text.all_ids.append(int(token))
+        chunks = [Chunk(text, len(text.all_ids) - 1, 1, True) for text in texts]   # type: ignore[arg-type]
+    return [text.all_ids for text in texts]
+
+
 def difference(runner: ModelRunner, linears: list[GgufRepackedLinear]) -> float | None:
-    """Mean |d logprob| of the token greedy decoding would take at each position of the texts, between the
-    outliers off and on (one prefill of the texts each); None where the runner cannot score them here (too few
-    KV blocks, no tokenizer it can read)."""
+    """Mean |d logprob| of the model's own greedy continuations of the texts' openings (made with the outliers
+    on), scored with them off and on (one prefill each), as bench/quality.py scores float32 against a plan; None
+    where the runner cannot score them here (too few KV blocks, no tokenizer it can read)."""
     try:
         texts = _tokens(runner)
     except Exception as exc:       # no tokenizer.json, or one the tokenizers package cannot read
         log.info("outlier probe skipped: %s", exc)
         return None
-    texts = [ids[:runner.max_context] for ids in texts if len(ids) > 1]
-    needed = sum(-(-len(ids) // runner.block_size) for ids in texts)
-    if not texts or needed > runner.num_blocks:
+    prompts = [ids[:OPENING] for ids in texts if len(ids) > 1]
+    length = OPENING + GENERATE + 1
+    per = -(-length // runner.block_size)
+    if not prompts or length > runner.max_context or per * len(prompts) > runner.num_blocks:
         return None
-    scored: list[list[dict[int, float]]] = []
+    tables = [BlockTable(list(range(i * per, (i + 1) * per))) for i in range(len(prompts))]
+    _switch(runner.model, linears, True)
+    full = _continue(runner, prompts, tables)
+    scored: list[list[float]] = []
     for on in (False, True):
         _switch(runner.model, linears, on)
-        chunks, block, probes = [], 0, []
-        for ids in texts:
-            blocks = -(-len(ids) // runner.block_size)
-            probe = _Text(ids, ids, BlockTable(list(range(block, block + blocks))))
-            block += blocks
-            probes.append(probe)
-            chunks.append(Chunk(probe, 0, len(ids), True))     # type: ignore[arg-type]
-        runner.run(chunks)
-        scored.append([dict(entry.top) for probe in probes for entry in probe.prompt_logprobs])
-    gaps = []
-    for off, on in zip(*scored, strict=True):
-        token, logprob = max(on.items(), key=lambda item: item[1])     # greedy's token, as bench/quality.py scores
-        if token in off:
-            gaps.append(abs(off[token] - logprob))
+        probes = [_Text(ids, ids, table) for ids, table in zip(full, tables, strict=True)]
+        runner.run([Chunk(probe, 0, len(probe.all_ids), True) for probe in probes])   # type: ignore[arg-type]
+        scored.append([entry.logprob for probe, prompt in zip(probes, prompts, strict=True)
+                       for entry in probe.prompt_logprobs[len(prompt):]])
+    gaps = [abs(off - on) for off, on in zip(*scored, strict=True)]
     return sum(gaps) / len(gaps) if gaps else None
 
 
