@@ -58,3 +58,15 @@ def test_the_setting_overrides_and_is_checked(model_dir: Path, monkeypatch: pyte
 def test_a_plan_without_repacked_products_has_no_decision(model_dir: Path) -> None:
     runner = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="gguf"), kv_cache_bytes=16 << 20)
     assert runner.outliers is None
+
+
+def test_a_failing_probe_keeps_the_plain_products(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INFERMESH_GGUF_OUTLIERS", raising=False)
+
+    def broken(*_: object) -> float:
+        raise RuntimeError("no logits here")
+
+    monkeypatch.setattr(outliers, "difference", broken)
+    runner = repacked(model_dir)          # starts all the same
+    assert runner.outliers is False
+    assert all(gguf_blocks.REPACKED <= kind < gguf_blocks.OUTLIERS for kind in kinds(runner))

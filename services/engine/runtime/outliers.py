@@ -154,7 +154,12 @@ def decide(runner: ModelRunner) -> bool | None:
     if setting not in SETTINGS:
         raise ValueError(f"INFERMESH_GGUF_OUTLIERS must be one of {', '.join(SETTINGS)}, got {setting!r}")
     if setting == "auto":
-        measured = difference(runner, linears)
+        try:
+            measured = None if runner.task == "embed" else difference(runner, linears)
+        except Exception:            # the probe is a measurement: a model it cannot run keeps the plain products
+            log.exception("%s: the outlier probe failed; repacked products' outliers stay quantized",
+                          runner.folder.name)
+            measured = None
         on = measured is not None and measured > THRESHOLD
         log.info("%s: repacked products' outliers %s (mean |d logprob| between off and on %s, threshold %.3f)",
                  runner.folder.name, "kept as floats" if on else "quantized with their blocks",
