@@ -36,6 +36,13 @@ struct QuantizedX {
   std::vector<uint8_t> outlier_at;
   std::vector<uint64_t> fine_rows;      // (nb, words)
   int64_t words = 0;
+  // Bit r: row r0 + r's block b is coarse, for `count` rows in one word (r0 a multiple of the rows a product
+  // takes at once); 0 where no block is.
+  uint32_t coarse(int64_t b, int64_t r0, int count) const {
+    if (!words) return 0;
+    return static_cast<uint32_t>((fine_rows[static_cast<size_t>(b * words + r0 / 64)] >> (r0 % 64)) &
+                                 ((uint64_t{1} << count) - 1));
+  }
 };
 constexpr double kCoarse = 5.0;
 

@@ -60,17 +60,6 @@ namespace {
 
 namespace {
 
-// The coarse blocks' outliers (cpu_gguf.h's QuantizedX::outlier): each is one weight column's worth of
-// float products, x * w(l) for the 16 columns, added beside the block's integer product of the other 31.
-struct Fine {
-  const QuantizedX* qx = nullptr;     // null: no coarse block in this call
-  // Bit r: row r0 + r of block b has an outlier (r0 a multiple of the rows done at once, so one word holds them).
-  uint32_t bits(int64_t b, int64_t r0, int count) const {
-    return static_cast<uint32_t>((qx->fine_rows[static_cast<size_t>(b * qx->words + r0 / 64)] >> (r0 % 64)) &
-                                 ((uint64_t{1} << count) - 1));
-  }
-};
-
 // ------------------------------------------------------------------------------------------ the products
 
 #if defined(__AVX2__)
@@ -251,14 +240,14 @@ inline void rows_block(const QuantizedX& qx, int64_t r0, int64_t b, const Block1
 // w null: the weights are blk's (decoded in memory); else decoded again from the unit at w (block j of it),
 // not read from blk's registers (which an index would move to memory).
 template <int64_t KIND>
-__attribute__((always_inline)) inline void fine_rows(const Fine& fine, int64_t r0, uint32_t bits, int64_t b,
+__attribute__((always_inline)) inline void fine_rows(const QuantizedX& qx, int64_t r0, uint32_t bits, int64_t b,
                                                      const uint8_t* w, int j, const Block16& blk, float* second) {
   int last = -1;
   __m512 wl = _mm512_setzero_ps();
   for (; bits; bits &= bits - 1) {
     const int r = __builtin_ctz(bits);
-    const size_t i = static_cast<size_t>((r0 + r) * fine.qx->nb + b);
-    if (const int l = fine.qx->outlier_at[i]; l != last) {
+    const size_t i = static_cast<size_t>((r0 + r) * qx.nb + b);
+    if (const int l = qx.outlier_at[i]; l != last) {
       last = l;
       const bool high = l >= 16;
       __m512i top[2], lo, hi;
@@ -274,15 +263,14 @@ __attribute__((always_inline)) inline void fine_rows(const Fine& fine, int64_t r
       wl = _mm512_fmadd_ps(Kind<KIND>::halves && high ? blk.a2 : blk.a, q, blk.c);
     }
     _mm512_store_ps(second + kCols * r,
-                    _mm512_fmadd_ps(_mm512_set1_ps(fine.qx->outlier[i]), wl, _mm512_load_ps(second + kCols * r)));
+                    _mm512_fmadd_ps(_mm512_set1_ps(qx.outlier[i]), wl, _mm512_load_ps(second + kCols * r)));
   }
 }
 
 // out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another), each
 // block decoded in registers as it is reached; with the coarse blocks' second terms where rows have them.
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start,
-                const Fine& fine) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu;
@@ -296,9 +284,8 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
       Block16 blk;
       decode<KIND>(w, j, u, blk);
       rows_block<KIND, R>(qx, r0, s * bpu + j, blk, start, acc);
-      if (fine.qx)
-        if (const uint32_t bits = fine.bits(s * bpu + j, r0, R))
-          fine_rows<KIND>(fine, r0, bits, s * bpu + j, w, j, blk, second);
+      if (const uint32_t bits = qx.coarse(s * bpu + j, r0, R))
+        fine_rows<KIND>(qx, r0, bits, s * bpu + j, w, j, blk, second);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_load_ps(second + kCols * r)));
@@ -326,14 +313,13 @@ void decode_group(const QuantizedX& qx, const uint8_t* w, Block16* blocks) {
 
 template <int64_t KIND, int R>
 void decoded_rows(const QuantizedX& qx, int64_t r0, const Block16* blocks, float* out, int64_t ldo,
-                  const int32_t* start, const Fine& fine) {
+                  const int32_t* start) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) float second[R * kCols] = {};
   for (int64_t b = 0; b < qx.nb; ++b) {
     rows_block<KIND, R>(qx, r0, b, blocks[b], start, acc);
-    if (fine.qx)
-      if (const uint32_t bits = fine.bits(b, r0, R)) fine_rows<KIND>(fine, r0, bits, b, nullptr, 0, blocks[b], second);
+    if (const uint32_t bits = qx.coarse(b, r0, R)) fine_rows<KIND>(qx, r0, bits, b, nullptr, 0, blocks[b], second);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_load_ps(second + kCols * r)));
 }
@@ -362,7 +348,6 @@ template <int64_t KIND>
 void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
   const std::vector<int32_t> starts = offset_starts<KIND>(qx);
   const int32_t* start = starts.data();
-  const Fine fine{qx.words ? &qx : nullptr};
   const int64_t groups = n / kCols, t = qx.t;
   const int64_t group_bytes = kCols * (qx.k / Kind<KIND>::weights) * Kind<KIND>::bytes;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
@@ -378,29 +363,29 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
         if (blocks.size() < static_cast<size_t>(qx.nb)) blocks.resize(static_cast<size_t>(qx.nb));
         decode_group<KIND>(qx, wg, blocks.data());
         for (; r + kRowsAtOnce <= t; r += kRowsAtOnce)
-          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, start, fine);
+          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, start);
         switch (t - r) {
-          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
-          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
-          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
-          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
-          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
-          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
-          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, start, fine); break;
+          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, start); break;
           default: break;
         }
         continue;
       }
 #endif
-      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start, fine);
+      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start);
       switch (t - r) {
-        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start, fine); break;
-        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, start, fine); break;
-        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, start, fine); break;
-        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, start, fine); break;
-        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, start, fine); break;
-        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, start, fine); break;
-        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, start, fine); break;
+        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start); break;
+        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, start); break;
+        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, start); break;
+        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, start); break;
+        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, start); break;
+        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, start); break;
+        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, start); break;
         default: break;
       }
     }

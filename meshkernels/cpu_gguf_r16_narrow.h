@@ -1,6 +1,6 @@
 // cpu_gguf_r16.cpp's products for builds without AVX-512 VNNI: AVX2 (with AVX-VNNI or AVX512-VNNI on 256 bits
 // where the build has it, else maddubs) 8 columns at a time, and the portable loop that reads the layout weight
-// by weight.  Included by cpu_gguf_r16.cpp alone, inside its anonymous namespace (its Fine, prefetch_ahead,
+// by weight.  Included by cpu_gguf_r16.cpp alone, inside its anonymous namespace (its prefetch_ahead,
 // kRowsAtOnce and the layout of cpu_gguf_r16.h come before).
 #pragma once
 
@@ -95,7 +95,7 @@ inline void decode8(const uint8_t* w, int j, int g, int half, __m256i& lo, __m25
 // Columns 8 half .. 8 half + 7 of the group at w, for R rows from r0.
 template <int64_t KIND, int R>
 void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, float* out, int64_t ldo,
-               const int32_t* start, const Fine& fine) {
+               const int32_t* start) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>(), offset = offset_left<KIND>();
   constexpr bool halves = K::halves;
@@ -176,18 +176,17 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
             acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
         }
       }
-      if (!fine.qx) continue;
-      for (uint32_t bits = fine.bits(b, r0, R); bits; bits &= bits - 1) {   // the outliers' weights decoded again
+      for (uint32_t bits = qx.coarse(b, r0, R); bits; bits &= bits - 1) {   // the outliers' weights decoded again
         const int r = __builtin_ctz(bits);
         const size_t i = static_cast<size_t>((r0 + r) * qx.nb + b);
-        const int l = fine.qx->outlier_at[i], high = l >= 16;
+        const int l = qx.outlier_at[i], high = l >= 16;
         __m256i lo, hi;
         decode8<KIND>(w, j, (l % 16) / 4, half, lo, hi);
         const __m256i bytes = _mm256_srl_epi32(high ? hi : lo, _mm_cvtsi32_si128(8 * (l % 4)));
         const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xFF))),
                                        _mm256_set1_ps(static_cast<float>(K::offset)));
         const __m256 wl = _mm256_fmadd_ps(halves && high ? a2 : a, q, c);
-        second[r] = _mm256_fmadd_ps(_mm256_set1_ps(fine.qx->outlier[i]), wl, second[r]);
+        second[r] = _mm256_fmadd_ps(_mm256_set1_ps(qx.outlier[i]), wl, second[r]);
       }
     }
   }
@@ -195,10 +194,9 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
 }
 
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start,
-                const Fine& fine) {
-  half_rows<KIND, R>(qx, r0, w, 0, out, ldo, start, fine);
-  half_rows<KIND, R>(qx, r0, w, 1, out, ldo, start, fine);
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
+  half_rows<KIND, R>(qx, r0, w, 0, out, ldo, start);
+  half_rows<KIND, R>(qx, r0, w, 1, out, ldo, start);
 }
 
 #else   // portable: the layout read weight by weight
@@ -207,8 +205,7 @@ template <int64_t KIND>
 constexpr int64_t offset_left() { return 0; }      // the loop below takes the offset off each weight
 
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t*,
-                const Fine& fine) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t*) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu, k = qx.k;
@@ -221,7 +218,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
       if constexpr (k_scales<KIND>()) scales_mins_k4(file + 4, scales, min_bytes);
       for (int j = 0; j < bpu; ++j) {
         const int64_t b = s * bpu + j;
-        const uint32_t bits = fine.qx ? fine.bits(b, r0, R) : 0;
+        const uint32_t bits = qx.coarse(b, r0, R);
         for (int r = 0; r < R; ++r) {
           const int64_t row = r0 + r;
           const int8_t* xs = qx.q.data() + row * k + b * kBlock;

@@ -79,14 +79,19 @@ void store_block(QuantizedX& out, int64_t i, float d, const int32_t sum[2]) {
   out.ds[static_cast<size_t>(i)] = d * static_cast<float>(sum[0] + sum[1]);
 }
 
+// out's shape for x (T, K), no coarse blocks; what a fresh QuantizedX gains this way is zeros.
 void size_for(QuantizedX& out, int64_t t, int64_t k) {
   const int64_t nb = k / kBlock;
   out.t = t, out.k = k, out.nb = nb;
-  out.q.assign(static_cast<size_t>(t * k), 0);
-  out.d.assign(static_cast<size_t>(t * nb), 0.0f);
-  out.s16.assign(static_cast<size_t>(t * nb * 2), 0);
-  out.s32.assign(static_cast<size_t>(t * nb), 0);
-  out.ds.assign(static_cast<size_t>(t * nb), 0.0f);
+  out.q.resize(static_cast<size_t>(t * k));
+  out.d.resize(static_cast<size_t>(t * nb));
+  out.s16.resize(static_cast<size_t>(t * nb * 2));
+  out.s32.resize(static_cast<size_t>(t * nb));
+  out.ds.resize(static_cast<size_t>(t * nb));
+  out.outlier.clear();
+  out.outlier_at.clear();
+  out.fine_rows.clear();
+  out.words = 0;
 }
 
 // The sum of a row's squares, in double (each square exact; the order of the sums no matter at this precision).
@@ -115,16 +120,7 @@ double square_sum(const float* x, int64_t k) {
 
 void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out, bool fine) {
   const int64_t nb = k / kBlock;
-  out.t = t, out.k = k, out.nb = nb;
-  out.q.resize(static_cast<size_t>(t * k));
-  out.d.resize(static_cast<size_t>(t * nb));
-  out.s16.resize(static_cast<size_t>(t * nb * 2));
-  out.s32.resize(static_cast<size_t>(t * nb));
-  out.ds.resize(static_cast<size_t>(t * nb));
-  out.outlier.clear();
-  out.outlier_at.clear();
-  out.fine_rows.clear();
-  out.words = 0;
+  size_for(out, t, k);
   std::vector<float> amax(fine ? static_cast<size_t>(nb) : 0);
   for (int64_t row = 0; row < t; ++row) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -167,9 +163,9 @@ void quantize_rows(const float* x, int64_t t, int64_t k, QuantizedX& out, bool f
 QuantizedX outlier_blocks(const QuantizedX& qx) {
   QuantizedX out;
   size_for(out, qx.t, qx.k);
-  for (int64_t row = 0; row < qx.t && qx.words; ++row)
+  for (int64_t row = 0; row < qx.t; ++row)
     for (int64_t b = 0; b < qx.nb; ++b) {
-      if (!((qx.fine_rows[static_cast<size_t>(b * qx.words + row / 64)] >> (row % 64)) & 1)) continue;
+      if (!qx.coarse(b, row, 1)) continue;
       const int64_t i = row * qx.nb + b;
       const float value = qx.outlier[static_cast<size_t>(i)];
       const int8_t q = value < 0.0f ? -127 : 127;
