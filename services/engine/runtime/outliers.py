@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,30 +69,29 @@ def _switch(model: Any, linears: list[GgufRepackedLinear], on: bool) -> None:
 
 
 def repacked_linears(model: Any) -> list[GgufRepackedLinear]:
-    """Every GgufRepackedLinear the model's object graph holds (fused ones, split ones, the head)."""
-    found: dict[int, GgufRepackedLinear] = {}
+    """Every GgufRepackedLinear the model's object graph holds (fused ones, split ones, the head), once each."""
+    found: list[GgufRepackedLinear] = []
     seen: set[int] = set()
 
-    def walk(obj: Any) -> Iterator[Any]:
+    def walk(obj: Any) -> None:
         if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
             return
         seen.add(id(obj))
-        if isinstance(obj, GgufRepackedLinear):
-            found[id(obj)] = obj
-        children: Any = ()
+        if isinstance(obj, GgufRepackedLinear) and obj.kind is not None:
+            found.append(obj)
         if isinstance(obj, dict):
-            children = obj.values()
+            children: Any = obj.values()
         elif isinstance(obj, (list, tuple, set, frozenset)):
             children = obj
         elif not isinstance(obj, type) and type(obj).__module__.startswith("services.engine.runtime.models"):
             children = vars(obj).values() if hasattr(obj, "__dict__") else ()   # the model's own objects only
+        else:
+            children = ()
         for child in children:
-            yield from walk(child)
-        yield obj
+            walk(child)
 
-    for _ in walk(model):
-        pass
-    return [linear for linear in found.values() if linear.kind is not None]
+    walk(model)
+    return found
 
 
 def _tokens(runner: ModelRunner) -> list[list[int]]:
