@@ -64,11 +64,11 @@ namespace {
 
 #if defined(__AVX2__)
 // Two prefetches run ahead of the hardware's: the unit 1 KB after this one into L1 (Q4_1 / Q5_0 / Q6_K 1.1-1.4x
-// faster at one row with it), and 8 KB after into L2.  An L1 prefetch holds a fill buffer until its line
-// arrives, so it cannot run far ahead; the L2 one can, and it keeps memory busy while a group's rows compute
-// (a Sapphire Rapids, AMX off, the whole model step in process: Qwen2.5-Coder-0.5B 17.8 -> 14.7-15.4 ms at 1
-// row and 42.2-43.0 -> 37.8-38.0 at 16, its Q8_0 LM head alone 6.8-7.7 -> 4.3-4.6 ms at 8 rows; SmolLM2 5.5 ->
-// 4.5 ms at 1 row; 4 and 16 KB ahead within noise of 8).
+// faster at one row with it; without it above one row, slower too), and 8 KB after into L2.  An L1 prefetch
+// holds a fill buffer until its line arrives, so it cannot run far ahead; the L2 one can, and it keeps memory
+// busy while a group's rows compute (a Sapphire Rapids, AMX off, the whole model step in process:
+// Qwen2.5-Coder-0.5B 17.8 -> 14.7-15.4 ms at 1 row and 42.2-43.0 -> 37.8-38.0 at 16, its Q8_0 LM head alone
+// 6.8-7.7 -> 4.3-4.6 ms at 8 rows; SmolLM2 5.5 -> 4.5 ms at 1 row; 4 and 16 KB ahead within noise of 8).
 constexpr int64_t kAhead = 1024, kFarAhead = 8192;
 inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
@@ -203,27 +203,71 @@ inline void decode(const uint8_t* w, int j, const UnitScales& u, Block16& out) {
   }
 }
 
-// acc[r] += row r0 + r's products with block b of the group (decoded); start: each block's (each half's)
-// -offset * sum(qx), where the kind has an offset (offset_starts).
+// The activations as rows_block reads them: 8 rows at a time (kRowsAtOnce), block by block, so that a row's
+// bytes, dx and sums lie at constant offsets from one pointer (the rows of QuantizedX, k apart, took the
+// compiler 8 pointers a block, spilled to the stack and moved through vector registers: ~280 scalar
+// instructions beside Q4_K's 64 dot products of 8 rows; with the tiles ~70: Qwen2.5-Coder-1.5B's Q4_K ffn_gate
+// 23.6 -> 21.5 ms at 16 rows and 66.0 -> 61.0 at 64, whole 0.5B steps 3-9% faster above 8 rows, AMX off).
+// Tile i, block b, row r of the tile:
+// q[((i nb + b) 8 + r) 32 ..], d and ds [(i nb + b) 8 + r], start [((i nb + b) 8 + r) 2 + half]: the block's
+// (half's) -offset * sum(qx), where the products' integer sums carry an offset.
+struct Tiles {
+  int64_t nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> start;
+};
+
+template <int64_t KIND>
+Tiles tiles_of(const QuantizedX& qx) {
+  using K = Kind<KIND>;
+  Tiles x;
+  const int64_t nb = x.nb = qx.nb, slots = (qx.t + kRowsAtOnce - 1) / kRowsAtOnce * kRowsAtOnce * nb;
+  x.q.assign(static_cast<size_t>(slots * kBlock), 0);
+  x.d.assign(static_cast<size_t>(slots), 0.0f);
+  if constexpr (K::mins) x.ds.assign(static_cast<size_t>(slots), 0.0f);
+  if constexpr (offset_left<KIND>() != 0) x.start.assign(static_cast<size_t>(2 * slots), 0);
+  for (int64_t row = 0; row < qx.t; ++row)
+    for (int64_t b = 0; b < nb; ++b) {
+      const size_t from = static_cast<size_t>(row * nb + b);
+      const size_t to = static_cast<size_t>(((row / kRowsAtOnce) * nb + b) * kRowsAtOnce + row % kRowsAtOnce);
+      std::memcpy(x.q.data() + to * kBlock, qx.q.data() + row * qx.k + b * kBlock, kBlock);
+      x.d[to] = qx.d[from];
+      if constexpr (K::mins) x.ds[to] = qx.ds[from];
+      if constexpr (offset_left<KIND>() != 0) {
+        constexpr int32_t off = static_cast<int32_t>(offset_left<KIND>());
+        if constexpr (K::halves) {
+          x.start[2 * to] = -off * qx.s16[2 * from];
+          x.start[2 * to + 1] = -off * qx.s16[2 * from + 1];
+        } else {
+          x.start[2 * to] = -off * qx.s32[from];
+        }
+      }
+    }
+  return x;
+}
+
+// acc[r] += row r0 + r's products with block b of the group (decoded); r0 a multiple of kRowsAtOnce.
 template <int64_t KIND, int R>
-inline void rows_block(const QuantizedX& qx, int64_t r0, int64_t b, const Block16& blk, const int32_t* start,
-                       __m512* acc) {
+inline void rows_block(const Tiles& x, int64_t r0, int64_t b, const Block16& blk, __m512* acc) {
   constexpr bool halves = Kind<KIND>::halves;
-  const int64_t k = qx.k;
+  const int64_t at = (r0 / kRowsAtOnce * x.nb + b) * kRowsAtOnce;
+  const int8_t* xq = x.q.data() + at * kBlock;
+  const float* dx = x.d.data() + at;
   __m512i dot[R], dot2[halves ? R : 1];
   for (int r = 0; r < R; ++r) {
     if constexpr (halves) {
-      dot[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b)]);
-      dot2[r] = _mm512_set1_epi32(start[2 * ((r0 + r) * qx.nb + b) + 1]);
+      dot[r] = _mm512_set1_epi32(x.start[static_cast<size_t>(2 * (at + r))]);
+      dot2[r] = _mm512_set1_epi32(x.start[static_cast<size_t>(2 * (at + r) + 1)]);
     } else if constexpr (offset_left<KIND>() != 0) {
-      dot[r] = _mm512_set1_epi32(start[(r0 + r) * qx.nb + b]);
+      dot[r] = _mm512_set1_epi32(x.start[static_cast<size_t>(2 * (at + r))]);
     } else {
       dot[r] = _mm512_setzero_si512();
     }
   }
   for (int g = 0; g < 4; ++g)
     for (int r = 0; r < R; ++r) {
-      const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+      const int8_t* xs = xq + r * kBlock;
       dot[r] = _mm512_dpbusd_epi32(dot[r], blk.lo[g], bcast4(xs + 4 * g));
       if constexpr (halves)
         dot2[r] = _mm512_dpbusd_epi32(dot2[r], blk.hi[g], bcast4(xs + 16 + 4 * g));
@@ -231,12 +275,11 @@ inline void rows_block(const QuantizedX& qx, int64_t r0, int64_t b, const Block1
         dot[r] = _mm512_dpbusd_epi32(dot[r], blk.hi[g], bcast4(xs + 16 + 4 * g));
     }
   for (int r = 0; r < R; ++r) {
-    const int64_t row = r0 + r;
-    const __m512 dx = _mm512_set1_ps(qx.d[static_cast<size_t>(row * qx.nb + b)]);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(blk.a, dx), acc[r]);
-    if constexpr (halves) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), _mm512_mul_ps(blk.a2, dx), acc[r]);
+    const __m512 d = _mm512_set1_ps(dx[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(blk.a, d), acc[r]);
+    if constexpr (halves) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), _mm512_mul_ps(blk.a2, d), acc[r]);
     if constexpr (Kind<KIND>::mins)
-      acc[r] = _mm512_fmadd_ps(blk.c, _mm512_set1_ps(qx.ds[static_cast<size_t>(row * qx.nb + b)]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(blk.c, _mm512_set1_ps(x.ds[static_cast<size_t>(at + r)]), acc[r]);
   }
 }
 
@@ -275,7 +318,7 @@ __attribute__((always_inline)) inline void fine_rows(const QuantizedX& qx, int64
 // out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another), each
 // block decoded in registers as it is reached; with the coarse blocks' second terms where rows have them.
 template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const int32_t* start) {
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const Tiles& x) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu;
@@ -288,7 +331,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
     for (int j = 0; j < bpu; ++j) {
       Block16 blk;
       decode<KIND>(w, j, u, blk);
-      rows_block<KIND, R>(qx, r0, s * bpu + j, blk, start, acc);
+      rows_block<KIND, R>(x, r0, s * bpu + j, blk, acc);
       if (const uint32_t bits = qx.coarse(s * bpu + j, r0, R))
         fine_rows<KIND>(qx, r0, bits, s * bpu + j, w, j, blk, second);
     }
@@ -318,12 +361,12 @@ void decode_group(const QuantizedX& qx, const uint8_t* w, Block16* blocks) {
 
 template <int64_t KIND, int R>
 void decoded_rows(const QuantizedX& qx, int64_t r0, const Block16* blocks, float* out, int64_t ldo,
-                  const int32_t* start) {
+                  const Tiles& x) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) float second[R * kCols] = {};
   for (int64_t b = 0; b < qx.nb; ++b) {
-    rows_block<KIND, R>(qx, r0, b, blocks[b], start, acc);
+    rows_block<KIND, R>(x, r0, b, blocks[b], acc);
     if (const uint32_t bits = qx.coarse(b, r0, R)) fine_rows<KIND>(qx, r0, bits, b, nullptr, 0, blocks[b], second);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_load_ps(second + kCols * r)));
@@ -336,6 +379,7 @@ void decoded_rows(const QuantizedX& qx, int64_t r0, const Block16* blocks, float
 // A row count below kRowsAtOnce for the remainder's dispatch (counts at or above it never reach it).
 constexpr int tail(int rows) { return rows < kRowsAtOnce ? rows : 1; }
 
+#if !defined(R16_ZMM)
 // Each block's (each Q6_K half's) -offset * sum(qx), where the products' integer sums carry an offset.
 template <int64_t KIND>
 std::vector<int32_t> offset_starts(const QuantizedX& qx) {
@@ -348,11 +392,16 @@ std::vector<int32_t> offset_starts(const QuantizedX& qx) {
   }
   return start;
 }
+#endif
 
 template <int64_t KIND>
 void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
+#if defined(R16_ZMM)
+  const Tiles xs = tiles_of<KIND>(qx);      // the activations as the products read them
+#else
   const std::vector<int32_t> starts = offset_starts<KIND>(qx);
-  const int32_t* start = starts.data();
+  const int32_t* xs = starts.data();
+#endif
   const int64_t groups = n / kCols, t = qx.t;
   const int64_t group_bytes = kCols * (qx.k / Kind<KIND>::weights) * Kind<KIND>::bytes;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
@@ -368,29 +417,29 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
         if (blocks.size() < static_cast<size_t>(qx.nb)) blocks.resize(static_cast<size_t>(qx.nb));
         decode_group<KIND>(qx, wg, blocks.data());
         for (; r + kRowsAtOnce <= t; r += kRowsAtOnce)
-          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, start);
+          decoded_rows<KIND, kRowsAtOnce>(qx, r, blocks.data(), o + r * n, n, xs);
         switch (t - r) {
-          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, start); break;
-          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, start); break;
+          case 7: decoded_rows<KIND, tail(7)>(qx, r, blocks.data(), o + r * n, n, xs); break;
+          case 6: decoded_rows<KIND, tail(6)>(qx, r, blocks.data(), o + r * n, n, xs); break;
+          case 5: decoded_rows<KIND, tail(5)>(qx, r, blocks.data(), o + r * n, n, xs); break;
+          case 4: decoded_rows<KIND, tail(4)>(qx, r, blocks.data(), o + r * n, n, xs); break;
+          case 3: decoded_rows<KIND, 3>(qx, r, blocks.data(), o + r * n, n, xs); break;
+          case 2: decoded_rows<KIND, 2>(qx, r, blocks.data(), o + r * n, n, xs); break;
+          case 1: decoded_rows<KIND, 1>(qx, r, blocks.data(), o + r * n, n, xs); break;
           default: break;
         }
         continue;
       }
 #endif
-      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, start);
+      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, xs);
       switch (t - r) {
-        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, start); break;
-        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, start); break;
-        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, start); break;
-        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, start); break;
-        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, start); break;
-        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, start); break;
-        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, start); break;
+        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, xs); break;
+        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, xs); break;
+        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, xs); break;
+        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, xs); break;
+        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, xs); break;
+        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, xs); break;
+        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, xs); break;
         default: break;
       }
     }
