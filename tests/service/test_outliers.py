@@ -1,9 +1,11 @@
 """The repacked products' outliers (services/engine/runtime/outliers.py) on the default model, SmolLM2, whose
 hidden states have outlier channels: measured at load and kept as floats there, every repacked kind (the
-one-call decode layers' too) following the decision; INFERMESH_GGUF_OUTLIERS overrides it."""
+one-call decode layers' too) following the decision, which is cached per model, plan and kernels;
+INFERMESH_GGUF_OUTLIERS overrides it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -60,9 +62,10 @@ def test_a_plan_without_repacked_products_has_no_decision(model_dir: Path) -> No
     assert runner.outliers is None
 
 
-def test_a_failing_probe_keeps_the_plain_products(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_probe_keeps_the_plain_products(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
     monkeypatch.delenv("INFERMESH_GGUF_OUTLIERS", raising=False)
-
+    monkeypatch.setenv("INFERMESH_HOME", str(tmp_path))     # no cached answer from another test
     def broken(*_: object) -> float:
         raise RuntimeError("no logits here")
 
@@ -70,3 +73,32 @@ def test_a_failing_probe_keeps_the_plain_products(model_dir: Path, monkeypatch: 
     runner = repacked(model_dir)          # starts all the same
     assert runner.outliers is False
     assert all(gguf_blocks.REPACKED <= kind < gguf_blocks.OUTLIERS for kind in kinds(runner))
+
+    assert not list((tmp_path / "plans").glob("outliers-*.json"))     # a failure is not an answer to keep
+
+
+def test_the_measurement_is_cached(model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("INFERMESH_GGUF_OUTLIERS", raising=False)
+    monkeypatch.setenv("INFERMESH_HOME", str(tmp_path))
+    probes: list[float | None] = []
+    measure = outliers.difference
+
+    def counted(runner: ModelRunner, linears: list[object]) -> float | None:
+        probes.append(measure(runner, linears))            # type: ignore[arg-type]
+        return probes[-1]
+
+    monkeypatch.setattr(outliers, "difference", counted)
+    first = repacked(model_dir)
+    cache = outliers.cache_file(first)
+    assert first.outliers is True and len(probes) == 1 and cache is not None
+    assert cache.parent == tmp_path / "plans"
+    assert json.loads(cache.read_text())["difference"] == probes[0]
+    assert repacked(model_dir).outliers is True and len(probes) == 1     # read back, not measured again
+    cache.write_text(json.dumps({"difference": 0.0}))                   # the cached answer is what decides
+    assert repacked(model_dir).outliers is False and len(probes) == 1
+    cache.write_text("{not json")                                        # unreadable: measured and written again
+    assert repacked(model_dir).outliers is True and len(probes) == 2
+    assert json.loads(cache.read_text())["difference"] == probes[1]
+    other = ModelRunner(model_dir, decide(device="cpu", dtype="float32", matmul="ggufr", kv_dtype="float32"),
+                        kv_cache_bytes=16 << 20)
+    assert outliers.cache_file(other) != cache and len(probes) == 3      # another plan, its own answer

@@ -10,18 +10,27 @@ continues the openings of three fixed texts greedily (with it on), scores those 
 prefill each) and keeps it on where their log-probs differ by more than THRESHOLD on average, the plain
 products' error being most of that difference (measured 0.031 / 0.017 / 0.011 for SmolLM2 / Qwen2.5-0.5B /
 1.5B, whose plain errors against float32 are 0.034 / 0.014 / 0.010: on, off, off).
-INFERMESH_GGUF_OUTLIERS=on|off overrides the measurement (auto, the default, measures).
+INFERMESH_GGUF_OUTLIERS=on|off overrides the measurement (auto, the default, measures).  The measured difference
+is cached under $INFERMESH_HOME/plans/ per model file (size and modification time), execution plan, kernel source
+and build, as the matmul tuning is: the probe costs 0.6-4.4 s of a start (SmolLM2 to Qwen2.5-1.5B, 2 cores),
+paid once per machine and model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from mesh.files import exclusive_lock, write_atomic
+from mesh.models import home
+from meshkernels import cpu_ops
 from services.engine.core.block_manager import BlockTable
 from services.engine.core.request import SamplingParams
 from services.engine.core.scheduler import Chunk
@@ -31,6 +40,7 @@ ModelRunner = Any       # services/engine/runtime/model_runner.py's, which impor
 
 log = logging.getLogger(__name__)
 
+VERSION = 1             # of the probe (its texts, lengths, scoring): part of the cache key
 THRESHOLD = 0.02        # the quality bar (mean |d logprob| against float32): above it, the outliers stay floats
 SETTINGS = ("auto", "on", "off")
 OPENING = 24            # tokens of each text the model continues
@@ -152,20 +162,58 @@ def decide(runner: ModelRunner) -> bool | None:
     if setting not in SETTINGS:
         raise ValueError(f"INFERMESH_GGUF_OUTLIERS must be one of {', '.join(SETTINGS)}, got {setting!r}")
     if setting == "auto":
-        try:
-            measured = None if runner.task == "embed" else difference(runner, linears)
-        except Exception:            # the probe is a measurement: a model it cannot run keeps the plain products
-            log.exception("%s: the outlier probe failed; repacked products' outliers stay quantized",
-                          runner.folder.name)
-            measured = None
+        measured, source = (None, "") if runner.task == "embed" else _measured(runner, linears)
         on = measured is not None and measured > THRESHOLD
         log.info("%s: repacked products' outliers %s (mean |d logprob| between off and on %s, threshold %.3f)",
                  runner.folder.name, "kept as floats" if on else "quantized with their blocks",
-                 "not measured" if measured is None else f"{measured:.4f}", THRESHOLD)
+                 "not measured" if measured is None else f"{measured:.4f}, {source}", THRESHOLD)
     else:
         on = setting == "on"
     _switch(runner.model, linears, on)
     return on
+
+
+def cache_file(runner: ModelRunner) -> Path | None:
+    """Where the probe's answer for this runner's model and plan is cached, or None for a model without a file of
+    its own to key it by."""
+    from services.engine.runtime.models.gguf_weights import FILE
+
+    try:
+        stat = (Path(runner.folder) / FILE).stat()
+        sources = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)]
+    except OSError:
+        return None
+    key = hashlib.sha256(json.dumps([VERSION, str(Path(runner.folder).resolve()), stat.st_size, stat.st_mtime_ns,
+                                     str(runner.plan), cpu_ops.build_flags(), torch.__version__, sources]
+                                    ).encode()).hexdigest()[:16]
+    return home() / "plans" / f"outliers-{key}.json"
+
+
+def _measured(runner: ModelRunner, linears: list[GgufRepackedLinear]) -> tuple[float | None, str]:
+    """The probe's difference (cached, else measured and cached) and where it came from; None where it cannot be
+    measured here (not cached: another start may)."""
+    cache = cache_file(runner)
+    if cache is None:
+        return _probe(runner, linears), "measured"
+    with exclusive_lock(cache.with_suffix(".lock")):    # engines starting together: one probes, the rest read
+        try:
+            return float(json.loads(cache.read_text())["difference"]), f"cached in {cache}"
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable outlier probe cache %s", cache)
+        measured = _probe(runner, linears)
+        if measured is not None:
+            write_atomic(cache, json.dumps({"difference": measured, "model": runner.folder.name}).encode())
+        return measured, "measured"
+
+
+def _probe(runner: ModelRunner, linears: list[GgufRepackedLinear]) -> float | None:
+    try:
+        return difference(runner, linears)
+    except Exception:            # the probe is a measurement: a model it cannot run keeps the plain products
+        log.exception("%s: the outlier probe failed; repacked products' outliers stay quantized", runner.folder.name)
+        return None
 
 
 def keep(model: Any, on: bool | None) -> None:

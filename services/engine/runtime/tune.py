@@ -96,7 +96,8 @@ def _cache_file(layers: int, gemms: list[tuple[int, int]], kinds: list[str]) -> 
     # The ops' build (INFERMESH_CPU_ISA=avx512 leaves AMX out): an AMX plan is not the AVX-512 build's.
     key = hashlib.sha256(json.dumps([VERSION, _cpu_name(), sorted(_flags()), cpu_ops.build_flags(), torch.__version__,
                                      torch.get_num_threads(), layers, gemms, kinds,
-                                     [hashlib.sha256(p.read_bytes()).hexdigest() for p in cpu_ops.SOURCES]]
+                                     [hashlib.sha256(p.read_bytes()).hexdigest()
+                                      for p in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)]]
                                     ).encode()).hexdigest()[:16]
     return home() / "plans" / f"{key}.json"
 
