@@ -276,8 +276,11 @@ inline void rows_block(const Tiles& x, int64_t r0, int64_t b, const Block16& blk
     }
   for (int r = 0; r < R; ++r) {
     const __m512 d = _mm512_set1_ps(dx[r]);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(blk.a, d), acc[r]);
-    if constexpr (halves) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), _mm512_mul_ps(blk.a2, d), acc[r]);
+    if constexpr (halves)   // dx (a dot + a2 dot2): one multiply fewer than scaling each half by its a dx
+      acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]), blk.a2,
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), blk.a)), d, acc[r]);
+    else
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(blk.a, d), acc[r]);
     if constexpr (Kind<KIND>::mins)
       acc[r] = _mm512_fmadd_ps(blk.c, _mm512_set1_ps(x.ds[static_cast<size_t>(at + r)]), acc[r]);
   }
