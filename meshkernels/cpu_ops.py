@@ -127,6 +127,12 @@ def build_flags() -> list[str]:
     return _isa_flags()
 
 
+def source_digests() -> list[str]:
+    """The sha256 of each kernel source and header: what an answer measured on these kernels is keyed by
+    (services/engine/runtime/tune.py's plans, outliers.py's probe)."""
+    return [hashlib.sha256(path.read_bytes()).hexdigest() for path in (*SOURCES, *HEADERS)]
+
+
 def _build_folder(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):

@@ -34,6 +34,7 @@ from meshkernels import cpu_ops
 from services.engine.core.block_manager import BlockTable
 from services.engine.core.request import SamplingParams
 from services.engine.core.scheduler import Chunk
+from services.engine.runtime import tune
 from services.engine.runtime.models.linear import GgufRepackedLinear
 
 ModelRunner = Any       # services/engine/runtime/model_runner.py's, which imports this module
@@ -176,16 +177,12 @@ def decide(runner: ModelRunner) -> bool | None:
 def cache_file(runner: ModelRunner) -> Path | None:
     """Where the probe's answer for this runner's model and plan is cached, or None for a model without a file of
     its own to key it by."""
-    from services.engine.runtime.models.gguf_weights import FILE
-
     try:
-        stat = (Path(runner.folder) / FILE).stat()
-        sources = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)]
+        parts = [VERSION, str(Path(runner.folder).resolve()), tune.file_key(Path(runner.folder)), str(runner.plan),
+                 cpu_ops.build_flags(), torch.__version__, cpu_ops.source_digests()]
     except OSError:
         return None
-    key = hashlib.sha256(json.dumps([VERSION, str(Path(runner.folder).resolve()), stat.st_size, stat.st_mtime_ns,
-                                     str(runner.plan), cpu_ops.build_flags(), torch.__version__, sources]
-                                    ).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return home() / "plans" / f"outliers-{key}.json"
 
 

@@ -96,8 +96,7 @@ def _cache_file(layers: int, gemms: list[tuple[int, int]], kinds: list[str]) -> 
     # The ops' build (INFERMESH_CPU_ISA=avx512 leaves AMX out): an AMX plan is not the AVX-512 build's.
     key = hashlib.sha256(json.dumps([VERSION, _cpu_name(), sorted(_flags()), cpu_ops.build_flags(), torch.__version__,
                                      torch.get_num_threads(), layers, gemms, kinds,
-                                     [hashlib.sha256(p.read_bytes()).hexdigest()
-                                      for p in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)]]
+                                     cpu_ops.source_digests()]
                                     ).encode()).hexdigest()[:16]
     return home() / "plans" / f"{key}.json"
 
@@ -156,9 +155,9 @@ def _gguf_calls(folder: Path, count: int, kind: Callable[..., Any]) -> list[tupl
     return calls
 
 
-def _file_key(folder: Path) -> str:
-    """The GGUF file's size and modification time: part of tuning's cache key (another file, another answer)
-    without parsing the file (its header's tokenizer arrays take seconds to read)."""
+def file_key(folder: Path) -> str:
+    """The GGUF file's size and modification time: part of tuning's (and outliers.py's) cache key (another
+    file, another answer) without parsing the file (its header's tokenizer arrays take seconds to read)."""
     stat = (folder / FILE).stat()
     return f"{stat.st_size}-{stat.st_mtime_ns}"
 
@@ -242,7 +241,7 @@ def cached(folder: Path) -> Tuned | None:
 
 def _keyed(kinds: list[str], folder: Path) -> list[str]:
     """The kinds as the cache key names them: `gguf` with the file's layer types."""
-    return [f"{kind}[{_file_key(folder)}]" if kind in GGUF_MATMULS else kind for kind in kinds]
+    return [f"{kind}[{file_key(folder)}]" if kind in GGUF_MATMULS else kind for kind in kinds]
 
 
 def _others_since() -> Callable[[], float]:
