@@ -62,6 +62,21 @@ namespace {
 
 // ------------------------------------------------------------------------------------------ the products
 
+// A group multiplied in several passes (more rows than kRowsAtOnce) reads memory in the first alone: the
+// prefetch 8 KB ahead of the first pass runs into the next group, the later passes' into bytes already here,
+// and memory idles while they compute (at 16 rows the 1.5B's Q4_K ffn_gate took 12.8 ms for rows 0-7, from
+// memory, and 9.4 for rows 8-15, from cache).  So every pass prefetches a part of the next group instead,
+// spread evenly over all passes' units, into L2: memory streams through all of them (that ffn_gate 22.2 ->
+// 18.5-19.2 ms, its Q6_K ffn_down 26.5 -> 23.5-24.6; whole 16-row steps 113-115 -> 98-102 ms, AMX off).
+struct Ahead {
+  const uint8_t* next = nullptr;    // the next group's weights (null: none, or one pass)
+  int64_t lines = 0;                // its length in cache lines
+  int64_t per = 0;                  // lines prefetched a unit (lines / all passes' units, rounded up)
+  int64_t part = 0;                 // this pass's first unit among all passes' units
+  Ahead() = default;
+  Ahead(const uint8_t* group, int64_t bytes, int64_t units) : next(group), lines((bytes + 63) / 64),
+                                                               per((lines + units - 1) / units) {}
+};
 #if defined(__AVX2__)
 // Two prefetches run ahead of the hardware's: the unit 1 KB after this one into L1 (Q4_1 / Q5_0 / Q6_K 1.1-1.4x
 // faster at one row with it; without it above one row, slower too), and 8 KB after into L2.  An L1 prefetch
@@ -74,6 +89,24 @@ inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
   for (int64_t at = 0; at < bytes; at += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w + kFarAhead + at), _MM_HINT_T2);
+}
+
+// always_inline: GCC takes a prefetching function it has not inlined early for one without effects, and drops
+// the call (prefetch_ahead, smaller, is inlined in time).
+__attribute__((always_inline)) inline void prefetch_part(const Ahead& a, int64_t unit) {
+  for (int64_t l = (a.part + unit) * a.per, end = std::min(l + a.per, a.lines); l < end; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(a.next + 64 * l), _MM_HINT_T2);
+}
+// A unit's prefetches: into L1 as ever, and the next group's part (Spread) or 8 KB ahead.
+template <bool Spread>
+__attribute__((always_inline)) inline void prefetch_unit(const Ahead& a, int64_t unit, const uint8_t* w,
+                                                        int64_t bytes) {
+  if constexpr (Spread) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
+    prefetch_part(a, unit);
+  } else {
+    prefetch_ahead(w, bytes);
+  }
 }
 #endif
 
@@ -320,8 +353,9 @@ __attribute__((always_inline)) inline void fine_rows(const QuantizedX& qx, int64
 
 // out[r * ldo + c] for R rows from r0 and the group's 16 columns at w (its units one after another), each
 // block decoded in registers as it is reached; with the coarse blocks' second terms where rows have them.
-template <int64_t KIND, int R>
-void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const Tiles& x) {
+template <int64_t KIND, int R, bool Spread>
+void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, int64_t ldo, const Tiles& x,
+                const Ahead& ahead) {
   using K = Kind<KIND>;
   constexpr int64_t bpu = blocks_of<KIND>();
   const int64_t units = qx.nb / bpu;
@@ -329,7 +363,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) float second[R * kCols] = {};     // in memory: the rows' outlier products (few)
   for (int64_t s = 0; s < units; ++s, w += kCols * K::bytes) {
-    prefetch_ahead(w, kCols * K::bytes);
+    prefetch_unit<Spread>(ahead, s, w, kCols * K::bytes);
     const UnitScales u = unit_scales<KIND>(w);
     for (int j = 0; j < bpu; ++j) {
       Block16 blk;
@@ -342,14 +376,15 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_add_ps(acc[r], _mm512_load_ps(second + kCols * r)));
 }
 
-// More rows than decoded_above: the group's blocks decoded once into `blocks` (qx.nb of them), then each
+// More rows than kDecodedAbove: the group's blocks decoded once into `blocks` (qx.nb of them), then each
 // kRowsAtOnce rows multiplied from there: decoding is shared by every row, not redone per 8, for the price of
 // writing the decoded blocks (704 bytes each) and reading them back.  Measured on a Sapphire Rapids, AMX off,
 // against decoding in registers: Qwen2.5-0.5B's Q4_K / Q5_0 / Q6_K / Q8_0 GEMMs 0.96x at 32 rows and 0.89x at
-// 64 (1.07x at 16: not there); SmolLM2's Q4_1, cheaper to decode, 1.05x at 16 and 0.98x at 64.
+// 64 (1.07x at 16: not there); SmolLM2's Q4_1, cheaper to decode, 1.05x at 16 and 0.98x at 64.  Since the
+// passes in registers prefetch the next group (Ahead), they are the faster up to 32 rows: Qwen2.5-Coder-1.5B's
+// Q4_K ffn_gate / Q6_K ffn_down 0.87x / 0.91x the time at 24 rows, 0.93x / 0.97x at 32, 1.01x / 1.04x at 48.
 #define R16_DECODED 1
-template <int64_t KIND>
-constexpr int64_t decoded_above() { return KIND == kQ4_1 ? 32 : 16; }
+constexpr int64_t kDecodedAbove = 32;
 template <int64_t KIND>
 void decode_group(const QuantizedX& qx, const uint8_t* w, Block16* blocks) {
   using K = Kind<KIND>;
@@ -397,6 +432,25 @@ std::vector<int32_t> offset_starts(const QuantizedX& qx) {
 }
 #endif
 
+// The group at wg times all rows, kRowsAtOnce at a time, then the rest.
+template <int64_t KIND, bool Spread, typename X>
+void group_passes(const QuantizedX& qx, const uint8_t* wg, float* o, int64_t n, const X& xs, Ahead ahead) {
+  const int64_t t = qx.t, units = qx.nb / blocks_of<KIND>();
+  int64_t r = 0;
+  for (; r + kRowsAtOnce <= t; r += kRowsAtOnce, ahead.part += units)
+    group_rows<KIND, kRowsAtOnce, Spread>(qx, r, wg, o + r * n, n, xs, ahead);
+  switch (t - r) {
+    case 7: group_rows<KIND, tail(7), Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    case 6: group_rows<KIND, tail(6), Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    case 5: group_rows<KIND, tail(5), Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    case 4: group_rows<KIND, tail(4), Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    case 3: group_rows<KIND, 3, Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    case 2: group_rows<KIND, 2, Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    case 1: group_rows<KIND, 1, Spread>(qx, r, wg, o + r * n, n, xs, ahead); break;
+    default: break;
+  }
+}
+
 template <int64_t KIND>
 void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
 #if defined(R16_ZMM)
@@ -413,9 +467,9 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
     for (int64_t gi = begin; gi < end; ++gi) {
       const uint8_t* wg = w + gi * group_bytes;
       float* o = out + gi * kCols;
-      int64_t r = 0;
 #if defined(R16_DECODED)
-      if (t > decoded_above<KIND>()) {
+      if (t > kDecodedAbove) {
+        int64_t r = 0;
         thread_local std::vector<Block16> blocks;
         if (blocks.size() < static_cast<size_t>(qx.nb)) blocks.resize(static_cast<size_t>(qx.nb));
         decode_group<KIND>(qx, wg, blocks.data());
@@ -434,17 +488,11 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
         continue;
       }
 #endif
-      for (; r + kRowsAtOnce <= t; r += kRowsAtOnce) group_rows<KIND, kRowsAtOnce>(qx, r, wg, o + r * n, n, xs);
-      switch (t - r) {
-        case 7: group_rows<KIND, tail(7)>(qx, r, wg, o + r * n, n, xs); break;
-        case 6: group_rows<KIND, tail(6)>(qx, r, wg, o + r * n, n, xs); break;
-        case 5: group_rows<KIND, tail(5)>(qx, r, wg, o + r * n, n, xs); break;
-        case 4: group_rows<KIND, tail(4)>(qx, r, wg, o + r * n, n, xs); break;
-        case 3: group_rows<KIND, 3>(qx, r, wg, o + r * n, n, xs); break;
-        case 2: group_rows<KIND, 2>(qx, r, wg, o + r * n, n, xs); break;
-        case 1: group_rows<KIND, 1>(qx, r, wg, o + r * n, n, xs); break;
-        default: break;
-      }
+      const int64_t passes = (t + kRowsAtOnce - 1) / kRowsAtOnce, units = qx.nb / blocks_of<KIND>();
+      if (passes > 1 && gi + 1 < end)
+        group_passes<KIND, true>(qx, wg, o, n, xs, Ahead(wg + group_bytes, group_bytes, passes * units));
+      else
+        group_passes<KIND, false>(qx, wg, o, n, xs, Ahead());
     }
   });
 }
