@@ -85,14 +85,14 @@ struct Ahead {
 // Qwen2.5-Coder-0.5B 17.8 -> 14.7-15.4 ms at 1 row and 42.2-43.0 -> 37.8-38.0 at 16, its Q8_0 LM head alone
 // 6.8-7.7 -> 4.3-4.6 ms at 8 rows; SmolLM2 5.5 -> 4.5 ms at 1 row; 4 and 16 KB ahead within noise of 8).
 constexpr int64_t kAhead = 1024, kFarAhead = 8192;
-inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
   for (int64_t at = 0; at < bytes; at += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w + kFarAhead + at), _MM_HINT_T2);
 }
 
-// always_inline: GCC takes a prefetching function it has not inlined early for one without effects, and drops
-// the call (prefetch_ahead, smaller, is inlined in time).
+// always_inline, all three: GCC takes a prefetching function it has not inlined early for one without effects,
+// and drops the call (prefetch_ahead inside prefetch_unit<false> was, and the 1-row products lost theirs).
 __attribute__((always_inline)) inline void prefetch_part(const Ahead& a, int64_t unit) {
   for (int64_t l = (a.part + unit) * a.per, end = std::min(l + a.per, a.lines); l < end; ++l)
     _mm_prefetch(reinterpret_cast<const char*>(a.next + 64 * l), _MM_HINT_T2);
