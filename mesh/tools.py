@@ -256,6 +256,7 @@ class CallParser:
         self._started = False       # some non-blank text was seen
         self._bare = False          # the answer began with "{": held whole, read at the end
         self.calls: list[ToolCall] = []
+        self.unclosed = False       # the answer ended inside a call (cut by max_tokens): its arguments may be too
 
     def feed(self, text: str) -> list[str | ToolCall | CallFragment]:
         self._buf += text
@@ -298,6 +299,7 @@ class CallParser:
             out.extend(calls or [self._buf])
             self.calls.extend(calls)
         elif self._in_call:
+            self.unclosed = True
             self._emit_call(self._buf, out, unclosed=True)
         elif self._buf:
             out.append(self._buf)

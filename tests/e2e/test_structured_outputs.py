@@ -154,11 +154,13 @@ def test_auto_tool_choice_calls_are_valid_and_text_stays_free(client: openai.Ope
     with ThreadPoolExecutor(6) as pool:
         replies = list(pool.map(ask, range(6)))
     for reply in replies:
-        message = reply.choices[0].message
-        for call in message.tool_calls or []:
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        calls = message.tool_calls or []
+        # max_tokens may cut the last call off mid-arguments: that answer says "length", not "tool_calls"
+        for call in calls[:-1] if finish == "length" else calls:
             _check_call(call, tools)
             made += 1
-        assert (reply.choices[0].finish_reason == "tool_calls") == bool(message.tool_calls)
+        assert (finish == "tool_calls") == bool(calls) or finish == "length"
         assert message.tool_calls or message.content
     hello = client.chat.completions.create(model=MODEL, tools=tools, temperature=0, max_tokens=30,
                                            messages=[{"role": "user", "content": "Just say hello."}])

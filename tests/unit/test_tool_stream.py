@@ -74,6 +74,17 @@ def test_chat_deltas_carry_the_call_as_openai_streams_it() -> None:
         "arguments"] == ARGS
 
 
+def test_a_call_cut_by_max_tokens_finishes_length() -> None:
+    """The token limit reached inside a call: finish_reason "length" (what OpenAI says), not "tool_calls",
+    whose arguments a client would run; an answer whose calls closed says "tool_calls" whatever ended it."""
+    for finish, text, expected in (("length", ANSWER[:ANSWER.index("Pa}") + 2], "length"),
+                                   ("length", ANSWER, "tool_calls"),
+                                   ("stop", ANSWER[:ANSWER.index("</tool_call>")], "tool_calls")):
+        choice = Choice(0, True, spec(), "")
+        choice.add(Delta(text, finish, 5, 9))
+        assert choice.calls and choice.finish_reason == expected, (finish, text)
+
+
 def sse_events(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
 

@@ -93,3 +93,16 @@ def test_check_refuses_malformed_tools_and_calls() -> None:
             tools.check(bad, [])
     with pytest.raises(InvalidArgument, match=r"messages\[0\].tool_calls"):
         tools.check("", [Message("assistant", "", tool_calls='[{"function": {"name": "f"}}]')])
+
+
+def test_a_call_cut_off_is_flagged_unclosed() -> None:
+    """An answer that ends inside a call (max_tokens): the call is given out as written, and the parser says it
+    was not closed, so the edge reports "length" rather than "tool_calls" (services/edge/surfaces/choices.py)."""
+    whole = tools.CallParser(TOOLS)
+    whole.feed(CALL)
+    whole.finish()
+    assert len(whole.calls) == 1 and not whole.unclosed
+    cut = tools.CallParser(TOOLS)
+    cut.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    cut.finish()
+    assert cut.unclosed

@@ -245,7 +245,10 @@ class Choice:
             return "length"
         if self.blocked:
             return "content_filter"
-        return "tool_calls" if self.calls else self.final.finish_reason
+        # A call the token limit cut off is "length" (as OpenAI reports it): its arguments may be incomplete JSON,
+        # which "tool_calls" would tell a client to run.
+        cut = self.parser is not None and self.parser.unclosed and self.final.finish_reason == "length"
+        return "tool_calls" if self.calls and not cut else self.final.finish_reason
 
     def body(self) -> dict[str, Any]:
         """The choice of a whole (not streamed) answer."""
