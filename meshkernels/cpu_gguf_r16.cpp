@@ -69,7 +69,7 @@ namespace {
 // spread evenly over all passes' units, into L2: memory streams through all of them (that ffn_gate 22.2 ->
 // 18.5-19.2 ms, its Q6_K ffn_down 26.5 -> 23.5-24.6; whole 16-row steps 113-115 -> 98-102 ms, AMX off).
 struct Ahead {
-  const uint8_t* next = nullptr;    // the next group's weights (null: none, or one pass)
+  const uint8_t* next = nullptr;    // the next group's weights (null: one-pass products, which do not read it)
   int64_t lines = 0;                // its length in cache lines
   int64_t per = 0;                  // lines prefetched a unit (lines / all passes' units, rounded up)
   int64_t part = 0;                 // this pass's first unit among all passes' units
@@ -85,14 +85,16 @@ struct Ahead {
 // Qwen2.5-Coder-0.5B 17.8 -> 14.7-15.4 ms at 1 row and 42.2-43.0 -> 37.8-38.0 at 16, its Q8_0 LM head alone
 // 6.8-7.7 -> 4.3-4.6 ms at 8 rows; SmolLM2 5.5 -> 4.5 ms at 1 row; 4 and 16 KB ahead within noise of 8).
 constexpr int64_t kAhead = 1024, kFarAhead = 8192;
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
+// always_inline, all of these: GCC takes a prefetching function it has not inlined early for one without
+// effects, and drops the call (prefetch_ahead inside prefetch_unit<false> was, and the 1-row products lost theirs).
+__attribute__((always_inline)) inline void prefetch_near(const uint8_t* w, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
+}
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* w, int64_t bytes) {
+  prefetch_near(w, bytes);
   for (int64_t at = 0; at < bytes; at += 64)
     _mm_prefetch(reinterpret_cast<const char*>(w + kFarAhead + at), _MM_HINT_T2);
 }
-
-// always_inline, all three: GCC takes a prefetching function it has not inlined early for one without effects,
-// and drops the call (prefetch_ahead inside prefetch_unit<false> was, and the 1-row products lost theirs).
 __attribute__((always_inline)) inline void prefetch_part(const Ahead& a, int64_t unit) {
   for (int64_t l = (a.part + unit) * a.per, end = std::min(l + a.per, a.lines); l < end; ++l)
     _mm_prefetch(reinterpret_cast<const char*>(a.next + 64 * l), _MM_HINT_T2);
@@ -102,7 +104,7 @@ template <bool Spread>
 __attribute__((always_inline)) inline void prefetch_unit(const Ahead& a, int64_t unit, const uint8_t* w,
                                                         int64_t bytes) {
   if constexpr (Spread) {
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + at), _MM_HINT_T0);
+    prefetch_near(w, bytes);
     prefetch_part(a, unit);
   } else {
     prefetch_ahead(w, bytes);
@@ -460,6 +462,7 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
   const int32_t* xs = starts.data();
 #endif
   const int64_t groups = n / kCols, t = qx.t;
+  const int64_t passes = (t + kRowsAtOnce - 1) / kRowsAtOnce, units = qx.nb / blocks_of<KIND>();
   const int64_t group_bytes = kCols * (qx.k / Kind<KIND>::weights) * Kind<KIND>::bytes;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   const int64_t grain = std::max<int64_t>(1, (groups + threads - 1) / threads);
@@ -488,7 +491,6 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
         continue;
       }
 #endif
-      const int64_t passes = (t + kRowsAtOnce - 1) / kRowsAtOnce, units = qx.nb / blocks_of<KIND>();
       if (passes > 1 && gi + 1 < end)
         group_passes<KIND, true>(qx, wg, o, n, xs, Ahead(wg + group_bytes, group_bytes, passes * units));
       else
