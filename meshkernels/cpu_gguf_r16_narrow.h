@@ -49,6 +49,21 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// maddubs' 16-bit pair sums of one product are at most 2 * top * 127 (top: the largest unsigned weight), so
+// several products' pairs add exactly in 16 bits before one madd widens them: 8 for 4-bit weights, 4 for 5-bit,
+// 2 for Q6_K's 6 bits; Q8_0's (|q| up to 128 against the sign moved onto qx) take one each.  1 with VNNI (dpbusd
+// sums four bytes into 32 bits itself).
+template <int64_t KIND>
+constexpr int pair_sums() {
+#if defined(R16_DPBUSD)
+  return 1;
+#else
+  constexpr int top = KIND == kQ8_0 ? 128 : KIND == kQ6_K ? 63 : five_bits<KIND>() ? 31 : 15;
+  constexpr int sums = 32767 / (2 * top * 127);
+  return sums >= 8 ? 8 : sums >= 4 ? 4 : sums >= 2 ? 2 : 1;
+#endif
+}
+
 // The offset the integer sums still carry (all but Q8_0 without VNNI), taken off by starting them at
 // -offset * sum(qx).
 template <int64_t KIND>
@@ -134,16 +149,45 @@ void half_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, int half, flo
           dot[r] = _mm256_setzero_si256();
         }
       }
-      for (int g = 0; g < 4; ++g) {
-        __m256i lo, hi;
-        decode8<KIND>(w, j, g, half, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
-          dot[r] = dot4<KIND>(dot[r], lo, bcast4(xs + 4 * g));
-          if constexpr (halves)
-            dot2[r] = dot4<KIND>(dot2[r], hi, bcast4(xs + 16 + 4 * g));
-          else
-            dot[r] = dot4<KIND>(dot[r], hi, bcast4(xs + 16 + 4 * g));
+      if constexpr (pair_sums<KIND>() > 1) {
+        // g in chunks whose pair sums fit 16 bits (both halves of a g count in one sum unless `halves`):
+        // each chunk's weights decoded, then per row its products summed in 16 bits and widened once.
+        constexpr int chunk = halves ? pair_sums<KIND>() : pair_sums<KIND>() / 2;
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int g0 = 0; g0 < 4; g0 += chunk) {
+          __m256i lo[chunk], hi[chunk];
+          for (int c = 0; c < chunk; ++c) decode8<KIND>(w, j, g0 + c, half, lo[c], hi[c]);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+            __m256i p = _mm256_maddubs_epi16(lo[0], bcast4(xs + 4 * g0));
+            [[maybe_unused]] __m256i p2 = _mm256_setzero_si256();
+            if constexpr (halves)
+              p2 = _mm256_maddubs_epi16(hi[0], bcast4(xs + 16 + 4 * g0));
+            else
+              p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[0], bcast4(xs + 16 + 4 * g0)));
+            for (int c = 1; c < chunk; ++c) {
+              p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], bcast4(xs + 4 * (g0 + c))));
+              if constexpr (halves)
+                p2 = _mm256_add_epi16(p2, _mm256_maddubs_epi16(hi[c], bcast4(xs + 16 + 4 * (g0 + c))));
+              else
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], bcast4(xs + 16 + 4 * (g0 + c))));
+            }
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p, ones));
+            if constexpr (halves) dot2[r] = _mm256_add_epi32(dot2[r], _mm256_madd_epi16(p2, ones));
+          }
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          __m256i lo, hi;
+          decode8<KIND>(w, j, g, half, lo, hi);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xs = qx.q.data() + (r0 + r) * k + b * kBlock;
+            dot[r] = dot4<KIND>(dot[r], lo, bcast4(xs + 4 * g));
+            if constexpr (halves)
+              dot2[r] = dot4<KIND>(dot2[r], hi, bcast4(xs + 16 + 4 * g));
+            else
+              dot[r] = dot4<KIND>(dot[r], hi, bcast4(xs + 16 + 4 * g));
+          }
         }
       }
       __m256 a, a2 = _mm256_setzero_ps();

@@ -210,6 +210,24 @@ def test_repacked_kernel_matches_references(rows: int, shape: int, kind: int) ->
     check_against_references(x, blocks, kind, repacked=True)
 
 
+def check_full_scale(kind: int) -> None:
+    """Every weight at its largest unsigned value (bytes 0xFF) against activations all +1 or all -1 (every qx
+    +-127): the products' 16-bit pair sums at their bound (cpu_gguf_r16_narrow.h's pair_sums), exact."""
+    k = 512 if gguf_blocks.KINDS[kind].weights == 256 else 96
+    raw = np.full((37, k // gguf_blocks.KINDS[kind].weights, gguf_blocks.KINDS[kind].bytes), 0xFF, np.uint8)
+    for at in D_FIELDS[kind]:
+        raw[:, :, at:at + 2] = np.float16(0.01).reshape(1, 1, 1).view(np.uint8).reshape(1, 1, 2)
+    blocks = gguf_blocks.blocks_from_array(raw.reshape(37, -1), kind)
+    for t in (1, 5):
+        for sign in (1.0, -1.0):
+            check_against_references(torch.full((t, k), sign), blocks, kind, repacked=True)
+
+
+@pytest.mark.parametrize("kind", list(gguf_blocks.KINDS))
+def test_repacked_products_at_full_scale(kind: int) -> None:
+    check_full_scale(kind)
+
+
 def with_outliers(x: torch.Tensor) -> torch.Tensor:
     """x with outlier channels, as an LLM's hidden state has them: a few elements 12-40x the rest, in some
     rows only, one channel twice in a block, and a tie for the largest |x| (the first is the outlier)."""
@@ -333,6 +351,8 @@ def test_the_other_instruction_set_paths_agree(isa: str) -> None:
         " gguf_blocks.blocks_from_array(random_blocks(37, k, kind, seed=t, extreme=t == 9), kind), kind, True, o)"
         " for kind in gguf_blocks.KINDS for k in (96, 512) if k % gguf_blocks.KINDS[kind].weights == 0"
         " for t in (1, 3, 6, 9, 16) for o in (False, True)];"
+        "from tests.unit.test_gguf_blocks import check_full_scale;"
+        "[check_full_scale(kind) for kind in gguf_blocks.KINDS];"
         "from tests.unit.test_cpu_lora import check_against_reference;"
         "[check_against_reference(rows, dtype) for rows in (1, 5, 16) for dtype in (torch.float32, torch.float16)];"
         "print('ok')")
