@@ -21,6 +21,7 @@ from services.engine.runtime.models.linear import (  # noqa: E402
     Fp16WeightLinear,
     GgufLinear,
     GgufRepackedLinear,
+    bf16w_runs,
     linear_kind,
 )
 
@@ -219,6 +220,7 @@ def test_q4_and_q8_kinds_take_a_files_blocks_of_their_layout_as_they_are(tmp_pat
 
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="the CPU library (meshkernels/cpu_ops.py) did not build here")
+@pytest.mark.skipif(not bf16w_runs(), reason="oneDNN's bf16 weights need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT")
 def test_a_split_plans_head_splits_as_its_layers(tmp_path: Path) -> None:
     """q4 up to 4 rows, bf16w above: the head is the file's 8-bit blocks up to 4 rows (its exact product) and
     bf16w's above; a plan of one kind, or whose large kind's head would be an fp32 copy, keeps one head."""

@@ -122,6 +122,18 @@ def test_a_measured_choice_becomes_the_cpu_plan() -> None:
             ExecutionPlan("cuda", "bfloat16", kind, "triton", "triton", "off")
 
 
+def test_bf16w_where_onednn_cannot_pack_bf16_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An AVX2-only CPU cannot pack bf16 weights: asking for bf16w there says so and names what runs."""
+    monkeypatch.setattr(plan, "bf16w_runs", lambda: False)
+    with pytest.raises(ValueError, match="matmul 'bf16w' needs a CPU with AVX-512"):
+        decide(device="cpu", dtype="float32", matmul="bf16w")
+    tuned = plan.tune.Tuned("q4", "bf16w", 4, {})
+    with pytest.raises(ValueError, match="use 'fp16w', 'q4' or 'auto'"):
+        decide(device="cpu", tuned=tuned)
+    monkeypatch.setattr(plan, "bf16w_runs", lambda: True)
+    assert decide(device="cpu", dtype="float32", matmul="bf16w").matmul == "bf16w"
+
+
 def test_tuning_leaves_out_what_cannot_run_and_falls_back_without_shapes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from services.engine.runtime import tune
 

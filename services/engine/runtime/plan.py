@@ -35,6 +35,7 @@ from meshkernels import cpu_ops
 from services.engine.config import EngineConfig
 from services.engine.runtime import tune
 from services.engine.runtime.execution_plan import ATTENTIONS, KV_DTYPES, MATMULS, OPS, ExecutionPlan
+from services.engine.runtime.models.linear import bf16w_runs
 
 # The plan and its fields' names (execution_plan.py: a leaf, so the model can import it without this module).
 __all__ = ["ATTENTIONS", "KV_DTYPES", "MATMULS", "OPS", "ExecutionPlan", "decide", "for_config"]
@@ -68,6 +69,9 @@ def decide(device: str = "auto", dtype: str = "auto", graphs: str = "auto", matm
         matmul, large, rows = tuned.small, tuned.large, tuned.rows
     elif matmul == "auto":
         matmul = _matmul(device, dtype)
+    if "bf16w" in (matmul, large) and not bf16w_runs():
+        raise ValueError("matmul 'bf16w' needs a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT for oneDNN's bf16 "
+                         "weights; this one has neither: use 'fp16w', 'q4' or 'auto'")
     # The fused CPU ops agree with the torch ops to rounding, not bit for bit: "exact" keeps the torch ops.
     cpu_fusable = matmul != "exact" and device == "cpu" and compute == "float32"
     if attention == "auto":

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -87,6 +88,17 @@ class Bf16WeightLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), self.weight, None, "none", [], "").float()
         return y if self.bias is None else y.add_(self.bias)
+
+
+@functools.cache
+def bf16w_runs() -> bool:
+    """Whether oneDNN packs bf16 weights here at all: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so an
+    AVX2-only CPU cannot run `bf16w` (native_bf16 is the stricter test of a fast product)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def native_bf16() -> bool:
