@@ -387,6 +387,7 @@ void group_rows(const QuantizedX& qx, int64_t r0, const uint8_t* w, float* out, 
 // Q4_K ffn_gate / Q6_K ffn_down 0.87x / 0.91x the time at 24 rows, 0.93x / 0.97x at 32, 1.01x / 1.04x at 48.
 #define R16_DECODED 1
 constexpr int64_t kDecodedAbove = 32;
+using Decoded = Block16;
 template <int64_t KIND>
 void decode_group(const QuantizedX& qx, const uint8_t* w, Block16* blocks) {
   using K = Kind<KIND>;
@@ -473,7 +474,7 @@ void linear(const QuantizedX& qx, const uint8_t* w, int64_t n, float* out) {
 #if defined(R16_DECODED)
       if (t > kDecodedAbove) {
         int64_t r = 0;
-        thread_local std::vector<Block16> blocks;
+        thread_local std::vector<Decoded> blocks;
         if (blocks.size() < static_cast<size_t>(qx.nb)) blocks.resize(static_cast<size_t>(qx.nb));
         decode_group<KIND>(qx, wg, blocks.data());
         for (; r + kRowsAtOnce <= t; r += kRowsAtOnce)

@@ -216,7 +216,7 @@ def check_full_scale(kind: int) -> None:
     k = 512 if gguf_blocks.KINDS[kind].weights == 256 else 96
     raw = np.full((37, k // gguf_blocks.KINDS[kind].weights, gguf_blocks.KINDS[kind].bytes), 0xFF, np.uint8)
     for at in D_FIELDS[kind]:
-        raw[:, :, at:at + 2] = np.float16(0.01).reshape(1, 1, 1).view(np.uint8).reshape(1, 1, 2)
+        raw[:, :, at:at + 2] = np.full(raw.shape[:2], 0.01, np.float16)[..., None].view(np.uint8)
     blocks = gguf_blocks.blocks_from_array(raw.reshape(37, -1), kind)
     for t in (1, 5):
         for sign in (1.0, -1.0):
