@@ -165,6 +165,8 @@ def test_an_answer_timed_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
         return next(timings)
 
     monkeypatch.setattr(tune, "measure", measure)
+    trims: list[int] = []
+    monkeypatch.setattr(tune, "trim_heap", lambda: trims.append(1))
     others = {"during": 1.5, "now": 1.0}
     monkeypatch.setattr(tune, "_others_since", lambda: lambda: others["during"])
     monkeypatch.setattr(tune, "_others", lambda seconds: others["now"])
@@ -177,6 +179,7 @@ def test_an_answer_timed_on_a_busy_machine_is_measured_again_once_it_is_quiet(tm
     assert again is not None and again.small == "fp16w" and again.busy == 0.0 and len(calls) == 2
     assert tune.tune(folder) == again and len(calls) == 2        # a quiet answer is kept
     assert "provisional" not in tune.describe(again)
+    assert len(trims) == 2          # each measurement's trial weights handed back to the system
 
 
 def test_the_busy_probe_sees_another_process_spin() -> None:
