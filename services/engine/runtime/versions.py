@@ -73,6 +73,7 @@ class Versions:
         _, model_cls = ARCHITECTURES[_model_type(folder)]
         with torch.inference_mode():
             model = model_cls(config, load_weights(folder), self.runner.plan)
+        trim_heap()               # loading's temporaries back to the system, as ModelRunner does after its build
         with self._lock:
             self.models[version] = model
             self.folders[version] = folder
